@@ -1,0 +1,30 @@
+"""Shared pytest setup.
+
+Without CUDA the Triton kernels run in the interpreter: ``TRITON_INTERPRET`` must be set before
+any ``@triton.jit`` function is defined, so it is set here, before test modules import kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device() -> str:
+    return "cuda" if HAS_CUDA else "cpu"
