@@ -1,0 +1,61 @@
+"""Engine configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+KERNEL_BACKENDS = ("auto", "triton", "torch", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Resolved construction arguments of a :class:`~specengine.SpecEngine`."""
+
+    model: str
+    draft: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    max_model_len: int = 4096
+    max_batch_size: int = 256
+    kv_cache_tokens: int | None = None
+    kernel_backend: str = "torch"
+    seed: int = 0
+    max_num_batched_tokens: int = 16384
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.kernel_backend not in KERNEL_BACKENDS[1:]:
+            raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got "
+                             f"{self.kernel_backend!r}")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
+        for name in ("max_model_len", "max_batch_size", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"kv_cache_tokens must be >= block_size, got {self.kv_cache_tokens}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def resolve(cls, *, device: str | None, dtype: str, kernel_backend: str,
+                **kwargs: object) -> EngineConfig:
+        """Fill the ``auto`` / None defaults: CUDA when available, bf16 on CUDA and fp32 on CPU,
+        Triton kernels on CUDA and the PyTorch references on CPU."""
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available")
+        is_cuda = device.startswith("cuda")
+        if dtype == "auto":
+            dtype = "bfloat16" if is_cuda else "float32"
+        if kernel_backend == "auto":
+            kernel_backend = "triton" if is_cuda else "torch"
+        return cls(device=device, dtype=dtype, kernel_backend=kernel_backend, **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,59 @@
+"""The drafter contract."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from specengine.model_runner import ForwardOutput
+from specengine.sequence import Sequence
+from specengine.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    """Drafts for one step. Chains: ``token_ids[b, :num_draft_tokens[b]]`` are sequence b's
+    drafts. Trees: ``token_ids[b, i-1]`` is the token of tree node i (every node filled)."""
+
+    token_ids: Tensor  # [B, N-1] int64
+    num_draft_tokens: Tensor  # [B] int32
+    probs: Tensor | None  # [B, N-1, V] float32 draft distributions, or None for point masses
+
+
+class Drafter(ABC):
+    """Proposes draft tokens for the target model to verify.
+
+    Contract:
+    - ``propose(seqs, num_drafts, tree)`` returns, for every sequence, ``num_drafts[b]`` tokens
+      continuing ``seq.token_ids`` (or one token per node of ``tree``, with ``num_drafts`` the
+      tree size - 1). It may keep state per sequence (its own KV cache) but must not change
+      ``seq``. With ``probs`` it also returns the distribution each draft was sampled from;
+      a token with zero draft probability is never proposed. Point-mass drafters (greedy,
+      n-gram, trees) return ``probs=None``.
+    - ``observe(seqs, target, num_new_tokens)``: after a target pass (prefill or verify) and
+      after ``seq.token_ids`` were extended, lets the drafter catch up (hidden states of the
+      target for EAGLE, its own KV for a small LM). ``target.aux_hidden`` holds the inputs of
+      ``aux_layers`` for every fed token; ``accepted_rows[b]`` are the fed rows (relative to the
+      sequence's first fed token) that are now part of the sequence, in order.
+    - ``release(seq)`` frees whatever the drafter holds for a finished or preempted sequence.
+    - ``sample_params(seq)``: drafters that sample use the request's own seed, so draws are
+      reproducible; they use a stream of their own, never the target sampler's.
+    """
+
+    #: target layers whose input hidden states the drafter reads (EAGLE-3); () for none
+    aux_layers: tuple[int, ...] = ()
+    #: True when ``propose`` returns point masses (probs None)
+    point_mass: bool = True
+
+    @abstractmethod
+    def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int],
+                tree: DraftTree | None) -> DraftProposal: ...
+
+    def observe(self, seqs: tuple[Sequence, ...], target: ForwardOutput,
+                accepted_rows: list[list[int]]) -> None:
+        """Default: stateless drafters ignore the target."""
+
+    def release(self, seq: Sequence) -> None:
+        """Default: nothing held per sequence."""

@@ -1,0 +1,313 @@
+"""``SpecEngine``: the public entry point (DESIGN §3)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from specengine.config import EngineConfig
+from specengine.kv_cache import KVCache
+from specengine.model.attention import make_attention_backend
+from specengine.model.config import ModelConfig
+from specengine.model.llama import CausalLM
+from specengine.model.loader import iter_checkpoint, load_named_tensors, tied_names
+from specengine.model_runner import ModelRunner
+from specengine.outputs import EngineStats, GenerationOutput
+from specengine.sampler import Sampler
+from specengine.sampling import SamplingParams
+from specengine.scheduler import Scheduler
+from specengine.sequence import SeqStatus, Sequence
+from specengine.speculate import StepTimes, num_drafts_for, speculative_step
+from specengine.tree import DraftTree
+
+logger = logging.getLogger(__name__)
+
+MAX_K = 16
+CPU_KV_BUDGET_BYTES = 1 << 30
+GPU_MEMORY_UTILIZATION = 0.85
+
+
+def build_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """A :class:`CausalLM` on ``device`` filled from the checkpoint dir (strict: every weight
+    present, none unexpected, shapes equal)."""
+    cfg = ModelConfig.from_dir(path)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = CausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    load_named_tensors(model, iter_checkpoint(path), strict=True, tied=tied_names(model))
+    return model.eval().requires_grad_(False)
+
+
+class SpecEngine:
+    """Lossless speculative rollouts from a Hugging Face checkpoint.
+
+    ``generate(batch, k=3)`` returns the policy's completions and log-probabilities; with
+    ``k=0`` it is plain autoregressive decoding through the same engine.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        draft: str | Path | None = None,
+        *,
+        device: str | None = None,
+        dtype: str = "auto",
+        block_size: int = 16,
+        max_model_len: int = 4096,
+        max_batch_size: int = 256,
+        kv_cache_tokens: int | None = None,
+        kernel_backend: str = "auto",
+        seed: int = 0,
+        max_num_batched_tokens: int = 16384,
+    ) -> None:
+        self.config = EngineConfig.resolve(
+            model=str(model), draft=None if draft is None else str(draft), device=device,
+            dtype=dtype, kernel_backend=kernel_backend, block_size=block_size,
+            max_model_len=max_model_len, max_batch_size=max_batch_size,
+            kv_cache_tokens=kv_cache_tokens, seed=seed,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        cfg = self.config
+        self.device = torch.device(cfg.device)
+        if cfg.kernel_backend != "torch" and self.device.type == "cpu":
+            # Triton runs on the CPU only through its interpreter, which must be on before any
+            # kernel is defined.
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        self.model = build_model(cfg.model, cfg.torch_dtype, self.device)
+        self.model_config: ModelConfig = self.model.config
+        if cfg.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings "
+                f"({self.model_config.max_position_embeddings})"
+            )
+        self.tokenizer = _load_tokenizer(cfg.model)
+        from specengine.drafters import make_drafter
+
+        self.drafter = make_drafter(cfg.draft, self)
+        aux = self.drafter.aux_layers if self.drafter is not None else ()
+        self.kv_cache = self._make_kv_cache(self.model_config, cfg)
+        self.backend = make_attention_backend(cfg.kernel_backend)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device, aux)
+        self.sampler = Sampler(cfg.kernel_backend, self.device)
+        self.scheduler = Scheduler(self.kv_cache, cfg.max_batch_size, cfg.max_num_batched_tokens)
+        self._rng = random.Random(cfg.seed)
+        self._next_seq_id = 0
+        self.weight_version = 0
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------------------------
+    def _make_kv_cache(self, mc: ModelConfig, cfg: EngineConfig) -> KVCache:
+        bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * \
+            torch.empty(0, dtype=cfg.torch_dtype).element_size()
+        wanted = cfg.max_batch_size * (cfg.max_model_len + MAX_K + 1)
+        if cfg.kv_cache_tokens is not None:
+            tokens = cfg.kv_cache_tokens
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - GPU_MEMORY_UTILIZATION) * total
+            tokens = min(wanted, int(max(budget, 0) // bytes_per_token))
+        else:
+            tokens = min(wanted, CPU_KV_BUDGET_BYTES // bytes_per_token)
+        num_blocks = max(1, tokens // cfg.block_size)
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks, cfg.block_size)
+        return KVCache(num_blocks, cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                       cfg.torch_dtype, self.device)
+
+    def _prompt_ids(self, prompt: object, index: int) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {index} is a string but the checkpoint has no "
+                                 "tokenizer.json: pass token ids")
+            return self.tokenizer.encode(prompt).ids
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise ValueError(f"prompt {index} must be a list of int token ids or a string")
+        return list(prompt)
+
+    def _validate(self, batch: Seq[object], k: int, sampling: SamplingParams | Seq[SamplingParams]
+                  | None, tree: Seq[Seq[int]] | DraftTree | None
+                  ) -> tuple[list[list[int]], list[SamplingParams], DraftTree | None, int]:
+        """Check the whole request before anything is scheduled (so bad input changes nothing)."""
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_K:
+            raise ValueError(f"k (draft length) must be an int in [0, {MAX_K}], got {k!r}")
+        if isinstance(batch, (str, torch.Tensor)) or not isinstance(batch, Seq) or not batch:
+            raise ValueError("batch must be a non-empty list of prompts")
+        prompts = [self._prompt_ids(p, i) for i, p in enumerate(batch)]
+        if sampling is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling, SamplingParams):
+            params = [sampling] * len(prompts)
+        else:
+            params = list(sampling)
+            if len(params) != len(prompts) or not all(isinstance(p, SamplingParams)
+                                                      for p in params):
+                raise ValueError(f"sampling must be one SamplingParams or one per prompt "
+                                 f"({len(prompts)}), got {len(params)}")
+        draft_tree = None
+        if tree is not None:
+            draft_tree = tree if isinstance(tree, DraftTree) else DraftTree(tree)
+            if k not in (0, draft_tree.max_depth):
+                raise ValueError(f"k={k} disagrees with the tree's depth {draft_tree.max_depth}; "
+                                 "pass k=0 or the depth with a tree")
+            k = draft_tree.max_depth
+        if k > 0 and self.drafter is None:
+            raise ValueError(f"k={k} needs a drafter: construct the engine with draft=...")
+        vocab = self.model_config.vocab_size
+        max_len = self.config.max_model_len
+        for i, (ids, sp) in enumerate(zip(prompts, params)):
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): "
+                                 f"{bad[:5]}")
+            if len(ids) >= max_len:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len is {max_len}, "
+                                 "which leaves no room to generate")
+            bad_stop = [t for t in sp.stop_token_ids if not 0 <= t < vocab]
+            if bad_stop:
+                raise ValueError(f"stop_token_ids of prompt {i} are outside the vocabulary: "
+                                 f"{bad_stop}")
+            need = min(len(ids) + sp.max_tokens, max_len) + k + 1
+            if draft_tree is not None:
+                need += draft_tree.num_nodes
+            self.kv_cache.check_fits(need)
+        return prompts, params, draft_tree, k
+
+    # ------------------------------------------------------------------------------------
+    def generate(
+        self,
+        batch: Seq[list[int] | str],
+        k: int = 0,
+        sampling: SamplingParams | Seq[SamplingParams] | None = None,
+        tree: Seq[Seq[int]] | DraftTree | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[GenerationOutput]:
+        """Generate a completion for every prompt of ``batch`` (token-id lists, or strings when
+        the checkpoint has a tokenizer), with up to ``k`` draft tokens verified per step (or the
+        static ``tree``). Returns outputs in prompt order; raises ``ValueError`` on bad input
+        before any work, leaving the engine unchanged."""
+        prompts, params, draft_tree, k = self._validate(batch, k, sampling, tree)
+        seqs = []
+        for ids, sp in zip(prompts, params):
+            seed = sp.seed if sp.seed is not None else self._rng.getrandbits(62)
+            seqs.append(Sequence(self._next_seq_id, ids, sp, seed,
+                                 self.model_config.eos_token_ids))
+            self._next_seq_id += 1
+        for seq in seqs:
+            self.scheduler.add(seq)
+        times = StepTimes()
+        prefill_s = 0.0
+        num_forwards = 0
+        start = time.perf_counter()
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(seqs), desc=f"generate k={k}", unit="seq")
+        max_len = self.config.max_model_len
+        lookahead = draft_tree.num_nodes - 1 if draft_tree is not None else k
+        try:
+            while self.scheduler.has_unfinished():
+                scheduled = self.scheduler.schedule(
+                    lambda s: min(lookahead, max(0, max_len - len(s)))
+                )
+                if scheduled.is_prefill:
+                    t0 = time.perf_counter()
+                    self._prefill(scheduled.seqs)
+                    prefill_s += time.perf_counter() - t0
+                else:
+                    speculative_step(scheduled.seqs, k, draft_tree, self.drafter, self.runner,
+                                     self.sampler, self.kv_cache, max_len, times)
+                num_forwards += 1
+                for seq in scheduled.seqs:
+                    if seq.status is SeqStatus.FINISHED:
+                        self._release(seq)
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for seq in self.scheduler.abort_all():
+                if self.drafter is not None:
+                    self.drafter.release(seq)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        self.stats = EngineStats(
+            num_steps=times.num_steps,
+            num_generated_tokens=sum(s.num_generated for s in seqs),
+            num_draft_tokens=sum(s.num_draft_tokens for s in seqs),
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in seqs),
+            accepted_per_position=tuple(times.accepted_per_position),
+            proposed_per_position=tuple(times.proposed_per_position),
+            num_target_forwards=num_forwards,
+            time_draft_s=times.draft, time_verify_s=times.verify, time_sample_s=times.sample,
+            time_bookkeeping_s=times.bookkeeping, time_prefill_s=prefill_s,
+            wall_time_s=time.perf_counter() - start,
+        )
+        return [self._output(s) for s in seqs]
+
+    def _prefill(self, seqs: tuple[Sequence, ...]) -> None:
+        logits, target_out = self.runner.prefill(seqs)  # [B, V]
+        empty = torch.zeros(len(seqs), 0, dtype=torch.int64, device=self.device)
+        zeros = torch.zeros(len(seqs), dtype=torch.int32, device=self.device)
+        out = self.sampler(seqs, logits[:, None, :], empty, zeros, None, None)
+        tokens = out.output_ids[:, 0].tolist()
+        logprobs = out.logprobs[:, 0].tolist()
+        rows = []
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            rows.append(list(range(len(seq))))
+            seq.num_steps += 1
+            seq.append([token], [logprob], self.config.max_model_len)
+        if self.drafter is not None:
+            self.drafter.observe(seqs, target_out, rows)
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq)
+
+    def _output(self, seq: Sequence) -> GenerationOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids)
+        return GenerationOutput(
+            prompt_token_ids=tuple(seq.token_ids[: seq.num_prompt_tokens]),
+            token_ids=tuple(seq.output_token_ids),
+            logprobs=tuple(seq.logprobs),
+            finish_reason=seq.finish_reason or "length",
+            num_steps=seq.num_steps,
+            num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_tokens=seq.num_accepted_tokens,
+            weight_version=self.weight_version,
+            text=text,
+        )
+
+
+def _load_tokenizer(path: str | Path) -> object | None:
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        logger.warning("%s has a tokenizer.json but the tokenizers package is missing", path)
+        return None
+    return Tokenizer.from_file(str(file))
+
+
+__all__ = ["SpecEngine", "num_drafts_for"]

@@ -1,0 +1,132 @@
+"""Reading Hugging Face safetensors checkpoints into existing parameters, in place.
+
+Loading is two-phase so it is all-or-nothing: every name, shape and dtype is checked first
+(and the tensors read), then each parameter is filled with ``param.data.copy_`` so storage
+addresses never change (captured CUDA graphs stay valid).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor, nn
+
+from specengine.model.config import CheckpointError
+
+# Checkpoint keys that carry no parameter of ours.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint dir: a single file or the shards of an index."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+        files = sorted({root / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{path}: shards named in the index are missing: {missing}")
+        return files
+    single = root / "model.safetensors"
+    if single.is_file():
+        return [single]
+    others = sorted(root.glob("*.safetensors"))
+    if others:
+        return others
+    raise CheckpointError(f"{path}: no model.safetensors, index, or *.safetensors file")
+
+
+def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor in a checkpoint dir (CPU tensors)."""
+    for file in checkpoint_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from e
+
+
+def _check_castable(name: str, src: torch.dtype, dst: torch.dtype) -> str | None:
+    if src.is_floating_point != dst.is_floating_point or src.is_complex or src == torch.bool:
+        return f"{name}: dtype {src} cannot be cast to the parameter's {dst}"
+    return None
+
+
+def load_named_tensors(
+    module: nn.Module,
+    named_tensors: Iterable[tuple[str, Tensor]],
+    *,
+    strict: bool = True,
+    tied: dict[str, str] | None = None,
+) -> list[str]:
+    """Copy tensors into ``module``'s parameters by checkpoint name, all or nothing.
+
+    ``tied`` maps a checkpoint name that may be absent (or is redundant) to the parameter it
+    shares storage with, e.g. ``{"lm_head.weight": "model.embed_tokens.weight"}``. With
+    ``strict`` every parameter must be given (a full load); otherwise a subset may be. Raises
+    :class:`CheckpointError` naming the first bad entries before anything is written. Returns
+    the names of the parameters written.
+    """
+    tied = tied or {}
+    params = dict(module.named_parameters(remove_duplicate=False))
+    staged: dict[str, Tensor] = {}
+    errors: list[str] = []
+    for name, tensor in named_tensors:
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name in tied:
+            # A tied weight is the same storage as its twin: load the twin, skip this copy.
+            continue
+        if name not in params:
+            errors.append(f"unexpected weight {name!r} (no such parameter)")
+            continue
+        if name in staged:
+            errors.append(f"weight {name!r} given twice")
+            continue
+        param = params[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            errors.append(
+                f"{name}: shape {tuple(tensor.shape)} does not match the parameter's "
+                f"{tuple(param.shape)}"
+            )
+            continue
+        bad_dtype = _check_castable(name, tensor.dtype, param.dtype)
+        if bad_dtype:
+            errors.append(bad_dtype)
+            continue
+        staged[name] = tensor
+    if strict:
+        tied_targets = set(tied.keys())
+        missing = [n for n in params if n not in staged and n not in tied_targets]
+        errors.extend(f"missing weight {n!r}" for n in missing)
+    if errors:
+        shown = "; ".join(errors[:5])
+        more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+        raise CheckpointError(f"weights do not match the model: {shown}{more}")
+    with torch.no_grad():
+        for name, tensor in staged.items():
+            params[name].data.copy_(tensor.to(params[name].device))
+    return list(staged)
+
+
+def tied_names(module: nn.Module) -> dict[str, str]:
+    """Parameter names that alias another parameter (e.g. a tied ``lm_head.weight``)."""
+    seen: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied[name] = seen[id(p)]
+        else:
+            seen[id(p)] = name
+    return tied

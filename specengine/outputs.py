@@ -1,0 +1,65 @@
+"""What ``SpecEngine.generate`` returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """One finished request.
+
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the policy's distribution
+    after temperature, top-k and top-p (raw ``log_softmax`` for greedy requests): the quantity
+    an RL loss needs, identical whether the token came from a draft or not.
+    """
+
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str  # "stop" or "length"
+    num_steps: int  # target forward passes that produced tokens for this request (prefill incl.)
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    weight_version: int = 0
+    text: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError("token_ids and logprobs must have the same length")
+        if self.finish_reason not in ("stop", "length"):
+            raise ValueError(f"finish_reason must be 'stop' or 'length', got {self.finish_reason}")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters of the last ``generate`` call (DESIGN §3 ``engine.stats``)."""
+
+    num_steps: int = 0  # speculative (or decode) steps, excluding prefill
+    num_generated_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()  # accepted drafts at position j
+    proposed_per_position: tuple[int, ...] = ()  # drafts proposed at position j
+    num_target_forwards: int = 0  # prefill and verify passes
+    time_draft_s: float = 0.0
+    time_verify_s: float = 0.0
+    time_sample_s: float = 0.0
+    time_bookkeeping_s: float = 0.0
+    time_prefill_s: float = 0.0
+    wall_time_s: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per speculative step per sequence (accepted drafts + 1)."""
+        seq_steps = self.num_generated_tokens - self.num_accepted_tokens
+        return self.num_generated_tokens / seq_steps if seq_steps else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> tuple[float, ...]:
+        return tuple(a / p if p else 0.0
+                     for a, p in zip(self.accepted_per_position, self.proposed_per_position))
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0

@@ -1,0 +1,61 @@
+"""Static draft trees: paths of child ranks → node order, parents, depths and attention mask.
+
+A tree is given as the list of its paths from the root, each a tuple of ranks: ``(0,)`` is the
+draft's most likely first token, ``(1,)`` its second, ``(0, 0)`` the most likely token after
+``(0,)``. Node 0 is the root (the sequence's newest token); the paths become nodes 1..N-1 in
+breadth-first order, siblings by rank, so parents always precede children.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+MAX_TREE_NODES = 64
+
+
+class DraftTree:
+    """Node order, ``parents[N]`` (-1 for the root), ``depths[N]``, ``ranks[N]`` and the
+    ancestor mask (node i attends to node j ⇔ j is i or an ancestor of i)."""
+
+    def __init__(self, paths: Sequence[Sequence[int]]) -> None:
+        norm = [tuple(int(r) for r in p) for p in paths]
+        if not norm:
+            raise ValueError("a draft tree needs at least one path")
+        if len(set(norm)) != len(norm):
+            raise ValueError("draft tree: duplicate paths")
+        if len(norm) > MAX_TREE_NODES:
+            raise ValueError(f"draft tree: at most {MAX_TREE_NODES} nodes, got {len(norm)}")
+        known = set(norm)
+        for p in norm:
+            if not p or any(r < 0 for r in p):
+                raise ValueError(f"draft tree: path {p} must be a non-empty tuple of ranks >= 0")
+            if len(p) > 1 and p[:-1] not in known:
+                raise ValueError(
+                    f"draft tree is not prefix-closed: {p} is given but its parent {p[:-1]} is not"
+                )
+        ordered = sorted(norm, key=lambda p: (len(p), p))
+        index = {p: i + 1 for i, p in enumerate(ordered)}
+        self.paths: tuple[tuple[int, ...], ...] = tuple(ordered)
+        self.num_nodes = len(ordered) + 1
+        self.parents = np.array([-1] + [index.get(p[:-1], 0) for p in ordered], dtype=np.int32)
+        self.depths = np.array([0] + [len(p) for p in ordered], dtype=np.int32)
+        self.ranks = np.array([0] + [p[-1] for p in ordered], dtype=np.int32)
+        self.max_depth = int(self.depths.max())
+        self.max_rank = int(self.ranks.max())
+        dense = np.eye(self.num_nodes, dtype=bool)
+        for i in range(1, self.num_nodes):
+            dense[i] |= dense[self.parents[i]]
+        self.dense_mask = torch.from_numpy(dense)
+        from specengine.kernels.reference import pack_tree_mask
+
+        self.packed_mask = pack_tree_mask(self.dense_mask)  # [N, num_words] int32
+
+    def __repr__(self) -> str:
+        return f"DraftTree({list(self.paths)})"
+
+    @classmethod
+    def chain(cls, k: int) -> DraftTree:
+        return cls([(0,) * d for d in range(1, k + 1)])
