@@ -63,13 +63,16 @@ class SpecEngine:
         device: str | None = None,
         dtype: str = "auto",
         block_size: int = 16,
-        max_model_len: int = 4096,
+        max_model_len: int | None = None,
         max_batch_size: int = 256,
         kv_cache_tokens: int | None = None,
         kernel_backend: str = "auto",
         seed: int = 0,
         max_num_batched_tokens: int = 16384,
     ) -> None:
+        model_config = ModelConfig.from_dir(model)
+        if max_model_len is None:  # vLLM's default: the model's own context length
+            max_model_len = model_config.max_position_embeddings
         self.config = EngineConfig.resolve(
             model=str(model), draft=None if draft is None else str(draft), device=device,
             dtype=dtype, kernel_backend=kernel_backend, block_size=block_size,
@@ -99,7 +102,10 @@ class SpecEngine:
         self.backend = make_attention_backend(cfg.kernel_backend)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device, aux)
         self.sampler = Sampler(cfg.kernel_backend, self.device)
-        self.scheduler = Scheduler(self.kv_cache, cfg.max_batch_size, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv_cache, cfg.max_batch_size, cfg.max_num_batched_tokens,
+            on_preempt=self.drafter.release if self.drafter is not None else None,
+        )
         self._rng = random.Random(cfg.seed)
         self._next_seq_id = 0
         self.weight_version = 0

@@ -4,7 +4,7 @@ Prefill has priority (new requests start as soon as blocks allow); otherwise eve
 sequence takes a decode / verify step. Blocks are allocated lazily, a step at a time; when they
 run out the most recently admitted sequence is preempted: its blocks are freed and it waits to
 be prefilled again over all its tokens (recompute). Sampling is keyed by (seed, position), so a
-preempted sequence continues exactly as if it had not been.
+preempted sequence keeps its tokens and continues from the same random streams.
 """
 
 from __future__ import annotations
@@ -24,8 +24,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCache, max_batch_size: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv_cache: KVCache, max_batch_size: int, max_num_batched_tokens: int,
+                 on_preempt: Callable[[Sequence], None] | None = None) -> None:
+        """``on_preempt(seq)`` runs after a sequence lost its blocks (the drafter drops its
+        per-sequence state there)."""
         self.kv_cache = kv_cache
+        self.on_preempt = on_preempt
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -102,3 +106,5 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)
+        if self.on_preempt is not None:
+            self.on_preempt(seq)

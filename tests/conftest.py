@@ -28,3 +28,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """A small random Qwen3 checkpoint (vocab 128, 2 layers) written once per session."""
+    from checkpoints import make_hf_model, save_checkpoint
+
+    return save_checkpoint(make_hf_model("qwen3"), tmp_path_factory.mktemp("tiny_qwen3"))
