@@ -61,14 +61,14 @@ def speculative_step(
     dev = runner.device
     t0 = time.perf_counter()
 
-    # 1. Draft. A tree is all-or-nothing per sequence: one that has no room for the whole tree
-    #    this step falls back to plain decoding (a chain of 0).
+    # 1. Draft. A tree is verified whole: its nodes need slots up to len + N - 1 <= max_model_len
+    #    (tokens past max_tokens are cut by seq.append). Near the context limit the batch falls
+    #    back to plain decoding for this step.
     if drafter is None or k == 0:
         num_drafts = [0] * len(seqs)
         tree = None
     elif tree is not None:
-        fits = all(num_drafts_for(s, tree.max_depth, max_model_len) >= tree.max_depth
-                   and len(s) + tree.num_nodes - 1 <= max_model_len for s in seqs)
+        fits = all(len(s) + tree.num_nodes - 1 <= max_model_len for s in seqs)
         num_drafts = [tree.num_nodes - 1] * len(seqs) if fits else [0] * len(seqs)
         tree = tree if fits else None
     else:

@@ -26,8 +26,9 @@ class DraftTree:
             raise ValueError("a draft tree needs at least one path")
         if len(set(norm)) != len(norm):
             raise ValueError("draft tree: duplicate paths")
-        if len(norm) > MAX_TREE_NODES:
-            raise ValueError(f"draft tree: at most {MAX_TREE_NODES} nodes, got {len(norm)}")
+        if len(norm) + 1 > MAX_TREE_NODES:  # + the root
+            raise ValueError(f"draft tree: at most {MAX_TREE_NODES} nodes (root included), "
+                             f"got {len(norm) + 1}")
         known = set(norm)
         for p in norm:
             if not p or any(r < 0 for r in p):
