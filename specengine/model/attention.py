@@ -52,7 +52,8 @@ class AttentionBackend(ABC):
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """The plain-PyTorch references of ``specengine.kernels.reference`` (the CPU default)."""
+    """Plain PyTorch (the CPU default): the reference KV write and a batched, padded form of
+    the reference attention (``torch_attention.py``)."""
 
     def write_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                  meta: AttentionMetadata) -> None:
@@ -62,9 +63,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
                scale: float) -> Tensor:
-        from specengine.kernels import reference
+        from specengine.model.torch_attention import padded_paged_attention
 
-        return reference.paged_attention(
+        return padded_paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.qo_indptr,
             meta.tree_mask, scale,
         )
