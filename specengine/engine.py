@@ -33,9 +33,12 @@ CPU_KV_BUDGET_BYTES = 1 << 30
 GPU_MEMORY_UTILIZATION = 0.85
 
 
-def build_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
+                load_format: str = "auto") -> CausalLM:
     """A :class:`CausalLM` on ``device`` filled from the checkpoint dir (strict: every weight
-    present, none unexpected, shapes equal)."""
+    present, none unexpected, shapes equal). ``load_format="dummy"`` reads only config.json
+    and fills the weights with seeded random values (vLLM's option, for benchmarks at real
+    shapes without the checkpoint)."""
     cfg = ModelConfig.from_dir(path)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -44,7 +47,18 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> C
             model = CausalLM(cfg)
     finally:
         torch.set_default_dtype(prev)
-    load_named_tensors(model, iter_checkpoint(path), strict=True, tied=tied_names(model))
+    if load_format == "dummy":
+        gen = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, 0.02, generator=gen)
+    elif load_format == "auto":
+        load_named_tensors(model, iter_checkpoint(path), strict=True, tied=tied_names(model))
+    else:
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     return model.eval().requires_grad_(False)
 
 
@@ -53,6 +67,23 @@ class SpecEngine:
 
     ``generate(batch, k=3)`` returns the policy's completions and log-probabilities; with
     ``k=0`` it is plain autoregressive decoding through the same engine.
+
+    Args:
+        model: Hugging Face checkpoint dir (config.json + *.safetensors) of a Llama, Qwen2 or
+            Qwen3 causal LM.
+        draft: an EAGLE-3 head dir, a small-LM dir with the target's vocab, ``"mtp"`` (the
+            checkpoint's own MTP layers), ``"ngram"``, or None.
+        device / dtype: default CUDA when available; ``auto`` is bf16 on CUDA, fp32 on CPU.
+        block_size: KV block size in tokens (a power of two >= 16).
+        max_model_len: longest prompt + completion (default: the model's
+            max_position_embeddings).
+        max_batch_size: most sequences in one step.
+        kv_cache_tokens: KV capacity; None sizes it from free GPU memory (1 GiB on CPU).
+        kernel_backend: ``auto`` (Triton on CUDA, PyTorch on CPU), ``triton``, ``torch`` or
+            ``cuda``.
+        seed: seeds the per-request seeds of requests that give none.
+        max_num_batched_tokens: most prompt tokens in one prefill batch.
+        load_format: ``auto`` or ``dummy`` (random weights at the checkpoint's shapes).
     """
 
     def __init__(
@@ -69,6 +100,7 @@ class SpecEngine:
         kernel_backend: str = "auto",
         seed: int = 0,
         max_num_batched_tokens: int = 16384,
+        load_format: str = "auto",
     ) -> None:
         model_config = ModelConfig.from_dir(model)
         if max_model_len is None:  # vLLM's default: the model's own context length
@@ -86,7 +118,7 @@ class SpecEngine:
             # Triton runs on the CPU only through its interpreter, which must be on before any
             # kernel is defined.
             os.environ.setdefault("TRITON_INTERPRET", "1")
-        self.model = build_model(cfg.model, cfg.torch_dtype, self.device)
+        self.model = build_model(cfg.model, cfg.torch_dtype, self.device, load_format)
         self.model_config: ModelConfig = self.model.config
         if cfg.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
@@ -255,6 +287,8 @@ class SpecEngine:
                 bar.close()
         self.stats = EngineStats(
             num_steps=times.num_steps,
+            num_seq_steps=times.num_seq_steps,
+            num_step_tokens=times.num_step_tokens,
             num_generated_tokens=sum(s.num_generated for s in seqs),
             num_draft_tokens=sum(s.num_draft_tokens for s in seqs),
             num_accepted_tokens=sum(s.num_accepted_tokens for s in seqs),

@@ -42,6 +42,8 @@ class EngineStats:
     accepted_per_position: tuple[int, ...] = ()  # accepted drafts at position j
     proposed_per_position: tuple[int, ...] = ()  # drafts proposed at position j
     num_target_forwards: int = 0  # prefill and verify passes
+    num_seq_steps: int = 0  # (sequence, decode/verify step) pairs
+    num_step_tokens: int = 0  # tokens kept by those steps
     time_draft_s: float = 0.0
     time_verify_s: float = 0.0
     time_sample_s: float = 0.0
@@ -51,9 +53,9 @@ class EngineStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens emitted per speculative step per sequence (accepted drafts + 1)."""
-        seq_steps = self.num_generated_tokens - self.num_accepted_tokens
-        return self.num_generated_tokens / seq_steps if seq_steps else 0.0
+        """Tokens kept per sequence per decode/verify step (accepted drafts + the bonus or
+        correction token; EAGLE's tau); 1.0 for plain decoding. Prefill tokens are excluded."""
+        return self.num_step_tokens / self.num_seq_steps if self.num_seq_steps else 0.0
 
     @property
     def acceptance_rate_per_position(self) -> tuple[float, ...]:

@@ -28,6 +28,8 @@ class StepTimes:
     sample: float = 0.0
     bookkeeping: float = 0.0
     num_steps: int = 0
+    num_seq_steps: int = 0  # (sequence, step) pairs
+    num_step_tokens: int = 0  # tokens those steps kept (after stop / max_tokens cuts)
     accepted_per_position: list[int] = field(default_factory=list)
     proposed_per_position: list[int] = field(default_factory=list)
 
@@ -118,7 +120,10 @@ def speculative_step(
         for j in range(depth if num_drafts[b] else 0):
             times.count(j, 1, int(n > j))
         seq.num_cached_tokens = len(seq) + n  # root + accepted drafts are cached
+        before = len(seq)
         seq.append(output_ids[b][: n + 1], logprobs[b][: n + 1], max_model_len)
+        times.num_seq_steps += 1
+        times.num_step_tokens += len(seq) - before
     if drafter is not None and k > 0:
         drafter.observe(seqs, target_out, accepted_rows)
     times.num_steps += 1
