@@ -25,6 +25,8 @@ class EngineConfig:
     kernel_backend: str = "torch"
     seed: int = 0
     max_num_batched_tokens: int = 16384
+    #: keyword arguments of the drafter's constructor, as sorted (name, value) pairs
+    draft_options: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

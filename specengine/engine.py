@@ -56,7 +56,10 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                 else:
                     param.normal_(0.0, 0.02, generator=gen)
     elif load_format == "auto":
-        load_named_tensors(model, iter_checkpoint(path), strict=True, tied=tied_names(model))
+        # A checkpoint's MTP layers are the "mtp" drafter's business, not the target's.
+        skip = ("mtp.",) if cfg.num_mtp_layers else ()
+        load_named_tensors(model, iter_checkpoint(path, skip), strict=True,
+                           tied=tied_names(model))
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     return model.eval().requires_grad_(False)
@@ -84,6 +87,9 @@ class SpecEngine:
         seed: seeds the per-request seeds of requests that give none.
         max_num_batched_tokens: most prompt tokens in one prefill batch.
         load_format: ``auto`` or ``dummy`` (random weights at the checkpoint's shapes).
+        draft_options: keywords for the drafter, e.g. ``{"sample": True}``: a small-LM or MTP
+            drafter samples its chain drafts with each request's temperature / top-k / top-p
+            (and returns their distributions) instead of proposing its greedy choice.
     """
 
     def __init__(
@@ -101,6 +107,7 @@ class SpecEngine:
         seed: int = 0,
         max_num_batched_tokens: int = 16384,
         load_format: str = "auto",
+        draft_options: dict[str, object] | None = None,
     ) -> None:
         model_config = ModelConfig.from_dir(model)
         if max_model_len is None:  # vLLM's default: the model's own context length
@@ -111,6 +118,7 @@ class SpecEngine:
             max_model_len=max_model_len, max_batch_size=max_batch_size,
             kv_cache_tokens=kv_cache_tokens, seed=seed,
             max_num_batched_tokens=max_num_batched_tokens,
+            draft_options=tuple(sorted((draft_options or {}).items())),
         )
         cfg = self.config
         self.device = torch.device(cfg.device)

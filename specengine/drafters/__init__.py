@@ -15,18 +15,25 @@ __all__ = ["Drafter", "DraftProposal", "make_drafter"]
 
 
 def make_drafter(draft: str | None, engine: SpecEngine) -> Drafter | None:
-    """``None`` → no drafter; ``"ngram"`` → n-gram lookup; a directory → an EAGLE-3 head (its
-    config has ``draft_vocab_size`` or an Eagle3 architecture), else a small LM with the
-    target's vocabulary."""
+    """``None`` → no drafter; ``"ngram"`` → n-gram lookup; ``"mtp"`` → the target checkpoint's
+    MTP layers; a directory → an EAGLE-3 head (its config has ``draft_vocab_size`` or an Eagle3
+    architecture), else a small LM with the target's vocabulary. ``engine.config.draft_options``
+    (e.g. ``{"sample": True}``) are passed to the drafter's constructor as keywords."""
     if draft is None:
         return None
+    opts = dict(getattr(engine.config, "draft_options", None) or ())
     if draft == "ngram":
         from specengine.drafters.ngram import NgramDrafter
 
-        return NgramDrafter()
+        return NgramDrafter(**opts)
+    if draft == "mtp":
+        from specengine.drafters.mtp import MTPDrafter
+
+        return MTPDrafter(engine, **opts)
     path = Path(draft)
     if not path.is_dir():
-        raise ValueError(f"unknown drafter {draft!r}: expected None, 'ngram' or a checkpoint dir")
+        raise ValueError(f"unknown drafter {draft!r}: expected None, 'ngram', 'mtp' or a "
+                         "checkpoint dir")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"draft dir {draft} has no config.json")
@@ -38,4 +45,4 @@ def make_drafter(draft: str | None, engine: SpecEngine) -> Drafter | None:
         return Eagle3Drafter(path, engine)
     from specengine.drafters.draft_model import DraftModelDrafter
 
-    return DraftModelDrafter(path, engine)
+    return DraftModelDrafter(path, engine, **opts)

@@ -42,6 +42,8 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    #: multi-token-prediction layers under ``mtp.*`` (config ``mtp_num_hidden_layers``)
+    num_mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -103,6 +105,7 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             eos_token_ids=eos_ids,
+            num_mtp_layers=int(cfg.get("mtp_num_hidden_layers") or 0),
         )
 
     @classmethod

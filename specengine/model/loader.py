@@ -46,12 +46,16 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     raise CheckpointError(f"{path}: no model.safetensors, index, or *.safetensors file")
 
 
-def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor in a checkpoint dir (CPU tensors)."""
+def iter_checkpoint(path: str | Path,
+                    skip_prefixes: tuple[str, ...] = ()) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor in a checkpoint dir (CPU tensors), except
+    those whose name starts with one of ``skip_prefixes`` (never read)."""
     for file in checkpoint_files(path):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
+                    if skip_prefixes and name.startswith(skip_prefixes):
+                        continue
                     yield name, f.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from e

@@ -1,0 +1,144 @@
+"""Small-LM drafter: greedy losslessness, full acceptance when the draft is the target, draft
+proposals equal to a plain transformers forward, vocabulary checks, sampled drafts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import make_hf_model, save_checkpoint
+from lossless import TREES, assert_greedy_lossless, ragged_requests
+
+from specengine import SamplingParams, SpecEngine
+from specengine.drafters.draft_model import DraftModelDrafter
+from specengine.tree import DraftTree
+
+STOPS = (3, 17, 64, 99)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_checkpoint(make_hf_model("qwen3"), tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="module")
+def draft_hf() -> torch.nn.Module:
+    return make_hf_model("llama", num_layers=1, seed=3)  # random: near-zero acceptance
+
+
+@pytest.fixture(scope="module")
+def draft_dir(draft_hf: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_checkpoint(draft_hf, tmp_path_factory.mktemp("draft"))
+
+
+def make_engine(target: Path, draft: Path, **kwargs: object) -> SpecEngine:
+    return SpecEngine(target, draft=str(draft), device="cpu", dtype="float32", max_model_len=96,
+                      max_batch_size=16, kv_cache_tokens=4096, **kwargs)
+
+
+def assert_draft_cache_empty(engine: SpecEngine) -> None:
+    drafter = engine.drafter
+    assert isinstance(drafter, DraftModelDrafter)
+    assert drafter.kv_cache.num_free_blocks == drafter.kv_cache.num_blocks
+    assert not drafter._states
+
+
+def test_random_draft_greedy_lossless(target_dir: Path, draft_dir: Path) -> None:
+    engine = make_engine(target_dir, draft_dir)
+    prompts, params = ragged_requests(128, stop_pool=STOPS)
+    assert_greedy_lossless(engine, prompts, params)
+    assert_draft_cache_empty(engine)
+
+
+def test_draft_equal_to_target_accepts_everything(target_dir: Path) -> None:
+    engine = make_engine(target_dir, target_dir)
+    prompts, params = ragged_requests(128, stop_pool=STOPS, seed=1)
+    base = engine.generate(prompts, k=0, sampling=params)
+    for kwargs in (dict(k=1), dict(k=4), dict(k=7), dict(tree=TREES["binary2"])):
+        outs = engine.generate(prompts, sampling=params, **kwargs)
+        assert [o.token_ids for o in outs] == [b.token_ids for b in base], kwargs
+        stats = engine.stats
+        assert stats.num_draft_tokens > 0
+        # every rank-0 draft is the target's own choice: nothing is ever rejected
+        assert stats.accepted_per_position == stats.proposed_per_position, kwargs
+        if "k" in kwargs:
+            assert stats.num_accepted_tokens == stats.num_draft_tokens, kwargs
+            assert all(o.num_accepted_tokens == o.num_draft_tokens for o in outs)
+    assert_draft_cache_empty(engine)
+
+
+def test_proposals_equal_a_plain_forward(target_dir: Path, draft_dir: Path,
+                                         draft_hf: torch.nn.Module) -> None:
+    """Every chain / tree the drafter proposed mid-generation is what a fresh transformers
+    forward of the draft over the same tokens ranks first (so the incremental KV is right)."""
+    engine = make_engine(target_dir, draft_dir)
+    drafter = engine.drafter
+    seen: list[tuple[list[int], list[int], DraftTree | None]] = []
+    inner = drafter.propose
+
+    def recording(seqs, num_drafts, tree):  # type: ignore[no-untyped-def]
+        out = inner(seqs, num_drafts, tree)
+        for b, seq in enumerate(seqs):
+            n = int(out.num_draft_tokens[b])
+            seen.append((list(seq.token_ids), out.token_ids[b, :n].tolist(), tree))
+        return out
+
+    drafter.propose = recording  # type: ignore[method-assign]
+    prompts, params = ragged_requests(128, n=6, seed=2)
+    engine.generate(prompts, k=3, sampling=params)
+    engine.generate(prompts, tree=TREES["deep_chain_and_branch"], sampling=params)
+
+    def ranked(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return draft_hf(torch.tensor([ids])).logits[0, -1].float()
+
+    assert len(seen) > 20
+    for tokens, drafts, tree in seen[::3]:
+        if tree is None:
+            for j, d in enumerate(drafts):
+                logits = ranked(tokens + drafts[:j])
+                assert logits[d] >= logits.max() - 1e-4
+            continue
+        paths: list[list[int]] = [[]]
+        for i in range(1, tree.num_nodes):
+            path = paths[int(tree.parents[i])]
+            logits = ranked(tokens + path)
+            rth = logits.sort(descending=True).values[int(tree.ranks[i])]
+            assert abs(logits[drafts[i - 1]] - rth) <= 1e-4
+            paths.append(path + [drafts[i - 1]])
+
+
+def test_vocab_mismatch_is_a_clear_error(target_dir: Path,
+                                         tmp_path_factory: pytest.TempPathFactory) -> None:
+    other = save_checkpoint(make_hf_model("llama", vocab_size=96, num_layers=1),
+                            tmp_path_factory.mktemp("other_vocab"))
+    with pytest.raises(ValueError, match="vocab_size 96 but the target has 128"):
+        make_engine(target_dir, other)
+
+
+def test_sampled_drafts_carry_their_distributions(target_dir: Path, draft_dir: Path) -> None:
+    engine = make_engine(target_dir, draft_dir, draft_options={"sample": True})
+    drafter = engine.drafter
+    assert isinstance(drafter, DraftModelDrafter) and not drafter.point_mass
+    from specengine.sequence import Sequence
+
+    def propose(seed: int, params: SamplingParams) -> tuple[list[int], torch.Tensor]:
+        seq = Sequence(10**6 + seed, [5, 9, 2, 7], params, seed, ())
+        try:
+            out = drafter.propose((seq,), [4], None)
+        finally:
+            drafter.release(seq)
+        assert out.probs is not None
+        return out.token_ids[0].tolist(), out.probs[0]
+
+    sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+    tokens, probs = propose(1, sp)
+    assert probs.shape == (4, 128) and probs.dtype == torch.float32
+    assert torch.allclose(probs.sum(-1), torch.ones(4))
+    assert all(probs[j, t] > 0 for j, t in enumerate(tokens))
+    assert int((probs > 0).sum(-1).max()) <= 20  # top-k applied
+    assert propose(1, sp)[0] == tokens  # own seeded stream: reproducible
+    assert len({tuple(propose(s, sp)[0]) for s in range(2, 8)}) > 1
+    greedy_tokens, greedy_probs = propose(1, SamplingParams(temperature=0.0))
+    assert torch.equal(greedy_probs.max(-1).values, torch.ones(4))  # one-hot point masses
