@@ -179,3 +179,23 @@ def test_observe_reads_the_accepted_tree_rows(mtp_target, engine: SpecEngine) ->
     for j, d in enumerate(drafts):
         logits = mtp_logits(hf, drafter, tokens, drafts[:j])
         assert logits[d] >= logits.max() - 1e-4
+
+
+def test_sampled_mtp_drafts_carry_their_distributions(engine: SpecEngine) -> None:
+    from specengine.model_runner import ForwardOutput
+    from specengine.sampling import SamplingParams
+    from specengine.sequence import Sequence
+
+    drafter = MTPDrafter(engine, sample=True)
+    assert not drafter.point_mass
+    hidden = torch.randn(5, engine.model_config.hidden_size)
+    seq = Sequence(-9, [4, 8, 15, 16, 23, 42], SamplingParams(temperature=0.8, top_k=10), 3, ())
+    try:
+        drafter.observe((seq,), ForwardOutput(hidden, [], [0, 5]), [list(range(5))])
+        out = drafter.propose((seq,), [3], None)
+    finally:
+        drafter.release(seq)
+    assert out.probs is not None and out.probs.shape == (1, 3, 128)
+    assert torch.allclose(out.probs.sum(-1), torch.ones(1, 3))
+    assert int((out.probs > 0).sum(-1).max()) <= 10
+    assert all(out.probs[0, j, t] > 0 for j, t in enumerate(out.token_ids[0].tolist()))

@@ -33,19 +33,31 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_SEED_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+def _signed(c: int) -> int:
+    c %= 1 << 64
+    return c - (1 << 64) if c >= 1 << 63 else c
 
 
-def draft_seed(seed: int, position: int) -> int:
-    """Seed of the drafter's own stream for the draft at ``position`` (never the target's)."""
-    x = (seed * _SEED_MIX[0] + position * _SEED_MIX[1] + _SEED_MIX[2]) % (1 << 64)
-    x ^= x >> 31
-    return (x * _SEED_MIX[1]) % (1 << 63)
+_K = tuple(_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB,
+                                 0xD6E8FEB86659FD93))
+
+
+def draft_uniforms(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
+    """``[B, V]`` uniforms in (0, 1): a counter-based hash (splitmix64 finaliser, int64
+    arithmetic wrapping) of (request seed, draft position, token id). This is the drafter's
+    own stream, independent of the target sampler's Philox draws; the same (seed, position)
+    always gives the same numbers, and no host sync is needed."""
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = seeds[:, None] * _K[0] + positions[:, None] * _K[1] + ids[None, :] * _K[3] + _K[2]
+    for shift, mul in ((30, _K[1]), (27, _K[2]), (31, 1)):
+        x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mul
+    return (((x >> 40) & 0xFFFFFF).float() + 0.5) / float(1 << 24)
 
 
 def processed_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """``softmax(logits / T)`` restricted to the top-k, then to the top-p nucleus (vLLM order),
-    renormalised. ``logits [B, V]`` float32; ``temperature`` must be > 0."""
+    """The policy's sampling distribution, per row: ``logits [B, V] / temperature`` (> 0), then
+    top-k (``<= 0`` off; ties at the k-th value kept), then top-p on the renormalised result
+    (smallest descending prefix with mass >= top_p, ties at its last value kept)."""
     from specengine.kernels import reference
 
     shared = getattr(reference, "processed_probs", None)
@@ -54,41 +66,40 @@ def processed_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
     x = logits.float() / temperature[:, None]
     vocab = x.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).long()
-    srt, idx = x.sort(dim=-1, descending=True)
-    keep = torch.arange(vocab, device=x.device)[None, :] < k[:, None]
-    p = torch.softmax(srt.masked_fill(~keep, float("-inf")), dim=-1)
-    keep &= (p.cumsum(-1) - p) < top_p[:, None]  # the top token always stays
-    p = torch.softmax(srt.masked_fill(~keep, float("-inf")), dim=-1)
-    return torch.zeros_like(p).scatter_(-1, idx, p)
+    kth = x.sort(dim=-1, descending=True).values.gather(-1, k[:, None] - 1)
+    p = torch.softmax(x.masked_fill(x < kth, float("-inf")), dim=-1)
+    srt = p.sort(dim=-1, descending=True).values
+    keep = ((srt.cumsum(-1) - srt) < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    threshold = srt.gather(-1, keep.sum(-1, keepdim=True) - 1)
+    p = torch.where(p >= threshold, p, torch.zeros_like(p))
+    return p / p.sum(-1, keepdim=True)
 
 
 def choose_tokens(logits: Tensor, seqs: list[Sequence], positions: list[int],
                   sample: bool) -> tuple[Tensor, Tensor | None]:
     """Draft tokens from ``logits [B, V]``: the argmax (``sample`` False, or greedy requests),
-    else a draw from :func:`processed_probs` with a generator seeded by ``draft_seed(seed,
-    position)``. Returns the tokens ``[B]`` and, when sampling, the distributions they were
-    drawn from ``[B, V]`` float32 (one-hot for greedy requests)."""
+    else a draw from :func:`processed_probs` with the request's temperature / top-k / top-p,
+    made with :func:`draft_uniforms` of (request seed, ``positions[b]``) by an exponential race
+    (``argmax q / Exp(1)`` is distributed as ``q``). Returns the tokens ``[B]`` and, when
+    sampling, the distributions they were drawn from ``[B, V]`` float32 (one-hot for greedy
+    requests)."""
     logits = logits.float()
     tokens = logits.argmax(-1)
     if not sample:
         return tokens, None
     dev = logits.device
     params = [s.params for s in seqs]
-    probs = torch.zeros_like(logits).scatter_(-1, tokens[:, None], 1.0)
-    rows = [b for b, p in enumerate(params) if not p.greedy]
-    if rows:
-        sel = torch.tensor(rows, device=dev)
-        q = processed_probs(
-            logits[sel],
-            torch.tensor([params[b].temperature for b in rows], device=dev),
-            torch.tensor([params[b].top_k for b in rows], device=dev),
-            torch.tensor([params[b].top_p for b in rows], device=dev),
-        )
-        probs[sel] = q
-        for i, b in enumerate(rows):
-            gen = torch.Generator(device=dev).manual_seed(draft_seed(seqs[b].seed, positions[b]))
-            tokens[b] = torch.multinomial(q[i], 1, generator=gen)[0]
-    return tokens, probs
+    temperature = torch.tensor([p.temperature for p in params], device=dev)
+    greedy = temperature == 0
+    q = processed_probs(logits, torch.where(greedy, 1.0, temperature),
+                        torch.tensor([p.top_k for p in params], device=dev),
+                        torch.tensor([p.top_p for p in params], device=dev))
+    one_hot = torch.zeros_like(logits).scatter_(-1, tokens[:, None], 1.0)
+    q = torch.where(greedy[:, None], one_hot, q)
+    seeds = torch.tensor([_signed(s.seed) for s in seqs], dtype=torch.int64, device=dev)
+    pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+    drawn = (q / -torch.log(draft_uniforms(seeds, pos, logits.shape[-1]))).argmax(-1)
+    return torch.where(greedy, tokens, drawn), q
 
 
 def draft_kv_blocks(engine: SpecEngine, bytes_per_token: int) -> int:
