@@ -254,17 +254,20 @@ class DraftModelDrafter(Drafter):
         logits = self._catch_up(act_seqs, states, upto_last=True,
                                 extra=[num_drafts[b] - 1 for b in active])
         rows = active
+        fed: dict[int, int] = {}  # the token row b feeds next
         for j in range(width):
             if j > 0:  # feed draft j-1 of the sequences that want a draft j
                 keep = [i for i, b in enumerate(rows) if num_drafts[b] > j]
                 rows = [rows[i] for i in keep]
                 pos = [len(seqs[b]) - 1 + j for b in rows]
                 hidden = self._forward([self._states[seqs[b].seq_id] for b in rows], pos,
-                                       [[int(ids[b, j - 1])] for b in rows],
+                                       [[fed[b]] for b in rows],
                                        [np.array([p], dtype=np.int64) for p in pos])
                 logits = self.module.compute_logits(hidden)
             tokens, q = choose_tokens(logits, [seqs[b] for b in rows],
                                       [len(seqs[b]) + j for b in rows], self.sample)
+            if j + 1 < width:  # one host sync per draft step
+                fed = dict(zip(rows, tokens.tolist()))
             sel = torch.tensor(rows, device=self.device)
             ids[sel, j] = tokens
             if q is not None:

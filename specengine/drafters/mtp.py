@@ -174,10 +174,11 @@ class MTPDrafter(Drafter):
             rows.extend(target.qo_indptr[b] + r for r in acc)
         hidden = target.hidden[torch.tensor(rows, device=target.hidden.device)]
         out = self._forward(states, ctx, tokens, hidden.to(self.device), positions)
-        ends = np.cumsum([len(t) for t in tokens]) - 1
-        for st, b, end in zip(states, live, ends):
+        ends = torch.tensor(np.cumsum([len(t) for t in tokens]) - 1, device=self.device)
+        last = out[ends]  # a copy: the states must not keep the whole pass alive
+        for i, (st, b) in enumerate(zip(states, live)):
             st.num_cached = len(seqs[b]) - 1
-            st.hidden = out[int(end)]
+            st.hidden = last[i]
 
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int],
                 tree: DraftTree | None) -> DraftProposal:
@@ -193,17 +194,20 @@ class MTPDrafter(Drafter):
             ids[:, : tree.num_nodes - 1] = self._propose_tree(seqs, tree, hidden)
             return DraftProposal(ids, counts, None)
         probs = None
+        fed: dict[int, int] = {}  # the token row b feeds next
         for j in range(width):
             if j > 0:  # entry at position len - 2 + j: (g of the previous entry, draft j - 1)
                 keep = [i for i, b in enumerate(rows) if num_drafts[b] > j]
                 rows, hidden = [rows[i] for i in keep], hidden[keep]
                 pos = [len(seqs[b]) - 2 + j for b in rows]
                 hidden = self._forward([self._states[seqs[b].seq_id] for b in rows], pos,
-                                       [[int(ids[b, j - 1])] for b in rows], hidden,
+                                       [[fed[b]] for b in rows], hidden,
                                        [np.array([p], dtype=np.int64) for p in pos])
             logits = self.module.compute_logits(hidden)
             tokens, q = choose_tokens(logits, [seqs[b] for b in rows],
                                       [len(seqs[b]) + j for b in rows], self.sample)
+            if j + 1 < width:  # one host sync per draft step
+                fed = dict(zip(rows, tokens.tolist()))
             sel = torch.tensor(rows, device=self.device)
             ids[sel, j] = tokens
             if q is not None:
