@@ -142,3 +142,19 @@ def test_sampled_drafts_carry_their_distributions(target_dir: Path, draft_dir: P
     assert len({tuple(propose(s, sp)[0]) for s in range(2, 8)}) > 1
     greedy_tokens, greedy_probs = propose(1, SamplingParams(temperature=0.0))
     assert torch.equal(greedy_probs.max(-1).values, torch.ones(4))  # one-hot point masses
+
+
+def test_sampled_draft_equal_to_target_is_accepted(target_dir: Path) -> None:
+    """Sampled drafts from the target itself: q == p, so rejection sampling keeps (nearly)
+    every draft, and the same seeds give the same completions."""
+    engine = make_engine(target_dir, target_dir, draft_options={"sample": True})
+    prompts, _ = ragged_requests(128, seed=3)
+    params = [SamplingParams(temperature=0.9, top_k=40, top_p=0.95, max_tokens=16, seed=i)
+              for i in range(len(prompts))]
+    outs = engine.generate(prompts, k=4, sampling=params)
+    stats = engine.stats
+    assert stats.num_draft_tokens > 100
+    assert stats.num_accepted_tokens >= 0.99 * stats.num_draft_tokens
+    again = engine.generate(prompts, k=4, sampling=params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    assert_draft_cache_empty(engine)
