@@ -1,0 +1,328 @@
+"""Triton paged attention: prefill, decode and speculative verification in one kernel.
+
+Specification: ``kernels/reference.py::paged_attention`` (DESIGN §5-§6). One program handles
+(sequence, query tile, kv head, kv split). A query tile is ``QT`` consecutive queries of one
+sequence times the ``GROUP`` q heads sharing the kv head, flattened into ``BLOCK_M`` rows
+(row r = query ``r // GROUP``, head ``r % GROUP``), so each K/V tile is loaded once per group.
+The program walks the keys in ``BLOCK_N`` tiles gathered through the block table: first the
+tiles lying wholly in the context (no mask at all), then the tail holding the new tokens, where
+the causal rule or the packed tree bits apply. Online softmax in float32 with exp2 (the scale is
+pre-multiplied by log2 e). With ``num_splits > 1`` each program covers a slice of the key tiles
+and writes a partial result that ``attention_combine.combine_splits`` merges.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .attention_combine import combine_splits, default_num_splits
+
+_LOG2E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, start, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt,
+    ctx, kv_len, qi, mask_rows, stride_mw, qk_scale,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr, TREE: tl.constexpr, IEEE: tl.constexpr,
+):
+    offs_n = start + tl.arange(0, BLOCK_N)  # key positions in the sequence
+    offs_d = tl.arange(0, HEAD_DIM)
+    # Gather per key: its page from the block table, then its slot inside the page. This works
+    # whether a tile spans several pages (small block_size) or part of one.
+    if MASKED:
+        in_range = offs_n < kv_len
+        page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    else:
+        page = tl.load(bt_row + offs_n // BLOCK_SIZE).to(tl.int64)
+    slot_in = (offs_n % BLOCK_SIZE).to(tl.int64)
+    k_off = page * stride_kb + slot_in * stride_kt  # [BLOCK_N]
+    v_off = page * stride_vb + slot_in * stride_vt
+    if MASKED:
+        kt = tl.load(k_base + k_off[None, :] + offs_d[:, None], mask=in_range[None, :], other=0.0)
+    else:
+        kt = tl.load(k_base + k_off[None, :] + offs_d[:, None])  # [D, BLOCK_N]
+    if IEEE:  # fp32 inputs: keep full precision (tf32 would miss the fp32 tolerance)
+        s = tl.dot(q, kt, input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+    if MASKED:
+        j = offs_n - ctx  # index among the new tokens; negative = context key, always visible
+        if TREE:
+            jj = tl.maximum(j, 0)
+            need = (j >= 0) & in_range
+            words = tl.load(mask_rows[:, None] + (jj // 32)[None, :] * stride_mw,
+                            mask=need[None, :], other=0)  # [BLOCK_M, BLOCK_N] int32
+            allowed = ((words >> (jj % 32)[None, :]) & 1) != 0
+        else:
+            allowed = j[None, :] <= qi[:, None]
+        visible = ((j < 0)[None, :] | allowed) & in_range[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Rows that have seen no visible key yet keep m = -inf; subtracting 0 instead avoids
+    # (-inf) - (-inf) = NaN and leaves their p (and alpha) exactly 0.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_base + v_off[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+    else:
+        v = tl.load(v_base + v_off[:, None] + offs_d[None, :])  # [BLOCK_N, D]
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bt_ptr, ctx_ptr, indptr_ptr, mask_ptr,
+    qk_scale, num_splits, n_q_tiles,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_bt, stride_mt, stride_mw,
+    GROUP: tl.constexpr, QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TREE: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = pid // n_q_tiles
+    q0 = (pid % n_q_tiles) * QT  # first query of this tile, within the sequence
+    q_start = tl.load(indptr_ptr + seq)
+    q_len = tl.load(indptr_ptr + seq + 1) - q_start
+    if q0 < q_len:  # tiles past a short sequence's queries (and q_len 0) do nothing
+        ctx = tl.load(ctx_ptr + seq)
+        kv_len = ctx + q_len
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        qi = q0 + offs_m // GROUP  # [BLOCK_M] query index within the sequence
+        head = kvh * GROUP + offs_m % GROUP  # [BLOCK_M] q head
+        row_ok = (offs_m < QT * GROUP) & (qi < q_len)
+        tok = (q_start + qi).to(tl.int64)  # [BLOCK_M] row of q / out
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
+                    + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+        # [BLOCK_M] pointers to the packed mask rows; padding rows reuse a real row (in bounds)
+        mask_rows = mask_ptr + tl.where(row_ok, tok, q_start.to(tl.int64)) * stride_mt
+
+        # Causal: new tokens after this tile's last query are invisible to all its rows, so
+        # the walk stops there. A tree row may see any earlier node, so it walks all of them.
+        if TREE:
+            end = kv_len
+        else:
+            end = ctx + tl.minimum(q0 + QT, q_len)
+        n_tiles = tl.cdiv(end, BLOCK_N)
+        per_split = tl.cdiv(n_tiles, num_splits)
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, n_tiles)
+        n_plain = ctx // BLOCK_N  # tiles wholly inside the context: no mask needed
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+        v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+        for t in range(lo, tl.minimum(hi, n_plain)):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, t * BLOCK_N, k_base, v_base, bt_row, stride_kb, stride_kt,
+                stride_vb, stride_vt, ctx, kv_len, qi, mask_rows, stride_mw, qk_scale,
+                BLOCK_N, HEAD_DIM, BLOCK_SIZE, False, TREE, IEEE)
+        for t in range(tl.maximum(lo, n_plain), hi):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, t * BLOCK_N, k_base, v_base, bt_row, stride_kb, stride_kt,
+                stride_vb, stride_vt, ctx, kv_len, qi, mask_rows, stride_mw, qk_scale,
+                BLOCK_N, HEAD_DIM, BLOCK_SIZE, True, TREE, IEEE)
+
+        # A row that saw nothing (an empty split, or a tree row with no bits) has l = 0: write
+        # 0 rather than NaN so the combine can weight it out.
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptrs = (out_ptr + split.to(tl.int64) * stride_os + tok[:, None] * stride_ot
+                  + head[:, None] * stride_oh + offs_d[None, :])
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if SPLIT:
+            lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)),
+                           float("-inf"))
+            tl.store(lse_ptr + split * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _as_count(name: str, value: object, minimum: int) -> int | None:
+    """None, or ``value`` as a Python int >= minimum (numpy integers accepted)."""
+    if value is None:
+        return None
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                  context_lens: Tensor, qo_indptr: Tensor, tree_mask: Tensor | None) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4:
+            raise ValueError(f"{name} must be [num_blocks, block_size, Hkv, D], got "
+                             f"{tuple(c.shape)}")
+        if c.stride(3) != 1:
+            raise ValueError(f"{name} must be contiguous along head_dim (stride(3) == 1)")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
+                         "differ in shape")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"q, k_cache, v_cache must share a dtype, got {q.dtype}, "
+                        f"{k_cache.dtype}, {v_cache.dtype}")
+    if q.stride(2) != 1:
+        raise ValueError("q must be contiguous along head_dim (stride(2) == 1)")
+    _, hq, d = q.shape
+    _, block_size, hkv, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"q head_dim {d} differs from the cache's {dk}")
+    if not _is_pow2(d) or d < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
+    if not _is_pow2(block_size) or block_size < 16:
+        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"Hq ({hq}) must be a multiple of Hkv ({hkv})")
+    for name, t, nd in (("block_tables", block_tables, 2), ("context_lens", context_lens, 1),
+                        ("qo_indptr", qo_indptr, 1)):
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+        if t.dim() != nd:
+            raise ValueError(f"{name} must have {nd} dims, got shape {tuple(t.shape)}")
+    num_seqs = context_lens.shape[0]
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but context_lens has "
+                         f"{num_seqs} sequences")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be contiguous along its last dim")
+    if qo_indptr.shape[0] != num_seqs + 1:
+        raise ValueError(f"qo_indptr must have B+1 = {num_seqs + 1} entries, got "
+                         f"{qo_indptr.shape[0]}")
+    if not context_lens.is_contiguous() or not qo_indptr.is_contiguous():
+        raise ValueError("context_lens and qo_indptr must be contiguous")
+    if tree_mask is not None:
+        if tree_mask.dtype != torch.int32:
+            raise TypeError(f"tree_mask must be int32 packed bits, got {tree_mask.dtype}")
+        if tree_mask.dim() != 2 or tree_mask.shape[0] != q.shape[0]:
+            raise ValueError(f"tree_mask must be [T={q.shape[0]}, num_words], got "
+                             f"{tuple(tree_mask.shape)}")
+    tensors = (k_cache, v_cache, block_tables, context_lens, qo_indptr, tree_mask)
+    for name, t in zip(("k_cache", "v_cache", "block_tables", "context_lens", "qo_indptr",
+                        "tree_mask"), tensors):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+def _tiles(max_q_len: int, group: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_M rows, QT queries per tile, BLOCK_N keys per tile)."""
+    # Rows = queries x group heads. tl.dot needs >= 16 rows; beyond 64 rows (32 at D=256) the
+    # fp32 accumulator no longer fits in registers comfortably.
+    cap = 32 if head_dim >= 256 else 64
+    block_m = min(max(16, triton.next_power_of_2(max(max_q_len, 1) * group)), cap)
+    block_m = max(block_m, triton.next_power_of_2(group))  # at least one whole query per tile
+    block_n = 32 if head_dim >= 256 else 64
+    return block_m, max(1, block_m // group), block_n
+
+
+def paged_attention(
+    q: Tensor,  # [T, Hq, D]
+    k_cache: Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: Tensor,  # [B, max_blocks] int32, -1 padded
+    context_lens: Tensor,  # [B] int32: tokens cached before this step's queries
+    qo_indptr: Tensor,  # [B+1] int32
+    tree_mask: Tensor | None,  # [T, >= ceil(max_q_len/32)] int32 packed bits; None = causal
+    scale: float,
+    *,
+    max_q_len: int | None = None,
+    num_splits: int | None = None,
+) -> Tensor:  # [T, Hq, D], dtype of q
+    """Ragged paged attention with the semantics of ``reference.paged_attention``.
+
+    ``max_q_len`` (an upper bound on every sequence's query count) avoids the device->host sync
+    that computing it needs, so a call that passes it can be captured in a CUDA graph.
+    ``num_splits`` forces the split-KV factor (default: a heuristic from shapes). A query row
+    that may see no key at all (only possible with a tree row without bits and no context)
+    yields 0 where the reference yields NaN. Output rows of tokens past ``qo_indptr[-1]`` are
+    left unwritten, as in the reference.
+    """
+    _check_inputs(q, k_cache, v_cache, block_tables, context_lens, qo_indptr, tree_mask)
+    num_tokens, hq, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    num_seqs = context_lens.shape[0]
+    group = hq // hkv
+    max_q_len = _as_count("max_q_len", max_q_len, minimum=0)
+    num_splits = _as_count("num_splits", num_splits, minimum=1)
+    if max_q_len is None or not q.is_cuda:
+        # Off CUDA the check below is free, so it also guards a caller-given max_q_len.
+        q_lens = qo_indptr[1:] - qo_indptr[:-1]  # [B]
+        true_max = int(q_lens.max()) if num_seqs else 0
+        if num_seqs and (int(q_lens.min()) < 0 or int(qo_indptr[0]) < 0
+                         or int(qo_indptr[-1]) > num_tokens):
+            raise ValueError(f"qo_indptr must be non-decreasing from >= 0 to <= T={num_tokens}")
+        if max_q_len is not None and max_q_len < true_max:
+            raise ValueError(f"max_q_len={max_q_len} is below the longest query run {true_max}")
+        max_q_len = true_max if max_q_len is None else max_q_len
+    if tree_mask is not None and tree_mask.shape[1] < (max_q_len + 31) // 32:
+        raise ValueError(f"tree_mask needs >= {(max_q_len + 31) // 32} words per row for "
+                         f"max_q_len={max_q_len}, got {tree_mask.shape[1]}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, Hq, D]
+    if num_tokens == 0 or num_seqs == 0 or max_q_len == 0:
+        return out
+    block_m, qt, block_n = _tiles(max_q_len, group, d)
+    n_q_tiles = triton.cdiv(max_q_len, qt)
+    if num_splits is None:
+        max_kv_tiles = triton.cdiv(block_tables.shape[1] * block_size, block_n)
+        num_splits = default_num_splits(q.device, num_seqs * n_q_tiles * hkv, max_kv_tiles)
+    split = num_splits > 1
+    if split:
+        part = torch.empty(num_splits, num_tokens, hq, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_splits, num_tokens, hq, dtype=torch.float32, device=q.device)
+        dst, lse_arg = part, lse  # [S, T, Hq, D], [S, T, Hq]
+        stride_os, stride_ls, stride_lt = part.stride(0), lse.stride(0), lse.stride(1)
+    else:
+        dst, lse_arg = out, out  # lse unused (SPLIT is a constexpr False)
+        stride_os, stride_ls, stride_lt = 0, 0, 0
+    mask_arg = tree_mask if tree_mask is not None else block_tables  # dummy pointer when causal
+    stride_mt = tree_mask.stride(0) if tree_mask is not None else 0
+    stride_mw = tree_mask.stride(1) if tree_mask is not None else 0
+    grid = (num_seqs * n_q_tiles, hkv, num_splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, dst, lse_arg, block_tables, context_lens, qo_indptr, mask_arg,
+        scale * _LOG2E, num_splits, n_q_tiles,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        stride_os, dst.stride(-3), dst.stride(-2), stride_ls, stride_lt,
+        block_tables.stride(0), stride_mt, stride_mw,
+        GROUP=group, QT=qt, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d,
+        BLOCK_SIZE=block_size, TREE=tree_mask is not None, SPLIT=split,
+        IEEE=q.dtype == torch.float32,
+        num_warps=4 if block_m * d <= 64 * 128 else 8,
+    )
+    if split:
+        combine_splits(part, lse, out)
+    return out
