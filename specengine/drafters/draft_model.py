@@ -55,24 +55,15 @@ def draft_uniforms(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
 
 
 def processed_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """The policy's sampling distribution, per row: ``logits [B, V] / temperature`` (> 0), then
-    top-k (``<= 0`` off; ties at the k-th value kept), then top-p on the renormalised result
-    (smallest descending prefix with mass >= top_p, ties at its last value kept)."""
-    from specengine.kernels import reference
+    """The policy's sampling distribution per row, computed as the rejection sampler computes
+    its ``p`` (``kernels.reference``: ``z = logits · (1/T)``, keep ``z >= keep_threshold``, i.e.
+    top-k then top-p with ties kept, softmax over the kept set). ``temperature`` > 0."""
+    from specengine.kernels.reference import keep_threshold
 
-    shared = getattr(reference, "processed_probs", None)
-    if shared is not None:  # the rejection sampler's own processing, when it exposes one
-        return shared(logits, temperature, top_k, top_p)
-    x = logits.float() / temperature[:, None]
-    vocab = x.shape[-1]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).long()
-    kth = x.sort(dim=-1, descending=True).values.gather(-1, k[:, None] - 1)
-    p = torch.softmax(x.masked_fill(x < kth, float("-inf")), dim=-1)
-    srt = p.sort(dim=-1, descending=True).values
-    keep = ((srt.cumsum(-1) - srt) < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    threshold = srt.gather(-1, keep.sum(-1, keepdim=True) - 1)
-    p = torch.where(p >= threshold, p, torch.zeros_like(p))
-    return p / p.sum(-1, keepdim=True)
+    z = logits.float() * temperature.reciprocal()[:, None]
+    kept = z >= keep_threshold(z, top_k, top_p)[:, None]
+    w = torch.where(kept, torch.exp(z - z.max(1, keepdim=True).values), 0.0)
+    return w / w.sum(1, keepdim=True)
 
 
 def choose_tokens(logits: Tensor, seqs: list[Sequence], positions: list[int],
