@@ -274,7 +274,7 @@ class SpecEngine:
                 )
                 if scheduled.is_prefill:
                     t0 = time.perf_counter()
-                    self._prefill(scheduled.seqs)
+                    self._prefill(scheduled.seqs, observe=k > 0)
                     prefill_s += time.perf_counter() - t0
                 else:
                     speculative_step(scheduled.seqs, k, draft_tree, self.drafter, self.runner,
@@ -309,7 +309,9 @@ class SpecEngine:
         )
         return [self._output(s) for s in seqs]
 
-    def _prefill(self, seqs: tuple[Sequence, ...]) -> None:
+    def _prefill(self, seqs: tuple[Sequence, ...], observe: bool) -> None:
+        """Prompt pass + first token; the drafter catches up only when it will draft (a k=0
+        baseline on an engine with a drafter costs exactly a plain engine's time)."""
         logits, target_out = self.runner.prefill(seqs)  # [B, V]
         empty = torch.zeros(len(seqs), 0, dtype=torch.int64, device=self.device)
         zeros = torch.zeros(len(seqs), dtype=torch.int32, device=self.device)
@@ -321,7 +323,7 @@ class SpecEngine:
             rows.append(list(range(len(seq))))
             seq.num_steps += 1
             seq.append([token], [logprob], self.config.max_model_len)
-        if self.drafter is not None:
+        if observe and self.drafter is not None:
             self.drafter.observe(seqs, target_out, rows)
 
     def _release(self, seq: Sequence) -> None:
