@@ -1,0 +1,137 @@
+"""Sampled speculative output follows exactly the policy's distribution, through the engine.
+
+For a fixed prompt P the exact joint law of the 2nd and 3rd generated tokens is
+
+    P(t2, t3) = sum_t1 p(t1 | P) p(t2 | P t1) p(t3 | P t1 t2)
+
+with p the target's processed distribution (temperature, then top-k, then top-p), computed here
+independently from the Hugging Face model. t1 comes from prefill; t2 and t3 come from the first
+speculative step (t3 from the next step when the first draft is rejected), so they go through
+drafting, verification and rejection sampling. A chi-square test compares ≥ 2·10⁴ sequences
+with that law; cells the filters exclude must never be hit.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import make_hf_model, save_checkpoint
+from scipy.stats import chisquare
+
+from specengine import SamplingParams, SpecEngine
+
+VOCAB = 16
+PROMPT = [3, 1, 4]
+NUM_SEQS = 20_000
+P_MIN = 1e-3
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature → top-k (ties at the k-th value kept) → top-p on the renormalised top-k
+    probabilities (smallest descending prefix with mass ≥ top_p, ties at its last value kept)."""
+    x = logits.double() / params.temperature
+    if params.top_k > 0:
+        kth = x.topk(min(params.top_k, x.shape[-1]), dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, _ = p.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each sorted entry
+        keep_sorted = before < params.top_p
+        last = keep_sorted.sum(-1, keepdim=True) - 1
+        threshold = sorted_p.gather(-1, last)
+        p = torch.where(p >= threshold, p, torch.zeros_like(p))
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def exact_joint(hf: torch.nn.Module, params: SamplingParams) -> np.ndarray:
+    """``[V, V]`` law of (t2, t3)."""
+    with torch.no_grad():
+        p1 = processed_probs(hf(torch.tensor([PROMPT])).logits[0, -1], params)  # [V]
+        ctx2 = torch.tensor([[*PROMPT, a] for a in range(VOCAB)])
+        p2 = processed_probs(hf(ctx2).logits[:, -1], params)  # [V(t1), V(t2)]
+        ctx3 = torch.tensor([[*PROMPT, a, b] for a in range(VOCAB) for b in range(VOCAB)])
+        p3 = processed_probs(hf(ctx3).logits[:, -1], params).view(VOCAB, VOCAB, VOCAB)
+    joint = torch.einsum("a,ab,abc->bc", p1, p2, p3)
+    return joint.numpy()
+
+
+def chi_square_p(counts: Counter, expected_probs: np.ndarray, n: int) -> float:
+    exp = expected_probs.reshape(-1) * n
+    obs = np.zeros_like(exp)
+    for (a, b), c in counts.items():
+        obs[a * VOCAB + b] = c
+    impossible = exp == 0
+    assert obs[impossible].sum() == 0, "a token outside the top-k / top-p set was emitted"
+    big = exp >= 5  # pool sparse cells so the chi-square approximation holds
+    f_obs = np.append(obs[big], obs[~big & ~impossible].sum())
+    f_exp = np.append(exp[big], exp[~big & ~impossible].sum())
+    if f_exp[-1] == 0:
+        f_obs, f_exp = f_obs[:-1], f_exp[:-1]
+    return float(chisquare(f_obs, f_exp * f_obs.sum() / f_exp.sum()).pvalue)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path, Path]:
+    # A larger init spread gives a peaked, clearly non-uniform target. The draft is the target
+    # with noise on every weight: close enough that many drafts pass, different enough that
+    # many are rejected, so both the acceptance and the residual paths are exercised.
+    hf = make_hf_model("qwen3", vocab_size=VOCAB, hidden_size=32, seed=1, init_std=0.25)
+    target = save_checkpoint(hf, tmp_path_factory.mktemp("target"))
+    draft = make_hf_model("qwen3", vocab_size=VOCAB, hidden_size=32, seed=1, init_std=0.25)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.15)
+    return hf, target, save_checkpoint(draft, tmp_path_factory.mktemp("draft"))
+
+
+def run_joint(engine: SpecEngine, params: SamplingParams, n: int, **gen_kwargs) -> Counter:
+    outs = engine.generate([PROMPT] * n, sampling=params, **gen_kwargs)
+    assert all(len(o.token_ids) == 3 for o in outs)
+    return Counter((o.token_ids[1], o.token_ids[2]) for o in outs)
+
+
+CASES = {
+    # name: (draft kind, sample drafts?, generate kwargs, sampling params)
+    "chain-sampled-draft-t1": ("model", True, dict(k=2), dict(temperature=1.0)),
+    "chain-sampled-draft-t0.7-topk-topp": ("model", True, dict(k=2),
+                                           dict(temperature=0.7, top_k=6, top_p=0.9)),
+    "tree-greedy-draft-topp": ("model", False, dict(tree=[(0,), (1,), (0, 0), (1, 0), (2,)]),
+                               dict(temperature=1.0, top_p=0.8)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculative_sampling_matches_policy(models, case: str) -> None:
+    hf, target, draft_dir = models
+    kind, sample, gen_kwargs, sp = CASES[case]
+    params = SamplingParams(max_tokens=3, **sp)
+    engine = SpecEngine(
+        target, draft=str(draft_dir) if kind == "model" else "ngram", device="cpu",
+        dtype="float32", max_model_len=32, max_batch_size=2048, kv_cache_tokens=2048 * 32,
+        seed=hash(case) % 1000, draft_options={"sample": True} if sample else None,
+    )
+    counts = run_joint(engine, params, NUM_SEQS, **gen_kwargs)
+    assert engine.stats.num_draft_tokens > 0
+    # Rejections happen (the draft differs), so the residual path is exercised too.
+    assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
+    p = chi_square_p(counts, exact_joint(hf, params), NUM_SEQS)
+    assert p > P_MIN, f"{case}: chi-square p = {p:.2e}"
+
+
+def test_chi_square_detects_a_wrong_distribution(models) -> None:
+    """The test has power: plain sampling at temperature 1.0 is rejected against the law at
+    temperature 0.8 (and accepted against its own)."""
+    hf, target, _ = models
+    engine = SpecEngine(target, device="cpu", dtype="float32", max_model_len=32,
+                        max_batch_size=2048, kv_cache_tokens=2048 * 32, seed=5)
+    counts = run_joint(engine, SamplingParams(max_tokens=3), NUM_SEQS)
+    assert chi_square_p(counts, exact_joint(hf, SamplingParams()), NUM_SEQS) > P_MIN
+    wrong = exact_joint(hf, SamplingParams(temperature=0.8))
+    assert chi_square_p(counts, wrong, NUM_SEQS) < 1e-6
