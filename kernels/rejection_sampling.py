@@ -1,0 +1,346 @@
+"""Fused lossless rejection sampling (DESIGN §6): Triton kernels + launcher.
+
+Specification and RNG counter layout: ``reference.rejection_sample``; results are identical for
+the same inputs and seeds. Two launches, no host sync (CUDA-graph capturable):
+
+1. ``_row_kernel``, one program per (request, row / tree node) that the step can reach:
+   * greedy row: 1 pass over V (argmax, max, sum of exp) — logprobs are raw log-softmax;
+   * sampled row: pass 1 (online softmax stats + min + two exponential races over all tokens:
+     plain and without the row's children's tokens); with top-k / top-p, a threshold search of
+     ~4-8 counting passes each (``threshold_search``: bisection over value space, never a sort);
+     then one last race pass only if a pass-1 winner fell outside the kept set or the row's
+     sampled draft (``draft_probs``) was rejected (residual max(p - q, 0), reads q too).
+   It stores per row the token emitted if the walk ends there and, per child, p_row(x_child).
+2. ``_walk_kernel``, one program per request: chain = first rejected draft; tree = the
+   child-by-child walk on residuals (tiny: O(N) scalar steps per accepted token).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .sampling_pass import (
+    NEG_INF,
+    acceptance_uniform,
+    final_pass,
+    first_pass,
+    greedy_pass,
+    seed_key,
+    threshold_search,
+)
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_INTS = (torch.int32, torch.int64)
+# Search-pass tile: small on GPUs (registers); large in the CPU interpreter (fewer numpy ops).
+_SBLOCK = 1024 if os.environ.get("TRITON_INTERPRET") == "1" else 128
+
+
+@triton.jit
+def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s_qb, s_qn,
+                temp_ptr, inv_t_ptr, top_k_ptr, top_p_ptr, seed_ptr, offset_ptr, parents_ptr,
+                tok_end_ptr, lp_end_ptr, p_child_ptr, lp_child_ptr, acc_ptr, N, V,
+                HAS_Q: tl.constexpr, IS_TREE: tl.constexpr, P: tl.constexpr,
+                SBLOCK: tl.constexpr, GBLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // N
+    j = pid % N
+    n = tl.minimum(tl.maximum(tl.load(num_draft_ptr + b).to(tl.int32), 0), N - 1)
+    if IS_TREE:
+        live = (j == 0) | (n > 0)
+    else:
+        live = j <= n  # rows past the bonus row are never reached
+    if live:
+        b64 = b.to(tl.int64)
+        row_ptr = logits_ptr + b64 * s_lb + j.to(tl.int64) * s_ln
+        draft_row_ptr = draft_ptr + b64 * s_db
+        q_row_ptr = q_ptr + b64 * s_qb + j.to(tl.int64) * s_qn
+        at = b64 * N
+        depth = j * 0
+        if IS_TREE:
+            node = j
+            while (node > 0) & (depth < N):
+                node = tl.load(parents_ptr + node).to(tl.int32)
+                depth += 1
+        else:
+            depth = j
+        pos = tl.load(offset_ptr + b).to(tl.int64) + depth
+        k0, k1 = seed_key(seed_ptr, b)
+        inv_t = tl.load(inv_t_ptr + b)
+        temp = tl.load(temp_ptr + b)
+        greedy = temp == 0
+        sampled = temp != 0
+        tau = NEG_INF + inv_t * 0.0
+        if greedy:
+            m, s, i1 = greedy_pass(row_ptr, V, GBLOCK)
+            i2 = i1
+            s_tau = s
+        else:
+            m, s, zmin, i1, i2 = first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j,
+                                            n, N, V, inv_t, IS_TREE)
+            s_tau = s
+            top_k = tl.load(top_k_ptr + b).to(tl.int32)
+            top_p = tl.load(top_p_ptr + b)
+            if (top_k > 0) & (top_k < V):
+                tau, s_tau = threshold_search(row_ptr, V, inv_t, m, zmin, m, s, top_k, 0.0,
+                                              False, P, SBLOCK)
+            if top_p < 1:
+                lo = tl.where(tau == NEG_INF, zmin, tau)
+                tau, s_tau = threshold_search(row_ptr, V, inv_t, m, lo, m, s_tau, 0,
+                                              top_p * s_tau, True, P, SBLOCK)
+        log_s = tl.log(s_tau)
+
+        # p_j(x_c) for each child c judged at this row; chains also decide acceptance here.
+        rejected_q = j < 0  # False
+        if IS_TREE:
+            if n > 0:
+                for c in range(1, N):
+                    if tl.load(parents_ptr + c) == j:
+                        x = tl.minimum(tl.maximum(tl.load(draft_row_ptr + c - 1), 0), V - 1)
+                        z = tl.load(row_ptr + x).to(tl.float32) * inv_t
+                        p = tl.where(z >= tau, tl.exp(z - m) / s_tau, 0.0)
+                        p = tl.where(greedy, tl.where(x == i1, 1.0, 0.0), p)
+                        tl.store(p_child_ptr + at + c, p)
+                        tl.store(lp_child_ptr + at + c, tl.where(z >= tau, z - m - log_s, NEG_INF))
+        else:
+            if j < n:
+                c = j + 1
+                x = tl.minimum(tl.maximum(tl.load(draft_row_ptr + j), 0), V - 1)
+                z = tl.load(row_ptr + x).to(tl.float32) * inv_t
+                p = tl.where(z >= tau, tl.exp(z - m) / s_tau, 0.0)
+                u = acceptance_uniform(k0, k1, pos, c)
+                # Accept iff u·q(x) <= p(x): P(accept) = min(1, p/q); a rejection is followed by
+                # a draw of norm(max(p - q, 0)), which together give exactly p (q = 1: point mass).
+                if HAS_Q:
+                    qx = tl.load(q_row_ptr + x).to(tl.float32)
+                    ok = (qx > 0) & (u * qx <= p)
+                else:
+                    ok = (p > 0) & (u <= p)
+                ok = tl.where(greedy, x == i1, ok)
+                if HAS_Q:
+                    rejected_q = sampled & (ok == 0)
+                tl.store(p_child_ptr + at + c, tl.where(greedy, tl.where(x == i1, 1.0, 0.0), p))
+                tl.store(lp_child_ptr + at + c, tl.where(z >= tau, z - m - log_s, NEG_INF))
+                tl.store(acc_ptr + at + c, ok.to(tl.int32))
+
+        # Pass-1 winners are the kept-set winners whenever they are kept (the kept set contains
+        # them); otherwise, or for a q-residual, race again over the kept set.
+        z1 = tl.load(row_ptr + tl.maximum(i1, 0)).to(tl.float32) * inv_t
+        z2 = tl.load(row_ptr + tl.maximum(i2, 0)).to(tl.float32) * inv_t
+        need = (z1 < tau) | ((i2 >= 0) & (z2 < tau)) | rejected_q
+        if need & sampled:
+            i1, i2 = final_pass(row_ptr, q_row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n,
+                                N, V, inv_t, tau, m, s_tau, rejected_q.to(tl.int32), IS_TREE)
+        tok = tl.where(i2 >= 0, i2, i1)
+        z_t = tl.load(row_ptr + tok).to(tl.float32) * inv_t
+        tl.store(tok_end_ptr + at + j, tok)
+        tl.store(lp_end_ptr + at + j, z_t - m - log_s)
+
+
+@triton.jit
+def _walk_kernel(draft_ptr, s_db, num_draft_ptr, temp_ptr, seed_ptr, offset_ptr, parents_ptr,
+                 tok_end_ptr, lp_end_ptr, p_child_ptr, lp_child_ptr, acc_ptr,
+                 out_ptr, num_acc_ptr, out_lp_ptr, row_ids_ptr, N,
+                 IS_TREE: tl.constexpr, NP2: tl.constexpr):
+    b = tl.program_id(0)
+    b64 = b.to(tl.int64)
+    at = b64 * N
+    draft_row_ptr = draft_ptr + b64 * s_db
+    n = tl.minimum(tl.maximum(tl.load(num_draft_ptr + b).to(tl.int32), 0), N - 1)
+    if IS_TREE:
+        greedy = tl.load(temp_ptr + b) == 0
+        k0, k1 = seed_key(seed_ptr, b)
+        off = tl.load(offset_ptr + b).to(tl.int64)
+        i = tl.arange(0, NP2)
+        sib_par = tl.load(parents_ptr + i, mask=(i >= 1) & (i < N), other=-2)
+        sib_tok = tl.load(draft_row_ptr + i - 1, mask=(i >= 1) & (i < N), other=-1)
+        node = b * 0
+        depth = b * 0
+        done = b * 0
+        for _step in range(0, N):
+            if done == 0:
+                found = b * 0
+                nxt = b * 0
+                mass = off.to(tl.float32) * 0.0 + 1.0  # sum of the residual r
+                if n > 0:
+                    for c in range(1, N):
+                        if (tl.load(parents_ptr + c) == node) & (found == 0):
+                            x = tl.load(draft_row_ptr + c - 1)
+                            # An earlier sibling with this token already removed it from r.
+                            dup = tl.sum(((sib_par == node) & (i < c) & (sib_tok == x))
+                                         .to(tl.int32), 0) > 0
+                            r = tl.where(dup, 0.0, tl.load(p_child_ptr + at + c))
+                            u = acceptance_uniform(k0, k1, off + depth, c)
+                            ok = (r > 0) & (greedy | (u * mass <= r))  # P = r(x) / sum(r)
+                            if ok:
+                                found = found * 0 + 1
+                                nxt = c
+                            else:
+                                mass = mass - r
+                if found != 0:
+                    tok = tl.load(draft_row_ptr + nxt - 1).to(tl.int64)
+                    lp = tl.load(lp_child_ptr + at + nxt)
+                else:
+                    tok = tl.load(tok_end_ptr + at + node).to(tl.int64)
+                    lp = tl.load(lp_end_ptr + at + node)
+                tl.store(out_ptr + at + depth, tok)
+                tl.store(out_lp_ptr + at + depth, lp)
+                tl.store(row_ids_ptr + at + depth, node)
+                if found != 0:
+                    node = nxt
+                    depth += 1
+                else:
+                    done = done * 0 + 1
+        tl.store(num_acc_ptr + b, depth)
+    else:
+        i = tl.arange(0, NP2)
+        is_draft = i < n
+        acc = tl.load(acc_ptr + at + i + 1, mask=is_draft, other=0)
+        m = tl.min(tl.where(is_draft & (acc == 0), i, n), 0)  # accepted drafts
+        x = tl.load(draft_row_ptr + i, mask=i < m, other=-1).to(tl.int64)
+        lpx = tl.load(lp_child_ptr + at + i + 1, mask=i < m, other=0.0)
+        t_end = tl.load(tok_end_ptr + at + m).to(tl.int64)
+        lp_end = tl.load(lp_end_ptr + at + m)
+        out_mask = i < N
+        tl.store(out_ptr + at + i, tl.where(i < m, x, tl.where(i == m, t_end, -1)), mask=out_mask)
+        tl.store(out_lp_ptr + at + i, tl.where(i < m, lpx, tl.where(i == m, lp_end, 0.0)),
+                 mask=out_mask)
+        tl.store(row_ids_ptr + at + i, tl.where(i <= m, i, -1), mask=out_mask)
+        tl.store(num_acc_ptr + b, m)
+
+
+def _check(cond: bool, msg: str, exc: type[Exception] = ValueError) -> None:
+    if not cond:
+        raise exc(msg)
+
+
+def _check_vec(name: str, t: Tensor, dtypes: tuple, bsz: int, device: torch.device) -> None:
+    _check(isinstance(t, Tensor), f"{name} must be a tensor, got {type(t).__name__}", TypeError)
+    _check(t.dtype in dtypes, f"{name} must have dtype in {dtypes}, got {t.dtype}", TypeError)
+    _check(tuple(t.shape) == (bsz,), f"{name} must have shape ({bsz},), got {tuple(t.shape)}")
+    _check(t.device == device, f"{name} is on {t.device} but target_logits is on {device}")
+    _check(t.is_contiguous(), f"{name} must be contiguous")
+
+
+def _validate(logits, drafts, num_draft, q, temperature, top_k, top_p, seeds, offsets, parents,
+              check_values: bool) -> None:
+    _check(isinstance(logits, Tensor), "target_logits must be a tensor", TypeError)
+    _check(logits.dim() == 3, f"target_logits must be [B, N, V], got {tuple(logits.shape)}")
+    bsz, n_rows, vocab = logits.shape
+    _check(bsz > 0 and n_rows > 0 and vocab > 0, f"empty target_logits {tuple(logits.shape)}")
+    _check(logits.dtype in _FLOATS, f"target_logits dtype {logits.dtype} not in {_FLOATS}",
+           TypeError)
+    _check(logits.stride(2) == 1, "target_logits must be contiguous along the vocabulary")
+    dev = logits.device
+    _check(isinstance(drafts, Tensor) and drafts.dtype in _INTS,
+           "draft_token_ids must be an int32/int64 tensor", TypeError)
+    _check(tuple(drafts.shape) == (bsz, n_rows - 1),
+           f"draft_token_ids must be [B, N-1] = ({bsz}, {n_rows - 1}), got {tuple(drafts.shape)}")
+    _check(drafts.device == dev, "draft_token_ids must be on the device of target_logits")
+    _check(n_rows == 1 or drafts.stride(1) == 1, "draft_token_ids must be contiguous in dim 1")
+    _check_vec("num_draft_tokens", num_draft, _INTS, bsz, dev)
+    _check_vec("temperature", temperature, (torch.float32,), bsz, dev)
+    _check_vec("top_k", top_k, _INTS, bsz, dev)
+    _check_vec("top_p", top_p, (torch.float32,), bsz, dev)
+    _check_vec("seeds", seeds, (torch.int64,), bsz, dev)
+    _check_vec("offsets", offsets, (torch.int64,), bsz, dev)
+    if q is not None:
+        _check(parents is None, "draft_probs must be None for trees (tree drafts are point masses)")
+        _check(isinstance(q, Tensor) and q.dtype in _FLOATS,
+               f"draft_probs must be a float tensor in {_FLOATS}", TypeError)
+        _check(tuple(q.shape) == (bsz, n_rows - 1, vocab),
+               f"draft_probs must be [B, N-1, V] = ({bsz}, {n_rows - 1}, {vocab}), "
+               f"got {tuple(q.shape)}")
+        _check(q.device == dev, "draft_probs must be on the device of target_logits")
+        _check(q.stride(2) == 1, "draft_probs must be contiguous along the vocabulary")
+    if parents is not None:
+        _check(isinstance(parents, Tensor) and parents.dtype in _INTS,
+               "tree_parents must be an int32/int64 tensor", TypeError)
+        _check(tuple(parents.shape) == (n_rows,),
+               f"tree_parents must have shape ({n_rows},), got {tuple(parents.shape)}")
+        _check(parents.device == dev and parents.is_contiguous(),
+               "tree_parents must be contiguous on the device of target_logits")
+    if not check_values:
+        return
+    # Value checks read device memory (one sync), so they are skipped under graph capture.
+    n = num_draft.long()
+    c = torch.arange(n_rows - 1, device=dev)
+    used = (n[:, None] > 0) if parents is not None else (c[None] < n[:, None])
+    conds = [
+        (((n >= 0) & (n <= n_rows - 1)).all(), f"num_draft_tokens must be in [0, {n_rows - 1}]"),
+        ((~used | ((drafts >= 0) & (drafts < vocab))).all(),
+         f"draft_token_ids of used drafts must be in [0, {vocab})"),
+        (((temperature >= 0) & torch.isfinite(temperature)).all(),
+         "temperature must be finite and >= 0"),
+        (((top_p > 0) & (top_p <= 1)).all(), "top_p must be in (0, 1]"),
+        ((offsets >= 0).all(), "offsets must be >= 0"),
+    ]
+    if parents is not None:
+        p = parents.long()
+        ok_par = (p[0] == -1) & ((p[1:] >= 0) & (p[1:] < c + 1)).all()
+        conds += [(ok_par, "tree_parents must have parents[0] = -1 and 0 <= parents[j] < j"),
+                  (((n == 0) | (n == n_rows - 1)).all(),
+                   f"num_draft_tokens of a tree must be 0 or N-1 = {n_rows - 1}")]
+    ok = torch.stack([cond for cond, _ in conds]).cpu()
+    for good, (_, msg) in zip(ok.tolist(), conds):
+        _check(good, msg)
+
+
+def rejection_sample(
+    target_logits: Tensor,  # [B, N, V] float32 / float16 / bfloat16
+    draft_token_ids: Tensor,  # [B, N-1] int64: chain: draft j judged by row j; tree: node j+1
+    num_draft_tokens: Tensor,  # [B] int32: chain 0..N-1; tree N-1 or 0
+    draft_probs: Tensor | None,  # [B, N-1, V] or None (point-mass drafts; always for trees)
+    temperature: Tensor,  # [B] float32, 0 = greedy
+    top_k: Tensor,  # [B] int32, <= 0 = off
+    top_p: Tensor,  # [B] float32 in (0, 1]
+    seeds: Tensor,  # [B] int64
+    offsets: Tensor,  # [B] int64
+    tree_parents: Tensor | None,  # [N] int32 or None (chain)
+    *,
+    check_values: bool | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Same contract and results as ``reference.rejection_sample``; returns (output_ids [B, N]
+    int64, num_accepted [B] int32, logprobs [B, N] float32, row_ids [B, N] int32).
+
+    ``check_values`` (default: on unless a CUDA graph is being captured) also validates values
+    (draft ids, lengths, parents, ranges), which costs one device→host sync.
+    """
+    if check_values is None:
+        check_values = not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    _validate(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temperature, top_k,
+              top_p, seeds, offsets, tree_parents, check_values)
+    bsz, n_rows, vocab = target_logits.shape
+    dev = target_logits.device
+    is_tree = tree_parents is not None
+    inv_t = torch.where(temperature == 0, torch.ones_like(temperature), temperature.reciprocal())
+    tok_end = torch.empty(bsz, n_rows, dtype=torch.int32, device=dev)
+    lp_end = torch.empty(bsz, n_rows, dtype=torch.float32, device=dev)
+    p_child = torch.empty(bsz, n_rows, dtype=torch.float32, device=dev)
+    lp_child = torch.empty(bsz, n_rows, dtype=torch.float32, device=dev)
+    acc = torch.empty(bsz, n_rows, dtype=torch.int32, device=dev)
+    out = torch.full((bsz, n_rows), -1, dtype=torch.int64, device=dev)
+    num_acc = torch.empty(bsz, dtype=torch.int32, device=dev)
+    out_lp = torch.zeros(bsz, n_rows, dtype=torch.float32, device=dev)
+    row_ids = torch.full((bsz, n_rows), -1, dtype=torch.int32, device=dev)
+    q = draft_probs if draft_probs is not None else target_logits  # dummy when unused
+    parents = tree_parents if is_tree else num_draft_tokens  # dummy when unused
+    s_db = draft_token_ids.stride(0) if n_rows > 1 else 0
+    _row_kernel[(bsz * n_rows,)](
+        target_logits, target_logits.stride(0), target_logits.stride(1),
+        draft_token_ids, s_db, num_draft_tokens, q, q.stride(0), q.stride(1),
+        temperature, inv_t, top_k, top_p, seeds, offsets, parents,
+        tok_end, lp_end, p_child, lp_child, acc, n_rows, vocab,
+        HAS_Q=draft_probs is not None, IS_TREE=is_tree, P=16, SBLOCK=_SBLOCK, GBLOCK=2048,
+        num_warps=4,
+    )
+    _walk_kernel[(bsz,)](
+        draft_token_ids, s_db, num_draft_tokens, temperature, seeds, offsets, parents,
+        tok_end, lp_end, p_child, lp_child, acc, out, num_acc, out_lp, row_ids, n_rows,
+        IS_TREE=is_tree, NP2=max(triton.next_power_of_2(n_rows), 2), num_warps=1,
+    )
+    return out, num_acc, out_lp, row_ids

@@ -1,0 +1,273 @@
+"""Triton building blocks of the rejection sampler: Philox, vocabulary passes, threshold search.
+
+Every pass streams one logits row ``[V]`` once (``4 * RNG_GROUP`` tokens per step); the random
+numbers follow ``reference.py`` bit for bit (Philox4x32-10, same counters, same conversions).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+RNG_GROUP: tl.constexpr = tl.constexpr(512)  # = reference.RNG_GROUP
+NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
+POS_INF: tl.constexpr = tl.constexpr(float("inf"))
+
+
+@triton.jit
+def philox(k0, k1, c0, c1, c2, c3):
+    """Philox4x32-10 on uint32 scalars / blocks (same rounds as ``reference.philox4x32``)."""
+    for _ in tl.static_range(10):
+        a0 = c0
+        a2 = c2
+        c0 = tl.umulhi(a2, 0xCD9E8D57) ^ c1 ^ k0
+        c2 = tl.umulhi(a0, 0xD2511F53) ^ c3 ^ k1
+        c1 = a2 * 0xCD9E8D57
+        c3 = a0 * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def seed_key(seed_ptr, b):
+    seed = tl.load(seed_ptr + b).to(tl.int64)
+    return (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+
+
+@triton.jit
+def uniform_from_bits(x):
+    """uint32 → (0, 1], 24 bits (``reference.uniform_from_bits``)."""
+    return ((x >> 8) + 1).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def acceptance_uniform(k0, k1, pos, node):
+    """u of child `node` whose token would be emitted at `pos`: counter (pos, node, 0, 0)."""
+    c0 = pos.to(tl.uint32)
+    zero = c0 * 0
+    r0, _, _, _ = philox(k0, k1, c0, (pos * 0 + node).to(tl.uint32), zero, zero)
+    return uniform_from_bits(r0)
+
+
+@triton.jit
+def excluded(lane, draft_row_ptr, parents_ptr, j, n, N, V, IS_TREE: tl.constexpr):
+    """Lanes holding the token of a child of node j (a draft judged at row j)."""
+    out = lane < 0
+    if IS_TREE:
+        if n > 0:
+            for c in range(1, N):
+                if tl.load(parents_ptr + c) == j:
+                    x = tl.load(draft_row_ptr + c - 1)
+                    out = out | (lane == x)
+    else:
+        x = tl.load(draft_row_ptr + j, mask=j < n, other=-1)
+        out = lane == tl.where(j < n, x, -1)
+    return out
+
+
+@triton.jit
+def first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t,
+               IS_TREE: tl.constexpr):
+    """Pass 1 over a sampled row: max, sum exp(z - max), min, and two unfiltered races — over
+    all tokens and over all but row j's children's tokens (its point-mass residual).
+
+    State is kept per lane and reduced once at the end (no cross-lane reduction per step)."""
+    G: tl.constexpr = RNG_GROUP
+    lane = tl.arange(0, G)
+    c0 = pos.to(tl.uint32)
+    c1 = j.to(tl.uint32)
+    c2 = c1 * 0 + 1
+    m = tl.full([G], -3.4028234663852886e38, tl.float32)
+    s = tl.zeros([G], tl.float32)
+    zmin = tl.full([G], POS_INF, tl.float32)
+    g1 = tl.full([G], NEG_INF, tl.float32)
+    g2 = g1
+    i1 = tl.full([G], -1, tl.int32)
+    i2 = i1
+    x_ex = j * 0 - 1  # token of the chain child of row j, -1 if none
+    if not IS_TREE:
+        x_ex = tl.where(j < n, tl.load(draft_row_ptr + j, mask=j < n, other=-1).to(tl.int32), -1)
+    for base in range(0, V, 4 * G):
+        # One Philox call gives 4 words: word w drives tokens base + w*G + lane.
+        r0, r1, r2, r3 = philox(k0, k1, c0, c1, c2, (base // 4 + lane).to(tl.uint32))
+        for w in tl.static_range(4):
+            at = base + w * G + lane
+            if w == 0:
+                bits = r0
+            elif w == 1:
+                bits = r1
+            elif w == 2:
+                bits = r2
+            else:
+                bits = r3
+            valid = at < V
+            z = tl.load(row_ptr + at, mask=valid, other=NEG_INF).to(tl.float32) * inv_t
+            # Online softmax per lane with one exp: e = exp(-|z - m|) rescales whichever side.
+            e = tl.exp(-tl.abs(z - m))
+            s = tl.where(z > m, s * e + 1.0, s + e)
+            m = tl.maximum(m, z)
+            zmin = tl.minimum(zmin, tl.where(valid, z, POS_INF))
+            # Gumbel form of the race argmax p_i / E_i: no normalisation, so one pass suffices.
+            u = tl.minimum((bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10,
+                           0.99999994039535522)
+            u = tl.where(u < 0.000244140625, u + 0.5 * u * u, -tl.log(1.0 - u))
+            g = z - tl.log(u)
+            i1 = tl.where(g > g1, at, i1)  # strict: the earliest (lowest) index wins ties
+            g1 = tl.maximum(g1, g)
+            if IS_TREE:
+                g = tl.where(excluded(at, draft_row_ptr, parents_ptr, j, n, N, V, True), NEG_INF, g)
+            else:
+                g = tl.where(at == x_ex, NEG_INF, g)
+            i2 = tl.where(g > g2, at, i2)
+            g2 = tl.maximum(g2, g)
+    m_row = tl.max(m, 0)
+    s_row = tl.sum(s * tl.exp(m - m_row), 0)
+    top = tl.max(g1, 0)
+    i1 = tl.min(tl.where((g1 == top) & (i1 >= 0), i1, 2147483647), 0)
+    top = tl.max(g2, 0)
+    i2 = tl.min(tl.where((g2 == top) & (i2 >= 0), i2, 2147483647), 0)
+    return m_row, s_row, tl.min(zmin, 0), tl.where(i1 == 2147483647, -1, i1), \
+        tl.where(i2 == 2147483647, -1, i2)
+
+
+@triton.jit
+def greedy_pass(row_ptr, V, BLOCK: tl.constexpr):
+    """One pass over a greedy row: argmax (lowest index), max and sum exp(logit - max)."""
+    lane = tl.arange(0, BLOCK)
+    m = tl.full([BLOCK], -3.4028234663852886e38, tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    arg = tl.full([BLOCK], -1, tl.int32)
+    for base in range(0, V, BLOCK):
+        z = tl.load(row_ptr + base + lane, mask=base + lane < V, other=NEG_INF).to(tl.float32)
+        e = tl.exp(-tl.abs(z - m))
+        s = tl.where(z > m, s * e + 1.0, s + e)
+        arg = tl.where(z > m, base + lane, arg)
+        m = tl.maximum(m, z)
+    m_row = tl.max(m, 0)
+    arg = tl.min(tl.where((m == m_row) & (arg >= 0), arg, 2147483647), 0)
+    return m_row, tl.sum(s * tl.exp(m - m_row), 0), arg
+
+
+@triton.jit
+def _ordered_key(x):
+    """float32 → int32 with the same order (negative floats have their magnitude bits flipped)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _key_to_float(k):
+    return tl.where(k >= 0, k, k ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def threshold_search(row_ptr, V, inv_t, m, lo, hi, lo_mass, need_count, need_mass,
+                     BY_MASS: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr):
+    """Largest value tau of z with crit(tau), crit(v) = #{z >= v} >= need_count (top-k) or
+    sum_{z >= v} exp(z - m) >= need_mass (top-p); returns (tau, that sum at tau).
+
+    Invariant: lo and hi are values of z with lo <= tau <= hi and crit(lo). Each iteration is
+    one pass over the row that tests P pivots spread evenly over the int32 keys of (lo, hi]
+    (the last is hi) and also records, per pivot, the nearest value of z on either side; the
+    new bracket is [first z >= last passing pivot, last z < first failing pivot]. The key range
+    shrinks P-fold per pass, so at most ceil(32 / log2 P) passes (8 for P = 16) — about
+    log_P(V) once the bracket holds few values (4-5 for V = 152k): no sort of the vocabulary.
+    """
+    piv_i = tl.arange(0, P)
+    it = 0
+    while (lo < hi) & (it < 40):
+        k_lo = _ordered_key(lo).to(tl.int64)
+        k_hi = _ordered_key(hi).to(tl.int64)
+        piv = _key_to_float((k_lo + ((k_hi - k_lo) * (piv_i + 1) + P - 1) // P).to(tl.int32))
+        cnt = tl.zeros([SBLOCK, P], tl.int32)  # per-lane partials, reduced after the pass
+        mass = tl.zeros([SBLOCK, P], tl.float32)
+        nxt = tl.full([SBLOCK, P], POS_INF, tl.float32)
+        prv = tl.full([SBLOCK, P], NEG_INF, tl.float32)
+        for base in range(0, V, SBLOCK):
+            lane = base + tl.arange(0, SBLOCK)
+            valid = lane < V
+            z = tl.load(row_ptr + lane, mask=valid, other=NEG_INF).to(tl.float32) * inv_t
+            ge = (z[:, None] >= piv[None, :]) & valid[:, None]  # [SBLOCK, P]
+            lt = (z[:, None] < piv[None, :]) & valid[:, None]
+            cnt += ge.to(tl.int32)
+            mass += tl.where(ge, tl.exp(z - m)[:, None], 0.0)
+            nxt = tl.minimum(nxt, tl.where(ge, z[:, None], POS_INF))
+            prv = tl.maximum(prv, tl.where(lt, z[:, None], NEG_INF))
+        cnt = tl.sum(cnt, 0)
+        mass = tl.sum(mass, 0)
+        nxt = tl.min(nxt, 0)
+        prv = tl.max(prv, 0)
+        if BY_MASS:
+            ok = mass >= need_mass
+        else:
+            ok = cnt >= need_count
+        n_ok = tl.sum(ok.to(tl.int32), 0)  # crit is monotone: pivots 0..n_ok-1 pass
+        last_ok = piv_i == n_ok - 1
+        lo_new = tl.max(tl.where(last_ok, nxt, NEG_INF), 0)
+        mass_new = tl.sum(tl.where(last_ok, mass, 0.0), 0)
+        hi_new = tl.max(tl.where(piv_i == n_ok, prv, NEG_INF), 0)
+        all_ok = n_ok == P
+        lo = tl.where(all_ok, hi, tl.where(n_ok > 0, lo_new, lo))
+        lo_mass = tl.where(n_ok > 0, mass_new, lo_mass)
+        hi = tl.where(all_ok, hi, hi_new)
+        it += 1
+    return lo, lo_mass
+
+
+@triton.jit
+def final_pass(row_ptr, q_row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t,
+               tau, m, s, use_q, IS_TREE: tl.constexpr):
+    """Races restricted to the kept set {z >= tau}: p itself, and the residual — p without row
+    j's children's tokens (point mass) or norm(max(p - q, 0)) (use_q). Same E as pass 1."""
+    G: tl.constexpr = RNG_GROUP
+    lane = tl.arange(0, G)
+    c0 = pos.to(tl.uint32)
+    c1 = j.to(tl.uint32)
+    c2 = c1 * 0 + 1
+    g1 = tl.full([G], NEG_INF, tl.float32)
+    g2 = g1
+    i1 = tl.full([G], -1, tl.int32)
+    i2 = i1
+    x_ex = j * 0 - 1  # token of the chain child of row j, -1 if none
+    if not IS_TREE:
+        x_ex = tl.where(j < n, tl.load(draft_row_ptr + j, mask=j < n, other=-1).to(tl.int32), -1)
+    for base in range(0, V, 4 * G):
+        r0, r1, r2, r3 = philox(k0, k1, c0, c1, c2, (base // 4 + lane).to(tl.uint32))
+        for w in tl.static_range(4):
+            at = base + w * G + lane
+            if w == 0:
+                bits = r0
+            elif w == 1:
+                bits = r1
+            elif w == 2:
+                bits = r2
+            else:
+                bits = r3
+            valid = at < V
+            z = tl.load(row_ptr + at, mask=valid, other=NEG_INF).to(tl.float32) * inv_t
+            kept = valid & (z >= tau)
+            e = tl.minimum((bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10,
+                           0.99999994039535522)
+            e = tl.where(e < 0.000244140625, e + 0.5 * e * e, -tl.log(1.0 - e))
+            g = tl.where(kept, z - tl.log(e), NEG_INF)
+            i1 = tl.where(g > g1, at, i1)
+            g1 = tl.maximum(g1, g)
+            if IS_TREE:
+                g = tl.where(excluded(at, draft_row_ptr, parents_ptr, j, n, N, V, True), NEG_INF, g)
+            else:
+                g = tl.where(at == x_ex, NEG_INF, g)
+            # use_q is 0/1: lanes < V * use_q are the valid lanes exactly when q is needed.
+            q = tl.load(q_row_ptr + at, mask=at < V * use_q, other=0.0).to(tl.float32)
+            r = tl.maximum(tl.where(kept, tl.exp(z - m) / s, 0.0) - q, 0.0)  # max(p - q, 0)
+            key = tl.where(use_q != 0, tl.where(r > 0, r / e, -1.0), g)
+            i2 = tl.where(key > g2, at, i2)
+            g2 = tl.maximum(g2, key)
+    top = tl.max(g1, 0)
+    i1 = tl.min(tl.where((g1 == top) & (i1 >= 0), i1, 2147483647), 0)
+    i1 = tl.where(i1 == 2147483647, -1, i1)
+    top2 = tl.max(g2, 0)
+    i2 = tl.min(tl.where((g2 == top2) & (i2 >= 0), i2, 2147483647), 0)
+    i2 = tl.where(i2 == 2147483647, -1, i2)
+    found = tl.where(use_q != 0, top2 > 0, i2 >= 0)
+    return i1, tl.where(found, i2, i1)
