@@ -71,7 +71,7 @@ def bench_bundled(args: argparse.Namespace) -> list[dict]:
             rows.append(dict(
                 mode="bundled", batch=batch, k=k, tokens=best.num_generated_tokens,
                 wall_s=best.wall_time_s, tokens_per_s=tps,
-                forwards_per_token=best.num_target_forwards / max(1, best.num_generated_tokens),
+                forwards_per_token=best.num_seq_steps / max(1, best.num_step_tokens),
                 mean_accepted_length=best.mean_accepted_length,
                 speedup=tps / base_tps if base_tps else None,
                 draft_s=best.time_draft_s, verify_s=best.time_verify_s,

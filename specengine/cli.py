@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
 def _run(engine: object, prompts: list, k: int, params: object, label: str) -> list:
     outs = engine.generate(prompts, k=k, sampling=params, use_tqdm=True)  # type: ignore[attr-defined]
     st = engine.stats  # type: ignore[attr-defined]
-    per_token = st.num_target_forwards / max(1, st.num_generated_tokens)
+    # per sequence: one verify (or decode) pass per step, so passes per token = 1 / tau
+    per_token = st.num_seq_steps / max(1, st.num_step_tokens)
     print(f"[{label}] {st.num_generated_tokens} tokens in {st.wall_time_s:.2f} s "
           f"({st.tokens_per_second:.1f} tok/s); mean accepted length "
           f"{st.mean_accepted_length:.2f}; target forward passes per generated token "
@@ -66,7 +67,12 @@ def generate_main(args: argparse.Namespace) -> int:
     if bundled:
         model = DEFAULT_TARGET
         if draft is None and args.k > 0:
-            draft = str(DEFAULT_DRAFT)
+            if DEFAULT_DRAFT.is_dir():
+                draft = str(DEFAULT_DRAFT)
+            else:  # the bundled EAGLE-3 head is not trained yet: say so, use n-grams
+                logging.getLogger(__name__).warning(
+                    "bundled EAGLE-3 head missing at %s; drafting with n-grams", DEFAULT_DRAFT)
+                draft = "ngram"
         if not model.is_dir():
             print(f"bundled model missing at {model}", file=sys.stderr)
             return 2
@@ -79,7 +85,7 @@ def generate_main(args: argparse.Namespace) -> int:
     if not prompts and bundled:
         from specengine.arith_task import heldout_prompts
 
-        prompts = heldout_prompts(args.num_prompts, seed=args.seed)
+        prompts = heldout_prompts(args.num_prompts)
     if not prompts:
         print("give --prompt-ids or --prompt", file=sys.stderr)
         return 2
