@@ -87,7 +87,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, P
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.15)
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     return hf, target, save_checkpoint(draft, tmp_path_factory.mktemp("draft"))
 
 
