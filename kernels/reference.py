@@ -100,7 +100,9 @@ def paged_attention(
 # --------------------------------------------------------------------------------------------
 
 
-def slot_mapping(block_tables: Tensor, seq_ids: Tensor, positions: Tensor, block_size: int) -> Tensor:
+def slot_mapping(
+    block_tables: Tensor, seq_ids: Tensor, positions: Tensor, block_size: int
+) -> Tensor:
     """Slot of token ``positions[i]`` of sequence ``seq_ids[i]``: ``[T] int64``."""
     blocks = block_tables.long()[seq_ids.long(), positions.long() // block_size]
     return blocks * block_size + positions.long() % block_size
