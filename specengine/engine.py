@@ -6,6 +6,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -308,6 +309,37 @@ class SpecEngine:
             wall_time_s=time.perf_counter() - start,
         )
         return [self._output(s) for s in seqs]
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | str | Path, *,
+                     which: str = "policy", version: int | None = None) -> int:
+        """Copy new weights (HF checkpoint names; a subset is fine) into the parameters in
+        place, all or nothing: every name, shape and dtype is checked before anything is
+        written, so a bad update raises ``CheckpointError`` and changes nothing. Storage is
+        reused (``data_ptr()`` unchanged). A directory path loads its safetensors.
+
+        The version becomes ``version`` (which must be greater than the current one) or the
+        current one + 1, and is stamped on every later output. Returns the new version.
+        """
+        if which not in ("policy", "draft"):
+            raise ValueError(f"which must be 'policy' or 'draft', got {which!r}")
+        if version is not None and version <= self.weight_version:
+            raise ValueError(f"weight version must increase: got {version}, engine is at "
+                             f"{self.weight_version}")
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("load_weights during generate: requests are still running")
+        if isinstance(named_tensors, (str, Path)):
+            named_tensors = iter_checkpoint(named_tensors)
+        if which == "policy":
+            load_named_tensors(self.model, named_tensors, strict=False,
+                               tied=tied_names(self.model))
+        else:
+            loader = getattr(self.drafter, "load_weights", None)
+            if loader is None:
+                raise ValueError(f"the engine's drafter ({type(self.drafter).__name__}) has no "
+                                 "weights to update")
+            loader(named_tensors)
+        self.weight_version = version if version is not None else self.weight_version + 1
+        return self.weight_version
 
     def _prefill(self, seqs: tuple[Sequence, ...], observe: bool) -> None:
         """Prompt pass + first token; the drafter catches up only when it will draft (a k=0

@@ -1,0 +1,63 @@
+"""In-process weight updates: in place, all or nothing, versioned."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import make_hf_model, save_checkpoint
+
+from specengine import SamplingParams, SpecEngine
+from specengine.model.config import CheckpointError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11]]
+
+
+def engine_for(path: Path, draft: str | None = None) -> SpecEngine:
+    return SpecEngine(path, draft=draft, device="cpu", dtype="float32", max_model_len=64,
+                      kv_cache_tokens=512)
+
+
+def test_update_equals_fresh_engine_in_place(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    new_hf = make_hf_model("qwen3", seed=7)
+    new_dir = save_checkpoint(new_hf, tmp_path / "new")
+    engine = engine_for(tiny_checkpoint, draft=str(tiny_checkpoint))
+    before = engine.generate(PROMPTS, sampling=GREEDY)
+    ptrs = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+    assert engine.load_weights(new_hf.state_dict().items()) == 1
+    assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == ptrs
+    fresh = engine_for(new_dir).generate(PROMPTS, sampling=GREEDY)
+    got = engine.generate(PROMPTS, sampling=GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in fresh]
+    assert [o.token_ids for o in got] != [o.token_ids for o in before]
+    assert all(o.weight_version == 1 for o in got)
+    # The draft follows: after loading the same weights it equals the target again.
+    engine.load_weights(new_dir, which="draft", version=5)
+    spec = engine.generate(PROMPTS, k=3, sampling=GREEDY)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in fresh]
+    assert engine.stats.num_accepted_tokens == engine.stats.num_draft_tokens
+    assert spec[0].weight_version == 5
+
+
+@pytest.mark.parametrize("bad", ["name", "shape", "dtype"])
+def test_bad_update_changes_nothing(tiny_checkpoint: Path, bad: str) -> None:
+    engine = engine_for(tiny_checkpoint)
+    before = engine.generate(PROMPTS, sampling=GREEDY)
+    sd = {n: p.clone() + 1.0 for n, p in make_hf_model("qwen3", seed=3).state_dict().items()}
+    if bad == "name":
+        sd["model.layers.9.mlp.up_proj.weight"] = torch.zeros(2, 2)
+    elif bad == "shape":
+        sd["model.norm.weight"] = torch.zeros(3)
+    else:
+        sd["model.norm.weight"] = torch.ones(64, dtype=torch.int32)
+    with pytest.raises(CheckpointError, match="weights do not match"):
+        engine.load_weights(sd.items())
+    assert engine.weight_version == 0
+    after = engine.generate(PROMPTS, sampling=GREEDY)
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]
+    with pytest.raises(ValueError, match="must increase"):
+        engine.load_weights([], version=0)
+    with pytest.raises(ValueError, match="no weights to update"):
+        engine.load_weights([], which="draft")
