@@ -1,0 +1,163 @@
+"""Pieces every model-based drafter shares: its KV budget, the draft token choice (greedy, or
+sampled on the drafter's own seeded stream), the chain loop and the level-by-level tree
+expansion. The drafters differ only in how one draft pass runs (``advance`` / ``run_level``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specengine.sequence import Sequence
+from specengine.tree import DraftTree
+
+if TYPE_CHECKING:
+    from specengine.engine import SpecEngine
+
+
+def _signed(c: int) -> int:
+    c %= 1 << 64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_K = tuple(_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB,
+                                 0xD6E8FEB86659FD93))
+
+
+def draft_uniforms(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
+    """``[B, V]`` uniforms in (0, 1): a counter-based hash (splitmix64 finaliser, int64
+    arithmetic wrapping) of (request seed, draft position, token id). This is the drafter's
+    own stream, independent of the target sampler's Philox draws; the same (seed, position)
+    always gives the same numbers, and no host sync is needed."""
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = seeds[:, None] * _K[0] + positions[:, None] * _K[1] + ids[None, :] * _K[3] + _K[2]
+    for shift, mul in ((30, _K[1]), (27, _K[2]), (31, 1)):
+        x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mul
+    return (((x >> 40) & 0xFFFFFF).float() + 0.5) / float(1 << 24)
+
+
+def processed_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """The policy's sampling distribution per row, computed as the rejection sampler computes
+    its ``p`` (``kernels.reference``: ``z = logits · (1/T)``, keep ``z >= keep_threshold``, i.e.
+    top-k then top-p with ties kept, softmax over the kept set). ``temperature`` > 0."""
+    from specengine.kernels.reference import keep_threshold
+
+    z = logits.float() * temperature.reciprocal()[:, None]
+    kept = z >= keep_threshold(z, top_k, top_p)[:, None]
+    w = torch.where(kept, torch.exp(z - z.max(1, keepdim=True).values), 0.0)
+    return w / w.sum(1, keepdim=True)
+
+
+def choose_tokens(logits: Tensor, seqs: list[Sequence], positions: list[int],
+                  sample: bool) -> tuple[Tensor, Tensor | None]:
+    """Draft tokens from ``logits [B, V]``: the argmax (``sample`` False, or greedy requests),
+    else a draw from :func:`processed_probs` with the request's temperature / top-k / top-p,
+    made with :func:`draft_uniforms` of (request seed, ``positions[b]``) by an exponential race
+    (``argmax q / Exp(1)`` is distributed as ``q``). Returns the tokens ``[B]`` and, when
+    sampling, the distributions they were drawn from ``[B, V]`` float32 (one-hot for greedy
+    requests)."""
+    logits = logits.float()
+    tokens = logits.argmax(-1)
+    if not sample:
+        return tokens, None
+    dev = logits.device
+    params = [s.params for s in seqs]
+    temperature = torch.tensor([p.temperature for p in params], device=dev)
+    greedy = temperature == 0
+    q = processed_probs(logits, torch.where(greedy, 1.0, temperature),
+                        torch.tensor([p.top_k for p in params], device=dev),
+                        torch.tensor([p.top_p for p in params], device=dev))
+    one_hot = torch.zeros_like(logits).scatter_(-1, tokens[:, None], 1.0)
+    q = torch.where(greedy[:, None], one_hot, q)
+    seeds = torch.tensor([_signed(s.seed) for s in seqs], dtype=torch.int64, device=dev)
+    pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+    drawn = (q / -torch.log(draft_uniforms(seeds, pos, logits.shape[-1]))).argmax(-1)
+    return torch.where(greedy, tokens, drawn), q
+
+
+def draft_kv_blocks(engine: SpecEngine, bytes_per_token: int) -> int:
+    """Blocks for a drafter's cache: as many tokens as the target's cache will hold (so the
+    draft never runs out first). On CUDA the free memory is split between both caches."""
+    from specengine.engine import CPU_KV_BUDGET_BYTES, GPU_MEMORY_UTILIZATION, MAX_K
+
+    cfg, mc = engine.config, engine.model_config
+    target_bpt = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * \
+        torch.empty(0, dtype=cfg.torch_dtype).element_size()
+    wanted = cfg.max_batch_size * (cfg.max_model_len + MAX_K + 1)
+    if cfg.kv_cache_tokens is not None:
+        tokens = cfg.kv_cache_tokens
+    elif engine.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(engine.device)
+        budget = max(free - (1 - GPU_MEMORY_UTILIZATION) * total, 0)
+        tokens = min(wanted, int(budget // (target_bpt + bytes_per_token)))
+    else:
+        tokens = min(wanted, CPU_KV_BUDGET_BYTES // target_bpt)
+    return max(1, tokens // cfg.block_size)
+
+
+def tree_level_mask(tree: DraftTree, n: int, batch: int, device: torch.device) -> Tensor:
+    """Packed mask of tree nodes ``1 .. n-1`` (the root sits in the context), per sequence."""
+    from specengine.kernels.reference import pack_tree_mask
+
+    return pack_tree_mask(tree.dense_mask[1:n, 1:n]).to(device).repeat(batch, 1)
+
+
+def run_chain(seqs: tuple[Sequence, ...], num_drafts: list[int], logits: Tensor,
+              advance: Callable[[list[int], list[int], list[int], int], Tensor], sample: bool,
+              device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """The chain loop: draft ``j`` of row ``b`` is chosen from the logits after draft ``j - 1``.
+
+    ``logits [R, V]`` are those of the rows ``b`` with ``num_drafts[b] > 0`` (in order) for
+    draft 0. ``advance(keep, rows, fed, j)`` runs one draft pass for the rows that want a
+    draft ``j`` (``keep`` indexes them in the previous ``rows``; ``fed`` are their drafts
+    ``j - 1``) and returns their logits. Returns ``ids [B, max k]`` and, when sampling, the
+    draft distributions ``[B, max k, V]``."""
+    width = max(num_drafts)
+    ids = torch.zeros(len(seqs), width, dtype=torch.int64, device=device)
+    probs = None
+    rows = [b for b, n in enumerate(num_drafts) if n > 0]
+    fed: list[int] = []
+    for j in range(width):
+        if j > 0:
+            keep = [i for i, b in enumerate(rows) if num_drafts[b] > j]
+            rows = [rows[i] for i in keep]
+            logits = advance(keep, rows, [fed[i] for i in keep], j)
+        tokens, q = choose_tokens(logits, [seqs[b] for b in rows],
+                                  [len(seqs[b]) + j for b in rows], sample)
+        if j + 1 < width:  # one host sync per draft step
+            fed = tokens.tolist()
+        sel = torch.tensor(rows, device=device)
+        ids[sel, j] = tokens
+        if q is not None:
+            if probs is None:
+                probs = torch.zeros(len(seqs), width, q.shape[-1], device=device)
+            probs[sel, j] = q
+    return ids, probs
+
+
+def expand_tree(tree: DraftTree, root_logits: Tensor,
+                run_level: Callable[[int, Tensor], Tensor],
+                compute_logits: Callable[[Tensor], Tensor]) -> Tensor:
+    """Level by level: node ``i`` of depth ``d`` is its parent's rank-``ranks[i]`` child.
+    ``run_level(n, node_ids [B, n-1])`` feeds nodes ``1 .. n-1`` (every node down to depth
+    ``d``, ancestor mask) and returns their output hidden states ``[B, n-1, H]``, whose logits
+    (``compute_logits``) rank the children of the depth-``d`` nodes. Returns the node tokens
+    ``[B, N-1]`` (root excluded)."""
+    batch = root_logits.shape[0]
+    top = {0: root_logits.topk(tree.max_rank + 1, dim=-1).indices}
+    node_ids = torch.zeros(batch, tree.num_nodes, dtype=torch.int64, device=root_logits.device)
+    for d in range(1, tree.max_depth + 1):
+        for i in np.flatnonzero(tree.depths == d):
+            node_ids[:, i] = top[int(tree.parents[i])][:, int(tree.ranks[i])]
+        if d == tree.max_depth:
+            break
+        n = int((tree.depths <= d).sum())
+        out = run_level(n, node_ids[:, 1:n])
+        for i in np.flatnonzero(tree.depths == d):
+            if (tree.parents == i).any():
+                top[int(i)] = compute_logits(out[:, i - 1]).topk(tree.max_rank + 1, -1).indices
+    return node_ids[:, 1:]

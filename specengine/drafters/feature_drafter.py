@@ -1,0 +1,172 @@
+"""Hidden-state-conditioned draft layers with their own one-layer paged KV cache (MTP, EAGLE-3).
+
+Both read, for the entry at position ``i``, features of the target at position ``i`` and the
+next token ``x_{i+1}`` (rope position ``i``); the entry's output hidden ``g_i`` gives logits
+for ``x_{i+2}``, and drafting feeds ``g_i`` back in place of the target's features of
+position ``i + 1``. Entries written with a drafted hidden are overwritten with the target's
+features once the target has verified the position. Subclasses give the module (``forward``
+/ ``compute_logits``) and :meth:`FeatureDrafter.features` (which target features it reads).
+
+KV bookkeeping per sequence: slots ``0 .. num_cached-1`` hold the entries of positions
+``0 .. num_cached-1``, written from the target's features (``num_cached = len(seq) - 1``
+after each ``observe``); ``hidden`` is ``g`` of the last one, the root of the next proposal.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from specengine.drafters.base import Drafter, DraftProposal
+from specengine.drafters.drafting import draft_kv_blocks, expand_tree, run_chain, tree_level_mask
+from specengine.kv_cache import KVCache
+from specengine.model.attention import make_attention_backend
+from specengine.model_runner import ForwardOutput, ModelRunner
+from specengine.sequence import SeqStatus, Sequence
+from specengine.tree import DraftTree
+
+if TYPE_CHECKING:
+    from specengine.engine import SpecEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FeatureState:
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # entries 0..num_cached-1 were written with the target's features
+    hidden: Tensor | None = None  # g at position num_cached - 1
+
+
+class FeatureDrafter(Drafter):
+    """Shared state / observe / propose / tree logic. ``module(input_ids, hidden, positions,
+    kv_cache, meta, backend)`` returns ``(g [T, H], [])``; ``module.compute_logits(g)`` returns
+    float32 logits over the target vocabulary (``-inf`` where the drafter cannot propose)."""
+
+    module: nn.Module
+
+    def __init__(self, engine: SpecEngine, module: nn.Module, num_kv_heads: int, head_dim: int,
+                 *, sample: bool = False) -> None:
+        cfg = engine.config
+        self.sample = bool(sample)
+        self.point_mass = not self.sample
+        self.device = engine.device
+        self.module = module.eval().requires_grad_(False)
+        bpt = 2 * num_kv_heads * head_dim * torch.empty(0, dtype=cfg.torch_dtype).element_size()
+        self.kv_cache = KVCache(draft_kv_blocks(engine, bpt), cfg.block_size, 1, num_kv_heads,
+                                head_dim, cfg.torch_dtype, self.device)
+        self.runner = ModelRunner(self.module, self.kv_cache,  # type: ignore[arg-type]
+                                  make_attention_backend(cfg.kernel_backend), self.device)
+        self._states: dict[int, FeatureState] = {}
+
+    @abstractmethod
+    def features(self, target: ForwardOutput, rows: Tensor) -> Tensor:
+        """The target features the module reads for the fed ``rows`` of a target pass."""
+
+    def drop_states(self) -> None:
+        """Forget every sequence's entries (after a weight update they are stale): the next
+        ``observe`` of a sequence rewrites them from the target's features it gets then."""
+        for st in self._states.values():
+            self.kv_cache.free(st)  # type: ignore[arg-type]
+        self._states.clear()
+
+    def release(self, seq: Sequence) -> None:
+        st = self._states.pop(seq.seq_id, None)
+        if st is not None:
+            self.kv_cache.free(st)  # type: ignore[arg-type]
+
+    @torch.inference_mode()
+    def _forward(self, states: list[FeatureState], ctx: list[int], tokens: list[list[int]],
+                 hidden: Tensor, positions: list[np.ndarray],
+                 tree_mask: Tensor | None = None) -> Tensor:
+        """One pass: entry j of sequence b (slot ``ctx[b] + j``) reads ``tokens[b][j]`` and its
+        row of ``hidden``; returns the output hidden states ``g [T, H]``."""
+        q_lens = [len(t) for t in tokens]
+        slots = [c + np.arange(n, dtype=np.int64) for c, n in zip(ctx, q_lens)]
+        meta = self.runner._metadata(states, ctx, q_lens, slots, tree_mask)  # type: ignore
+        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64,
+                           device=self.device)
+        pos = torch.from_numpy(np.concatenate(positions)).to(self.device)
+        out, _ = self.module(ids, hidden, pos, self.kv_cache.kv, meta, self.runner.backend)
+        return out
+
+    def observe(self, seqs: tuple[Sequence, ...], target: ForwardOutput,
+                accepted_rows: list[list[int]]) -> None:
+        """Write the entries of the positions the target just verified (its features of the
+        accepted rows, each with the token that followed)."""
+        live = [b for b, s in enumerate(seqs) if s.status is not SeqStatus.FINISHED]
+        if not live:
+            return
+        states, ctx, tokens, positions, rows = [], [], [], [], []
+        for b in live:
+            seq, acc = seqs[b], accepted_rows[b]
+            st = self._states.setdefault(seq.seq_id, FeatureState())
+            start = len(seq) - len(acc) - 1  # position of the first accepted row
+            if st.num_cached < start:
+                logger.debug("%s: seq %d misses entries %d..%d", type(self).__name__,
+                             seq.seq_id, st.num_cached, start)
+            self.kv_cache.ensure(st, len(seq) - 1)  # type: ignore[arg-type]
+            states.append(st)
+            ctx.append(start)
+            tokens.append(seq.token_ids[start + 1: len(seq)])
+            positions.append(np.arange(start, len(seq) - 1, dtype=np.int64))
+            rows.extend(target.qo_indptr[b] + r for r in acc)
+        feats = self.features(target, torch.tensor(rows, device=target.hidden.device))
+        out = self._forward(states, ctx, tokens, feats.to(self.device), positions)
+        ends = torch.tensor(np.cumsum([len(t) for t in tokens]) - 1, device=self.device)
+        last = out[ends]  # a copy: the states must not keep the whole pass alive
+        for i, (st, b) in enumerate(zip(states, live)):
+            st.num_cached = len(seqs[b]) - 1
+            st.hidden = last[i]
+
+    def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int],
+                tree: DraftTree | None) -> DraftProposal:
+        counts = torch.tensor(num_drafts, dtype=torch.int32)
+        rows = [b for b, n in enumerate(num_drafts) if n > 0]
+        for b in rows:  # the last proposals' entries sit after num_cached; room for k - 1 more
+            st = self._states[seqs[b].seq_id]
+            self.kv_cache.ensure(st, st.num_cached + num_drafts[b])  # type: ignore[arg-type]
+        hidden = torch.stack([self._states[seqs[b].seq_id].hidden for b in rows])  # type: ignore
+        logits = self.module.compute_logits(hidden)
+        if tree is not None:
+            ids = torch.zeros(len(seqs), max(num_drafts), dtype=torch.int64, device=self.device)
+            ids[:, : tree.num_nodes - 1] = self._propose_tree(seqs, tree, hidden, logits)
+            return DraftProposal(ids, counts, None)
+
+        def advance(keep: list[int], rows: list[int], fed: list[int], j: int) -> Tensor:
+            nonlocal hidden  # entry at position len - 2 + j: (g of the previous one, draft j-1)
+            pos = [len(seqs[b]) - 2 + j for b in rows]
+            hidden = self._forward([self._states[seqs[b].seq_id] for b in rows], pos,
+                                   [[t] for t in fed], hidden[keep],
+                                   [np.array([p], dtype=np.int64) for p in pos])
+            return self.module.compute_logits(hidden)
+
+        ids, probs = run_chain(seqs, num_drafts, logits, advance, self.sample, self.device)
+        return DraftProposal(ids, counts, probs)
+
+    def _propose_tree(self, seqs: tuple[Sequence, ...], tree: DraftTree, root_hidden: Tensor,
+                      root_logits: Tensor) -> Tensor:
+        """Level by level: each pass feeds the entries of the nodes down to depth d (ancestor
+        mask; entry of node i reads its parent's g and its own token)."""
+        states = [self._states[s.seq_id] for s in seqs]
+        batch = len(seqs)
+        ctx = [len(s) - 1 for s in seqs]
+        g = {0: root_hidden}
+
+        def run_level(n: int, node_ids: Tensor) -> Tensor:
+            parent_g = torch.stack([g[int(tree.parents[i])] for i in range(1, n)], dim=1)
+            positions = [c - 1 + tree.depths[1:n].astype(np.int64) for c in ctx]
+            out = self._forward(states, ctx, node_ids.tolist(),
+                                parent_g.reshape(batch * (n - 1), parent_g.shape[-1]), positions,
+                                tree_level_mask(tree, n, batch, self.device))
+            out = out.view(batch, n - 1, -1)
+            g.update({i: out[:, i - 1] for i in range(1, n)})
+            return out
+
+        return expand_tree(tree, root_logits, run_level, self.module.compute_logits)
