@@ -26,6 +26,8 @@ from specengine.scheduler import Scheduler
 from specengine.sequence import SeqStatus, Sequence
 from specengine.speculate import StepTimes, num_drafts_for, speculative_step
 from specengine.tree import DraftTree
+from specengine.weight_receiver import WeightReceiver, apply_shared, load_in_process
+from specengine.weight_sync import SharedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +152,9 @@ class SpecEngine:
         self._rng = random.Random(cfg.seed)
         self._next_seq_id = 0
         self.weight_version = 0
+        self._weight_receiver: WeightReceiver | None = None
+        # (which, name) of tensors a failed in-place update may have half-written.
+        self._torn_weights: set[tuple[str, str]] = set()
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------------------------
@@ -188,6 +193,9 @@ class SpecEngine:
                   | None, tree: Seq[Seq[int]] | DraftTree | None
                   ) -> tuple[list[list[int]], list[SamplingParams], DraftTree | None, int]:
         """Check the whole request before anything is scheduled (so bad input changes nothing)."""
+        if self._torn_weights:
+            raise RuntimeError(f"weights are incomplete after a failed in-place update (e.g. "
+                               f"{sorted(self._torn_weights)[0]}): apply a complete update first")
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_K:
             raise ValueError(f"k (draft length) must be an int in [0, {MAX_K}], got {k!r}")
         if isinstance(batch, (str, torch.Tensor)) or not isinstance(batch, Seq) or not batch:
@@ -310,36 +318,51 @@ class SpecEngine:
         )
         return [self._output(s) for s in seqs]
 
+    # ---- weights (DESIGN §3-4; the logic lives in specengine.weight_receiver) -------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | str | Path, *,
                      which: str = "policy", version: int | None = None) -> int:
-        """Copy new weights (HF checkpoint names; a subset is fine) into the parameters in
-        place, all or nothing: every name, shape and dtype is checked before anything is
-        written, so a bad update raises ``CheckpointError`` and changes nothing. Storage is
-        reused (``data_ptr()`` unchanged). A directory path loads its safetensors.
+        """Copy new weights (HF checkpoint names; a subset is fine; a directory path loads its
+        safetensors) into the parameters in place (``data_ptr()`` unchanged), all or
+        nothing: a bad name, shape or dtype raises ``CheckpointError`` and changes nothing.
+        The version becomes ``version`` (greater than the current one) or the current one
+        + 1, and is stamped on every later output. Returns the new version."""
+        return load_in_process(self, named_tensors, which, version)
 
-        The version becomes ``version`` (which must be greater than the current one) or the
-        current one + 1, and is stamped on every later output. Returns the new version.
-        """
-        if which not in ("policy", "draft"):
-            raise ValueError(f"which must be 'policy' or 'draft', got {which!r}")
-        if version is not None and version <= self.weight_version:
-            raise ValueError(f"weight version must increase: got {version}, engine is at "
-                             f"{self.weight_version}")
-        if self.scheduler.has_unfinished():
-            raise RuntimeError("load_weights during generate: requests are still running")
-        if isinstance(named_tensors, (str, Path)):
-            named_tensors = iter_checkpoint(named_tensors)
-        if which == "policy":
-            load_named_tensors(self.model, named_tensors, strict=False,
-                               tied=tied_names(self.model))
-        else:
-            loader = getattr(self.drafter, "load_weights", None)
-            if loader is None:
-                raise ValueError(f"the engine's drafter ({type(self.drafter).__name__}) has no "
-                                 "weights to update")
-            loader(named_tensors)
-        self.weight_version = version if version is not None else self.weight_version + 1
-        return self.weight_version
+    def init_weight_update_group(self, master_address: str, master_port: int, rank: int,
+                                 world_size: int, backend: str = "nccl",
+                                 timeout_s: float = 120.0) -> None:
+        """Join a learner's weight-sync group as ``rank`` (1..world_size-1; the learner's
+        ``WeightSender`` is rank 0). Blocks until every rank joined; ``WeightSyncError``
+        after ``timeout_s``. The process's own ``torch.distributed`` state is not touched."""
+        if self._weight_receiver is not None:
+            raise RuntimeError("already in a weight-update group: close_weight_update_group()")
+        self._weight_receiver = WeightReceiver(master_address, master_port, rank, world_size,
+                                               backend, timeout_s)
+
+    def update_weights_from_distributed(self, *, which: str = "policy", src_rank: int = 0,
+                                        staging: str = "auto") -> int:
+        """Receive one update that the sender broadcasts (call it while the learner calls
+        ``send``); returns the new version once every receiver applied it. A manifest that
+        does not fit raises ``WeightSyncError`` on both sides and changes nothing. If the
+        sender dies mid-transfer, raises within the timeout; ``staging`` (``auto``,
+        ``device``, ``host``: keep the old weights; ``none``: fail closed) says how the
+        engine avoids ever generating from a mix (see ``specengine.weight_receiver``)."""
+        if self._weight_receiver is None:
+            raise RuntimeError("no weight-update group: call init_weight_update_group first")
+        return self._weight_receiver.receive(self, which, src_rank, staging)
+
+    def update_weights_from_shared(self, handles: SharedWeights, *, which: str = "policy"
+                                   ) -> int:
+        """Copy a colocated update (``WeightSender(transport="shared").send``'s result, passed
+        through a local ``torch.multiprocessing`` queue) into the parameters: same checks,
+        atomicity and versioning. Returns the new version; the sender may then release it."""
+        return apply_shared(self, handles, which)
+
+    def close_weight_update_group(self) -> None:
+        """Leave the weight-update group (idempotent)."""
+        if self._weight_receiver is not None:
+            self._weight_receiver.close()
+            self._weight_receiver = None
 
     def _prefill(self, seqs: tuple[Sequence, ...], observe: bool) -> None:
         """Prompt pass + first token; the drafter catches up only when it will draft (a k=0

@@ -67,6 +67,59 @@ def _check_castable(name: str, src: torch.dtype, dst: torch.dtype) -> str | None
     return None
 
 
+def check_entries(
+    module: nn.Module,
+    entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
+    *,
+    strict: bool,
+    tied: dict[str, str] | None = None,
+) -> tuple[list[str], list[str]]:
+    """The one set of rules for an update of ``module``'s parameters, on metadata only.
+
+    ``entries`` are ``(checkpoint name, shape, dtype)``. Returns ``(accepted, errors)``: the
+    names to write (in order) and, per bad entry, what is wrong (unknown name, given twice,
+    shape differs, dtype not castable, and with ``strict`` every parameter not given). A name
+    in ``tied`` (an alias of another parameter, e.g. a tied ``lm_head.weight``) or ending in
+    :data:`IGNORED_SUFFIXES` is accepted silently and not written.
+    """
+    tied = tied or {}
+    params = dict(module.named_parameters(remove_duplicate=False))
+    accepted: list[str] = []
+    seen: set[str] = set()
+    errors: list[str] = []
+    for name, shape, dtype in entries:
+        if name.endswith(IGNORED_SUFFIXES) or name in tied:
+            # A tied weight is the same storage as its twin: load the twin, skip this copy.
+            continue
+        if name not in params:
+            errors.append(f"unexpected weight {name!r} (no such parameter)")
+            continue
+        if name in seen:
+            errors.append(f"weight {name!r} given twice")
+            continue
+        seen.add(name)
+        param = params[name]
+        if tuple(shape) != tuple(param.shape):
+            errors.append(f"{name}: shape {tuple(shape)} does not match the parameter's "
+                          f"{tuple(param.shape)}")
+            continue
+        bad_dtype = _check_castable(name, dtype, param.dtype)
+        if bad_dtype:
+            errors.append(bad_dtype)
+            continue
+        accepted.append(name)
+    if strict:
+        errors.extend(f"missing weight {n!r}" for n in params if n not in seen and n not in tied)
+    return accepted, errors
+
+
+def format_errors(errors: list[str]) -> str:
+    """``"weights do not match the model: <first five>"`` for an error message."""
+    shown = "; ".join(errors[:5])
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return f"weights do not match the model: {shown}{more}"
+
+
 def load_named_tensors(
     module: nn.Module,
     named_tensors: Iterable[tuple[str, Tensor]],
@@ -79,49 +132,20 @@ def load_named_tensors(
     ``tied`` maps a checkpoint name that may be absent (or is redundant) to the parameter it
     shares storage with, e.g. ``{"lm_head.weight": "model.embed_tokens.weight"}``. With
     ``strict`` every parameter must be given (a full load); otherwise a subset may be. Raises
-    :class:`CheckpointError` naming the first bad entries before anything is written. Returns
-    the names of the parameters written.
+    :class:`CheckpointError` naming the first bad entries (:func:`check_entries`) before
+    anything is written. Returns the names of the parameters written.
     """
-    tied = tied or {}
-    params = dict(module.named_parameters(remove_duplicate=False))
-    staged: dict[str, Tensor] = {}
-    errors: list[str] = []
-    for name, tensor in named_tensors:
-        if name.endswith(IGNORED_SUFFIXES):
-            continue
-        if name in tied:
-            # A tied weight is the same storage as its twin: load the twin, skip this copy.
-            continue
-        if name not in params:
-            errors.append(f"unexpected weight {name!r} (no such parameter)")
-            continue
-        if name in staged:
-            errors.append(f"weight {name!r} given twice")
-            continue
-        param = params[name]
-        if tuple(tensor.shape) != tuple(param.shape):
-            errors.append(
-                f"{name}: shape {tuple(tensor.shape)} does not match the parameter's "
-                f"{tuple(param.shape)}"
-            )
-            continue
-        bad_dtype = _check_castable(name, tensor.dtype, param.dtype)
-        if bad_dtype:
-            errors.append(bad_dtype)
-            continue
-        staged[name] = tensor
-    if strict:
-        tied_targets = set(tied.keys())
-        missing = [n for n in params if n not in staged and n not in tied_targets]
-        errors.extend(f"missing weight {n!r}" for n in missing)
+    items = list(named_tensors)
+    accepted, errors = check_entries(
+        module, ((n, tuple(t.shape), t.dtype) for n, t in items), strict=strict, tied=tied)
     if errors:
-        shown = "; ".join(errors[:5])
-        more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-        raise CheckpointError(f"weights do not match the model: {shown}{more}")
+        raise CheckpointError(format_errors(errors))
+    params = dict(module.named_parameters(remove_duplicate=False))
+    tensors = dict(items)
     with torch.no_grad():
-        for name, tensor in staged.items():
-            params[name].data.copy_(tensor.to(params[name].device))
-    return list(staged)
+        for name in accepted:
+            params[name].data.copy_(tensors[name].to(params[name].device))
+    return accepted
 
 
 def tied_names(module: nn.Module) -> dict[str, str]:

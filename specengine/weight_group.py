@@ -1,0 +1,119 @@
+"""A process group of its own for weight sync, made from a TCP rendezvous.
+
+Built directly on a ``TCPStore`` (as vLLM's stateless process group is), so neither the
+learner's nor the engine's ``torch.distributed`` default group is created, required or
+touched. Only tensor collectives are used (no ``*_object`` calls, which pickle); the errors
+of a refused update are exchanged as UTF-8 bytes in a uint8 tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from specengine.weight_protocol import WeightSyncError
+
+logger = logging.getLogger(__name__)
+
+MAX_ERROR_BYTES = 1024
+BACKENDS = ("gloo", "nccl")
+
+
+class WeightGroup:
+    """``world_size`` ranks (0: the learner, 1..: receivers) joined at ``master_address:
+    master_port`` (rank 0 hosts the store). Blocks until every rank joined, or raises
+    :class:`WeightSyncError` after ``timeout_s``; every later collective has the same limit.
+    After a transport failure the group is broken: close it and make a new one."""
+
+    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
+                 backend: str, timeout_s: float) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+            raise ValueError(f"world_size must be an int >= 2 (a sender and a receiver), got "
+                             f"{world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend='nccl' needs CUDA; use backend='gloo' on CPU")
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.timeout = timedelta(seconds=timeout_s)
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if backend == "nccl" else torch.device("cpu")
+        self.broken = False
+        try:
+            self._store = dist.TCPStore(master_address, master_port, world_size,
+                                        is_master=rank == 0, timeout=self.timeout,
+                                        wait_for_workers=True)
+            store = dist.PrefixStore("specengine/weight_sync", self._store)
+            if backend == "gloo":
+                self._pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+            else:
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = self.timeout
+                self._pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+            # One collective so that every rank has joined when the constructor returns.
+            self.allreduce(torch.zeros(1, dtype=torch.int32, device=self.device))
+        except (RuntimeError, dist.DistError) as e:  # DistStoreError, timeouts, refused
+            raise WeightSyncError(f"weight-sync rendezvous at {master_address}:{master_port} "
+                                  f"(rank {rank} of {world_size}, {backend}) failed within "
+                                  f"{timeout_s:g} s: {e}") from e
+        logger.info("weight-sync group up: rank %d of %d (%s)", rank, world_size, backend)
+
+    def _run(self, what: str, work_fn) -> None:  # noqa: ANN001
+        if self.broken:
+            raise WeightSyncError("the weight-sync group failed earlier: close it and create a "
+                                  "new one")
+        try:
+            work_fn().wait(self.timeout)
+        except (RuntimeError, dist.DistError) as e:
+            self.broken = True
+            raise WeightSyncError(f"weight-sync {what} failed (a peer died or the "
+                                  f"{self.timeout.total_seconds():g} s timeout passed): {e}"
+                                  ) from e
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """In place, from rank ``src``; ``tensor`` lives on :attr:`device`."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.timeout = src, 0, self.timeout
+        self._run("broadcast", lambda: self._pg.broadcast([tensor], opts))
+
+    def allreduce(self, tensor: torch.Tensor) -> None:
+        """Sum in place across ranks."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp, opts.timeout = dist.ReduceOp.SUM, self.timeout
+        self._run("all-reduce", lambda: self._pg.allreduce([tensor], opts))
+
+    def agree(self, error: str | None) -> list[str]:
+        """Every rank passes its error (None: fine); every rank gets all of them, as
+        ``"rank r: message"``. One all-reduce of a ``[world_size, MAX_ERROR_BYTES]`` byte
+        matrix in which each rank fills only its own row: it is the group's ok flag and
+        carries the reasons."""
+        rows = torch.zeros(self.world_size, MAX_ERROR_BYTES, dtype=torch.uint8)
+        if error:
+            raw = error.encode()[: MAX_ERROR_BYTES - 1] or b"?"
+            rows[self.rank, : len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        rows = rows.to(self.device)
+        self.allreduce(rows)
+        out = []
+        for r, row in enumerate(rows.cpu()):
+            raw = bytes(row.tolist()).rstrip(b"\0")
+            if raw:
+                out.append(f"rank {r}: {raw.decode(errors='replace')}")
+        return out
+
+    def close(self) -> None:
+        """Tear the group down (idempotent)."""
+        pg = getattr(self, "_pg", None)
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except (RuntimeError, AttributeError) as e:  # already torn down by a failure
+                logger.debug("weight-sync group shutdown: %s", e)
+        self._pg = None
+        self._store = None

@@ -1,0 +1,235 @@
+"""Engine side of weight updates: in process, over a weight-sync group, or from shared storage.
+
+Every path checks the whole update first with the one set of rules of
+:func:`specengine.model.loader.check_entries` (names known, shapes equal, dtypes castable),
+writes into the existing parameters with ``param.data.copy_`` (addresses never change), and
+bumps ``engine.weight_version`` only once the last byte is in.
+
+Atomicity over the network, where the sender may die mid-transfer (``staging``):
+
+- ``"device"`` / ``"host"``: buckets are cast into a staged copy of the updated parameters
+  (on the engine's device, or in pinned host memory) and copied into the parameters only
+  after the group agreed that every receiver holds the complete update; on failure the old
+  weights stay, whole.
+- ``"auto"`` (default): the device when it has room for the copy (plus a margin), else host.
+  A full 8B model in bf16 is a second 16 GB, which rarely fits next to the KV cache.
+- ``"none"``: no second copy; buckets are written in place and, if the transfer fails, the
+  engine fails closed: ``generate`` raises until an update covering every tensor of the
+  failed one is applied.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from specengine.model.config import CheckpointError
+from specengine.model.loader import check_entries, format_errors, iter_checkpoint, tied_names
+from specengine.weight_group import WeightGroup
+from specengine.weight_protocol import MAX_MANIFEST_BYTES, Manifest, WeightSyncError
+from specengine.weight_sync import MAGIC, SharedWeights
+
+if TYPE_CHECKING:
+    from specengine.engine import SpecEngine
+
+logger = logging.getLogger(__name__)
+
+STAGING = ("auto", "device", "host", "none")
+DEVICE_STAGING_MARGIN_BYTES = 1 << 30
+
+
+def update_target(engine: SpecEngine, which: str) -> tuple[nn.Module, dict[str, str]]:
+    """The module an update of ``which`` writes into, and its tied (aliased) names."""
+    if which == "policy":
+        return engine.model, tied_names(engine.model)
+    if which != "draft":
+        raise ValueError(f"which must be 'policy' or 'draft', got {which!r}")
+    module = getattr(engine.drafter, "module", None)
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"the engine's drafter ({type(engine.drafter).__name__}) has no "
+                         "weights to update")
+    return module, tied_names(module)
+
+
+def check_allowed(engine: SpecEngine, version: int | None) -> None:
+    """Refuse an update while requests run or when the version would not increase."""
+    if version is not None and version <= engine.weight_version:
+        raise ValueError(f"weight version must increase: got {version}, engine is at "
+                         f"{engine.weight_version}")
+    if engine.scheduler.has_unfinished():
+        raise RuntimeError("weight update during generate: requests are still running")
+
+
+def commit(engine: SpecEngine, which: str, names: Iterable[str], version: int | None) -> int:
+    """Bump the version; tensors now whole again are no longer torn. The drafter holds no
+    per-sequence state here: updates are refused while requests run and every finished or
+    aborted sequence was released."""
+    engine._torn_weights.difference_update((which, n) for n in names)
+    engine.weight_version = version if version is not None else engine.weight_version + 1
+    return engine.weight_version
+
+
+def load_in_process(engine: SpecEngine, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                    | str | Path, which: str, version: int | None) -> int:
+    """``engine.load_weights``: named tensors or a safetensors dir, all or nothing."""
+    update_target(engine, which)
+    check_allowed(engine, version)
+    if isinstance(named_tensors, (str, Path)):
+        named_tensors = iter_checkpoint(named_tensors)
+    if which == "policy":
+        from specengine.model.loader import load_named_tensors
+
+        names = load_named_tensors(engine.model, named_tensors, strict=False,
+                                   tied=tied_names(engine.model))
+    else:
+        names = engine.drafter.load_weights(named_tensors)  # type: ignore[union-attr]
+    return commit(engine, which, names, version)
+
+
+@dataclass
+class _Plan:
+    """A checked update: where each accepted tensor's bytes go."""
+
+    manifest: Manifest
+    which: str
+    params: dict[str, torch.Tensor]
+    accepted: set[str]
+    staged: dict[str, torch.Tensor] | None
+
+    def scatter(self, buf: torch.Tensor, lo: int, hi: int) -> None:
+        """Cast stream bytes ``[lo, hi)`` (in ``buf[:hi-lo]``) into their destinations."""
+        for _, entry, start, end in self.manifest.pieces(lo, hi):
+            if entry.name not in self.accepted:
+                continue  # a tied alias or an ignored key: its twin carries the data
+            dst = (self.staged or self.params)[entry.name]
+            item = entry.dtype.itemsize
+            at = entry.offset + start - lo
+            src = buf[at: at + end - start].view(entry.dtype)
+            with torch.no_grad():
+                dst.view(-1)[start // item: end // item].copy_(src)
+
+    def apply_staged(self) -> None:
+        if self.staged is not None:
+            with torch.no_grad():
+                for name, t in self.staged.items():
+                    self.params[name].copy_(t)
+            self.staged = None
+
+
+def plan_update(engine: SpecEngine, which: str, manifest: Manifest, staging: str) -> _Plan:
+    """Check ``manifest`` against the engine (raises naming the first bad entries) and
+    allocate the staging copy."""
+    if manifest.which != which:
+        raise ValueError(f"the sender sends {manifest.which!r} weights but this receiver "
+                         f"expects {which!r}")
+    module, tied = update_target(engine, which)
+    check_allowed(engine, manifest.version)
+    accepted, errors = check_entries(
+        module, ((e.name, e.shape, e.dtype) for e in manifest.entries),
+        strict=manifest.full, tied=tied)
+    if errors:
+        raise CheckpointError(format_errors(errors))
+    params = {n: p.data for n, p in module.named_parameters(remove_duplicate=False)}
+    staged = None
+    where = _staging_device(engine.device, sum(params[n].nbytes for n in accepted), staging)
+    if where is not None:
+        pin = where.type == "cpu" and engine.device.type == "cuda"
+        staged = {n: torch.empty(params[n].shape, dtype=params[n].dtype, device=where,
+                                 pin_memory=pin) for n in accepted}
+    return _Plan(manifest, which, params, set(accepted), staged)
+
+
+def _staging_device(device: torch.device, nbytes: int, staging: str) -> torch.device | None:
+    if staging == "none":
+        return None
+    if staging == "host" or device.type == "cpu":
+        return torch.device("cpu")
+    if staging == "device":
+        return device
+    free, _ = torch.cuda.mem_get_info(device)
+    return device if nbytes + DEVICE_STAGING_MARGIN_BYTES < free else torch.device("cpu")
+
+
+class WeightReceiver:
+    """An engine's membership (rank 1..world_size-1) in a weight-sync group."""
+
+    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
+                 backend: str, timeout_s: float) -> None:
+        if rank == 0:
+            raise ValueError("rank 0 is the sender (WeightSender); engines take ranks 1..")
+        self.group = WeightGroup(master_address, master_port, rank, world_size, backend,
+                                 timeout_s)
+
+    def receive(self, engine: SpecEngine, which: str, src_rank: int, staging: str) -> int:
+        """One update from ``src_rank`` (see ``engine.update_weights_from_distributed``)."""
+        if staging not in STAGING:
+            raise ValueError(f"staging must be one of {STAGING}, got {staging!r}")
+        g = self.group
+        header = torch.zeros(2, dtype=torch.int64, device=g.device)
+        g.broadcast(header, src_rank)
+        magic, size = header.tolist()
+        if magic != MAGIC or not 0 < size <= MAX_MANIFEST_BYTES:
+            g.broken = True  # out of step with the sender: nothing after this can be trusted
+            raise WeightSyncError(f"bad weight-sync header {header.tolist()}: is rank "
+                                  f"{src_rank} a WeightSender?")
+        payload = torch.empty(size, dtype=torch.uint8, device=g.device)
+        g.broadcast(payload, src_rank)
+        plan, error = None, None
+        try:
+            manifest = Manifest.from_json(payload.cpu().numpy().tobytes())
+            plan = plan_update(engine, which, manifest, staging)
+        except (ValueError, RuntimeError) as e:  # incl. WeightSyncError, out of memory
+            error = str(e)
+        errors = g.agree(error)
+        if errors or plan is None:
+            raise WeightSyncError("weight update refused, nothing changed: " + " | ".join(errors))
+        chunks = plan.manifest.chunks()
+        error = None
+        if chunks:
+            buf = torch.empty(max(hi - lo for lo, hi in chunks), dtype=torch.uint8,
+                              device=g.device)
+            for lo, hi in chunks:
+                g.broadcast(buf[: hi - lo], src_rank)  # raises if the sender died
+                if plan.staged is None:
+                    engine._torn_weights.update((which, n) for n in plan.accepted)
+                if error is None:  # keep receiving after a local failure, to stay in step
+                    try:
+                        plan.scatter(buf, lo, hi)
+                    except RuntimeError as e:
+                        error = f"copy failed: {e}"
+        errors = g.agree(error)  # the commit point: every receiver holds the whole update
+        if errors:
+            raise WeightSyncError(f"weight update v{plan.manifest.version} failed: "
+                                  + " | ".join(errors))
+        plan.apply_staged()
+        version = commit(engine, which, plan.accepted, plan.manifest.version)
+        logger.info("applied weight update v%d (%s): %d tensors", version, which,
+                    len(plan.accepted))
+        return version
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def apply_shared(engine: SpecEngine, handles: SharedWeights, which: str) -> int:
+    """``engine.update_weights_from_shared``: every bucket is present before the first write,
+    so the copy is all or nothing without staging."""
+    if not isinstance(handles, SharedWeights):
+        raise TypeError(f"handles must be SharedWeights (from WeightSender.send with "
+                        f"transport='shared'), got {type(handles).__name__}")
+    manifest = Manifest.from_json(handles.manifest)
+    chunks = manifest.chunks()
+    sizes = [b.numel() for b in handles.buckets]
+    if sizes != [hi - lo for lo, hi in chunks]:
+        raise WeightSyncError(f"shared buckets of {sizes} bytes do not match the manifest's "
+                              f"{[hi - lo for lo, hi in chunks]}")
+    plan = plan_update(engine, which, manifest, "none")
+    for (lo, hi), bucket in zip(chunks, handles.buckets):
+        plan.scatter(bucket, lo, hi)
+    return commit(engine, which, plan.accepted, manifest.version)
