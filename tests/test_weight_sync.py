@@ -1,0 +1,298 @@
+"""Weight sync between processes on CPU (gloo; shared memory for the colocated transport).
+
+The test process is the learner (``WeightSender``, rank 0) and two spawned processes are
+engines (ranks 1 and 2) that stay up for the whole module and take commands over a pipe;
+the tests that kill a sender run the engine here and the sender in a child instead.
+Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from checkpoints import make_hf_model, save_checkpoint
+
+from specengine import SamplingParams, SpecEngine
+from specengine.model.config import CheckpointError
+from specengine.weight_sync import WeightSender, WeightSyncError
+
+CTX = mp.get_context("spawn")
+WAIT_S = 90.0  # bound on any reply from a child (engine start-up included)
+GROUP_TIMEOUT_S = 60.0
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11]]
+SMALL_BUCKET = 8 << 10  # 8 KiB: many buckets, tensors split across them
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_engine(ckpt: Path, draft: Path | None = None) -> SpecEngine:
+    return SpecEngine(ckpt, draft=None if draft is None else str(draft), device="cpu",
+                      dtype="float32", max_model_len=64, kv_cache_tokens=512)
+
+
+def run(engine: SpecEngine, k: int = 0) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
+    return [(o.token_ids, o.logprobs) for o in engine.generate(PROMPTS, k=k, sampling=GREEDY)]
+
+
+def new_weights(seed: int) -> dict[str, torch.Tensor]:
+    """A fresh random state dict whose values are exact in bf16 (so a bf16 send is lossless
+    and comparable with a float32 checkpoint of the same values)."""
+    sd = make_hf_model("qwen3", seed=seed).state_dict()
+    return {n: t.bfloat16().float() for n, t in sd.items()}
+
+
+def checkpoint_of(sd: dict[str, torch.Tensor], path: Path) -> Path:
+    model = make_hf_model("qwen3")
+    model.load_state_dict(sd)
+    return save_checkpoint(model, path)
+
+
+def reply(conn: Connection) -> object:
+    assert conn.poll(WAIT_S), "child did not answer in time"
+    return conn.recv()
+
+
+# --- engine processes ----------------------------------------------------------------------
+def _engine_worker(rank: int, world_size: int, port: int, ckpt: str, conn: Connection) -> None:
+    engine = make_engine(Path(ckpt), draft=Path(ckpt))
+    ptrs = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+    engine.init_weight_update_group("127.0.0.1", port, rank, world_size, backend="gloo",
+                                    timeout_s=GROUP_TIMEOUT_S)
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "update":
+            try:
+                conn.send(("ok", engine.update_weights_from_distributed(which=args[0])))
+            except WeightSyncError as e:
+                conn.send(("error", str(e)))
+        elif cmd == "generate":
+            outs = run(engine, k=args[0])
+            full = engine.stats.num_accepted_tokens == engine.stats.num_draft_tokens
+            conn.send((outs, engine.weight_version, full))
+        elif cmd == "state":
+            same = ptrs == {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+            conn.send(({n: p.clone() for n, p in engine.model.state_dict().items()}, same))
+        else:
+            engine.close_weight_update_group()
+            conn.send("closed")
+            return
+
+
+class Engines:
+    """Two engine processes in one group with this process's sender."""
+
+    def __init__(self, ckpt: Path) -> None:
+        port = free_port()
+        self.conns, self.procs = [], []
+        for rank in (1, 2):
+            parent, child = CTX.Pipe()
+            proc = CTX.Process(target=_engine_worker, args=(rank, 3, port, str(ckpt), child),
+                               daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.sender = WeightSender("127.0.0.1", port, 3, backend="gloo",
+                                   timeout_s=GROUP_TIMEOUT_S)
+        self.version = 0
+
+    def ask(self, *cmd: object) -> list[object]:
+        for c in self.conns:
+            c.send(cmd)
+        return [reply(c) for c in self.conns]
+
+    def update(self, sd: dict[str, torch.Tensor], which: str = "policy", **kwargs: object
+               ) -> tuple[WeightSyncError | None, list[object]]:
+        """Send ``sd`` while both engines receive; the sender's error (or None) and the
+        engines' replies."""
+        for c in self.conns:
+            c.send(("update", which))
+        error = None
+        try:
+            self.sender.send(sd, self.version + 1, which=which, **kwargs)
+        except WeightSyncError as e:
+            error = e
+        replies = [reply(c) for c in self.conns]
+        if error is None:
+            self.version += 1
+        return error, replies
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.send(("close",))
+        for c, p in zip(self.conns, self.procs):
+            if c.poll(WAIT_S):
+                c.recv()
+            p.join(WAIT_S)
+            if p.is_alive():
+                p.kill()
+        self.sender.close()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint: Path) -> Iterator[Engines]:
+    e = Engines(tiny_checkpoint)
+    yield e
+    e.close()
+
+
+def test_update_equals_fresh_engine_on_both_receivers(engines: Engines, tmp_path: Path) -> None:
+    before = engines.ask("generate", 0)
+    sd = new_weights(seed=7)
+    bf16 = {n: t.bfloat16() for n, t in sd.items()}  # cast to float32 on receipt
+    error, replies = engines.update(bf16, bucket_bytes=SMALL_BUCKET, full=True)
+    assert error is None and replies == [("ok", 1), ("ok", 1)]
+    fresh = run(make_engine(checkpoint_of(sd, tmp_path / "new")))
+    after = engines.ask("generate", 0)
+    for outs, version, _ in after:
+        assert outs == fresh and version == 1  # token ids and logprobs, exactly
+    assert after[0][0] != before[0][0]
+    states = engines.ask("state")
+    for state, same_ptrs in states:
+        assert same_ptrs
+        assert all(torch.equal(state[n], sd[n]) for n in sd)
+
+
+@pytest.mark.parametrize("bad", ["unknown name", "wrong shape", "missing", "dtype"])
+def test_bad_manifest_refused_on_both_sides(engines: Engines, bad: str) -> None:
+    before = engines.ask("generate", 0)
+    version = engines.version
+    sd = {n: t + 1.0 for n, t in new_weights(seed=11).items()}
+    full = False
+    if bad == "unknown name":
+        sd["model.layers.9.mlp.up_proj.weight"], culprit = torch.zeros(2, 2), "layers.9"
+    elif bad == "wrong shape":
+        sd["model.norm.weight"], culprit = torch.zeros(3), "model.norm.weight: shape"
+    elif bad == "missing":  # a full update must hold every parameter
+        del sd["model.layers.1.mlp.down_proj.weight"]
+        full, culprit = True, "missing weight 'model.layers.1.mlp.down_proj.weight'"
+    else:
+        sd["model.norm.weight"] = torch.ones(64, dtype=torch.int32)
+        culprit = "model.norm.weight: dtype torch.int32 cannot be cast"
+    error, replies = engines.update(sd, full=full)
+    assert error is not None and culprit in str(error)
+    for status, message in replies:
+        assert status == "error" and culprit in message and "nothing changed" in message
+    assert engines.ask("generate", 0) == before
+    # The group is still usable: a good (partial) update goes through.
+    norm = {"model.norm.weight": torch.full((64,), 1.5)}
+    error, replies = engines.update(norm)
+    assert error is None and replies == [("ok", version + 1)] * 2
+
+
+def test_draft_update_keeps_speculation_lossless(engines: Engines) -> None:
+    policy = new_weights(seed=13)
+    assert engines.update(policy)[0] is None
+    (plain, _, _), _ = engines.ask("generate", 0)
+    (_, _, fully_accepted), _ = engines.ask("generate", 3)
+    assert not fully_accepted  # the draft still has the old weights
+    bad = {"model.norm.weight": torch.zeros(5)}
+    error, replies = engines.update(bad, which="draft")
+    assert error is not None and all(r[0] == "error" for r in replies)
+    error, replies = engines.update(policy, which="draft", bucket_bytes=SMALL_BUCKET, full=True)
+    assert error is None and all(r == ("ok", engines.version) for r in replies)
+    for outs, version, fully_accepted in engines.ask("generate", 3):
+        assert fully_accepted and version == engines.version
+        assert [ids for ids, _ in outs] == [ids for ids, _ in plain]
+        for (_, lp), (_, lp0) in zip(outs, plain):  # a k+1-token pass rounds differently
+            torch.testing.assert_close(torch.tensor(lp), torch.tensor(lp0))
+
+
+# --- a sender that dies mid-transfer ---------------------------------------------------------
+def _dying_sender(port: int, seed: int) -> None:
+    import specengine.weight_sync as ws
+
+    packed = [0]
+    real_pack = ws.pack
+
+    def pack_then_die(*args: object) -> None:
+        if packed[0] == 2:  # two buckets went out; die while packing the third
+            os._exit(3)
+        packed[0] += 1
+        real_pack(*args)
+
+    ws.pack = pack_then_die
+    sender = ws.WeightSender("127.0.0.1", port, 2, backend="gloo", timeout_s=GROUP_TIMEOUT_S)
+    sender.send(new_weights(seed), 1, bucket_bytes=SMALL_BUCKET)
+
+
+@pytest.mark.parametrize("staging", ["auto", "none"])
+def test_sender_dies_mid_transfer(tiny_checkpoint: Path, staging: str) -> None:
+    engine = make_engine(tiny_checkpoint)
+    before = run(engine)
+    port = free_port()
+    proc = CTX.Process(target=_dying_sender, args=(port, 5), daemon=True)
+    proc.start()
+    engine.init_weight_update_group("127.0.0.1", port, 1, 2, backend="gloo", timeout_s=20)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="failed"):
+        engine.update_weights_from_distributed(staging=staging)
+    assert time.monotonic() - start < 20 + 5
+    proc.join(WAIT_S)
+    assert proc.exitcode == 3
+    engine.close_weight_update_group()
+    assert engine.weight_version == 0
+    if staging == "auto":  # staged: the old weights are whole and in use
+        assert run(engine) == before
+        return
+    with pytest.raises(RuntimeError, match="incomplete"):  # in place: fail closed
+        run(engine)
+    sd = new_weights(5)
+    engine.load_weights(sd.items())
+    assert engine.weight_version == 1
+    assert run(engine) != before
+
+
+def test_rendezvous_times_out(tiny_checkpoint: Path) -> None:
+    engine = make_engine(tiny_checkpoint)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="rendezvous"):
+        engine.init_weight_update_group("127.0.0.1", free_port(), 1, 2, backend="gloo",
+                                        timeout_s=2)
+    assert time.monotonic() - start < 15
+    with pytest.raises(RuntimeError, match="no weight-update group"):
+        engine.update_weights_from_distributed()
+
+
+# --- colocated transport ---------------------------------------------------------------------
+def _shared_sender(queue: object, acks: object, seed: int) -> None:
+    sender = WeightSender(transport="shared")
+    sd = new_weights(seed)
+    bad = dict(sd, **{"model.norm.weight": torch.zeros(3)})
+    queue.put(sender.send(bad, 1, bucket_bytes=SMALL_BUCKET))  # type: ignore[attr-defined]
+    queue.put(sender.send({n: t.bfloat16() for n, t in sd.items()}, 2,  # type: ignore
+                          bucket_bytes=SMALL_BUCKET, full=True))
+    assert acks.get(timeout=WAIT_S) == "copied"  # type: ignore[attr-defined]
+    sender.close()
+
+
+def test_colocated_shared_transport(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    engine = make_engine(tiny_checkpoint)
+    before = run(engine)
+    ptrs = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+    queue, acks = CTX.Queue(), CTX.Queue()
+    proc = CTX.Process(target=_shared_sender, args=(queue, acks, 9), daemon=True)
+    proc.start()
+    bad, good = queue.get(timeout=WAIT_S), queue.get(timeout=WAIT_S)
+    with pytest.raises(CheckpointError, match="model.norm.weight: shape"):
+        engine.update_weights_from_shared(bad)
+    assert run(engine) == before and engine.weight_version == 0
+    assert engine.update_weights_from_shared(good) == 2
+    acks.put("copied")
+    proc.join(WAIT_S)
+    assert proc.exitcode == 0
+    fresh = run(make_engine(checkpoint_of(new_weights(9), tmp_path / "new")))
+    assert run(engine) == fresh
+    assert ptrs == {n: p.data_ptr() for n, p in engine.model.named_parameters()}
