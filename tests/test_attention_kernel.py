@@ -16,23 +16,6 @@ from specengine.kernels.attention import paged_attention
 TOL = {torch.float32: (2e-3, 2e-3), torch.float16: (2e-2, 2e-2), torch.bfloat16: (3e-2, 3e-2)}
 
 
-def random_tree(n: int, g: torch.Generator, max_depth: int = 8) -> torch.Tensor:
-    """Dense ancestor-or-self mask ``[n, n]`` of a random tree (node 0 the root, depth <= 8)."""
-    parents, depth = [-1], [0]
-    for i in range(1, n):
-        candidates = [j for j in range(i) if depth[j] < max_depth]
-        p = candidates[int(torch.randint(0, len(candidates), (1,), generator=g))]
-        parents.append(p)
-        depth.append(depth[p] + 1)
-    dense = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            dense[i, j] = True
-            j = parents[j]
-    return dense
-
-
 def make_case(ctx: list[int], q_lens: list[int], *, hq: int = 4, hkv: int = 2, d: int = 32,
               bs: int = 16, dtype: torch.dtype = torch.float32, mask: str = "causal",
               seed: int = 0, device: str = "cpu") -> tuple:
@@ -61,7 +44,7 @@ def make_case(ctx: list[int], q_lens: list[int], *, hq: int = 4, hkv: int = 2, d
         tree_mask = torch.zeros(q.shape[0], words, dtype=torch.int32)
         for b, n in enumerate(q_lens):
             if n:
-                dense = (random_tree(n, g) if mask == "tree"
+                dense = (reference.random_tree_mask(n, g, max_depth=8) if mask == "tree"
                          else torch.ones(n, n, dtype=torch.bool).tril())
                 packed = reference.pack_tree_mask(dense)
                 tree_mask[indptr[b]:indptr[b + 1], :packed.shape[1]] = packed

@@ -9,17 +9,6 @@ from specengine.kernels import reference
 from specengine.model.torch_attention import padded_paged_attention
 
 
-def random_tree_mask(n: int, g: torch.Generator) -> torch.Tensor:
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
-    dense = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            dense[i, j] = True
-            j = parents[j]
-    return reference.pack_tree_mask(dense)
-
-
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (8, 2)])
 def test_matches_reference(tree: bool, hq: int, hkv: int) -> None:
@@ -45,7 +34,7 @@ def test_matches_reference(tree: bool, hq: int, hkv: int) -> None:
         mask = torch.zeros(q.shape[0], words, dtype=torch.int32)
         for b, n in enumerate(q_lens):
             if n:
-                m = random_tree_mask(n, g)
+                m = reference.pack_tree_mask(reference.random_tree_mask(n, g))
                 mask[indptr[b]:indptr[b + 1], : m.shape[1]] = m
     args = (q, k_cache, v_cache, tables, torch.tensor(ctx, dtype=torch.int32), indptr, mask,
             d**-0.5)

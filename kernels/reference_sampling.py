@@ -1,0 +1,216 @@
+"""Plain-PyTorch specification of lossless rejection sampling (DESIGN §6).
+
+Vectorised over the batch so statistical tests can draw 1e5 rows at once; arithmetic is float32
+in the kernel's order wherever that makes results equal.
+
+Randomness: Philox4x32-10 keyed by the request seed (k0, k1 = its low, high 32 bits), counter
+(c0, c1, c2, c3) = (position, node, purpose, lane):
+
+* acceptance uniform of child node c: (offset + depth(parent(c)), c, 0, 0), word 0;
+* sampling race of row / node j: (offset + depth(j), j, 1, lane(i)), word(i) for token i,
+
+with G = RNG_GROUP: lane(i) = i // 4G * G + i % G and word(i) = i // G % 4, so one Philox call
+feeds four runs of G tokens (a quarter of the calls of one per token).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+RNG_GROUP = 512
+_U32 = 0xFFFFFFFF
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox multipliers
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
+
+
+def _mulhilo(a: Tensor, b: int) -> tuple[Tensor, Tensor]:
+    """(a * b) >> 32 and (a * b) & 0xFFFFFFFF for a, b < 2**32. The int64 product wraps modulo
+    2**64 (two's complement), which keeps all 64 bits of the unsigned product."""
+    prod = a * b
+    return (prod >> 32) & _U32, prod & _U32
+
+
+def philox4x32(seed: Tensor, c0, c1, c2, c3) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Philox4x32-10 (Salmon et al., 2011) on broadcastable int64 tensors holding uint32s."""
+    k0, k1 = seed & _U32, (seed >> 32) & _U32
+    c0, c1, c2, c3 = (torch.as_tensor(c, device=seed.device) & _U32 for c in (c0, c1, c2, c3))
+    for _ in range(10):
+        hi_a, lo_a = _mulhilo(c0, _ROUND_A)
+        hi_b, lo_b = _mulhilo(c2, _ROUND_B)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _KEY_A) & _U32, (k1 + _KEY_B) & _U32
+    return c0, c1, c2, c3
+
+
+def uniform_from_bits(x: Tensor) -> Tensor:
+    """uint32 → float32 uniform on (0, 1] (24 bits): never 0, so u·q ≤ p is never free."""
+    return ((x >> 8) + 1).float() * 2.0**-24
+
+
+def exponential_from_bits(x: Tensor) -> Tensor:
+    """uint32 → Exp(1) float32 as -log(1 - w), w = (x + ½)·2⁻³², in (0, 16.7]: never 0 or inf.
+
+    Fine steps near E = 0 matter: a token whose E is 0 would win every race. For small w,
+    -log(1 - w) = w + w²/2 + O(w³) avoids the rounding of 1 - w.
+    """
+    w = ((x.float() + 0.5) * 2.0**-32).clamp(max=1.0 - 2.0**-24)
+    return torch.where(w < 2.0**-12, w + 0.5 * w * w, -torch.log(1.0 - w))
+
+
+def race_exponentials(seeds: Tensor, positions: Tensor, node: int, vocab: int) -> Tensor:
+    """E[b, i] of the sampling race of row `node` ([B, V]); see the counter layout above."""
+    i = torch.arange(vocab, device=seeds.device)
+    lane, word = i // (4 * RNG_GROUP) * RNG_GROUP + i % RNG_GROUP, i // RNG_GROUP % 4
+    words = torch.stack(philox4x32(seeds[:, None], positions[:, None], node, 1, lane), -1)
+    return exponential_from_bits(words.gather(-1, word.expand(len(seeds), -1)[..., None])[..., 0])
+
+
+def keep_threshold(z: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """tau [B] such that temperature-scaled logits z [B, V] keep exactly {z >= tau}.
+
+    top-k keeps every z >= the k-th largest (ties kept); top-p then keeps the smallest prefix of
+    the renormalised top-k probabilities, by descending value, whose mass reaches top_p, plus
+    every tie of its last entry. Both are "z >= a value of z", so tau is one of the z.
+    """
+    vocab = z.shape[-1]
+    zs = z.sort(dim=-1, descending=True).values  # [B, V]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k.long(), vocab)
+    kth = zs.gather(1, (k - 1)[:, None])  # [B, 1]
+    w = torch.where(zs >= kth, torch.exp(zs - zs[:, :1]), 0.0)  # sorted top-k weights
+    short = w.cumsum(1) < (top_p * w.sum(1))[:, None]  # prefix entries before the mass is reached
+    tau_p = zs.gather(1, short.sum(1, keepdim=True).clamp(max=vocab - 1))
+    return torch.where((top_p < 1)[:, None], torch.maximum(tau_p, kth), kth)[:, 0]
+
+
+def _argmax_or(keys: Tensor, floor: float, fallback: Tensor) -> Tensor:
+    """Lowest index of the largest key per row, or `fallback` where no key exceeds `floor`."""
+    best = keys.max(1)
+    return torch.where(best.values > floor, keys.argmax(1), fallback)
+
+
+def rejection_sample(
+    target_logits: Tensor,  # [B, N, V] float32 / float16 / bfloat16
+    draft_token_ids: Tensor,  # [B, N-1] int: chain: draft j, judged by row j; tree: node j+1
+    num_draft_tokens: Tensor,  # [B] int: chain 0..N-1; tree N-1 or 0
+    draft_probs: Tensor | None,  # [B, N-1, V] q_j each draft was sampled from; None: point mass
+    temperature: Tensor,  # [B] float32, 0 = greedy
+    top_k: Tensor,  # [B] int, <= 0 = off
+    top_p: Tensor,  # [B] float32 in (0, 1]
+    seeds: Tensor,  # [B] int64
+    offsets: Tensor,  # [B] int64: position of the token emitted at row 0
+    tree_parents: Tensor | None,  # [N] int: parents[0] = -1, parents[j] < j; None = chain
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Lossless speculative sampling: (output_ids [B, N] int64 (-1 pad), num_accepted [B] int32,
+    logprobs [B, N] float32 (0 pad), row_ids [B, N] int32 (-1 pad)). Inputs assumed valid."""
+    bsz, n_rows, vocab = target_logits.shape
+    dev = target_logits.device
+    tree = tree_parents is not None
+    parents = tree_parents.long().tolist() if tree else list(range(-1, n_rows - 1))
+    depth = [0] * n_rows
+    for c in range(1, n_rows):
+        depth[c] = depth[parents[c]] + 1
+    n = num_draft_tokens.long()
+    # used[b, c]: node c (draft c - 1) takes part in this step.
+    c_all = torch.arange(n_rows, device=dev)
+    used = ((n[:, None] > 0) if tree else (c_all[None] <= n[:, None])) & (c_all[None] > 0)
+    drafts = torch.cat([torch.zeros_like(n[:, None]), draft_token_ids.long()], 1)  # by node
+    drafts = drafts.clamp(0, vocab - 1)
+    greedy = temperature == 0
+    inv_t = torch.where(greedy, torch.ones_like(temperature), temperature.reciprocal())
+    seeds = seeds.long()
+    rows = torch.arange(bsz, device=dev)
+
+    tok_end = torch.zeros(bsz, n_rows, dtype=torch.long, device=dev)  # emitted if the walk ends
+    lp_end = torch.zeros(bsz, n_rows, device=dev)
+    p_child = torch.zeros(bsz, n_rows, device=dev)  # p_parent(c)(x_c); greedy: 1 iff x_c = argmax
+    lp_child = torch.zeros(bsz, n_rows, device=dev)
+    acc = torch.zeros(bsz, n_rows, dtype=torch.bool, device=dev)  # chains: draft of node c passes
+    for j in range(n_rows):
+        z = target_logits[:, j].float() * inv_t[:, None]  # [B, V]
+        tau = torch.where(greedy, float("-inf"), keep_threshold(z, top_k, top_p))
+        kept = z >= tau[:, None]
+        m = z.max(1, keepdim=True).values
+        w = torch.where(kept, torch.exp(z - m), 0.0)  # unnormalised p_j
+        s = w.sum(1, keepdim=True)
+        logp = torch.where(kept, z - m - torch.log(s), float("-inf"))
+        argmax = z.argmax(1)
+        pos = offsets.long() + depth[j]
+        # Exponential race: argmax_i p_i / E_i = argmax_i z_i - log E_i is an exact draw of p.
+        e = race_exponentials(seeds, pos, j, vocab)
+        g = torch.where(kept, z - torch.log(e), float("-inf"))
+        plain = torch.where(greedy, argmax, g.argmax(1))
+        kids = [c for c in range(1, n_rows) if parents[c] == j]
+        excl = torch.zeros_like(kept)
+        for c in kids:
+            excl[rows, drafts[:, c]] |= used[:, c]
+        # All point-mass children rejected: sample p_j with their tokens removed.
+        end = _argmax_or(g.masked_fill(excl, float("-inf")), float("-inf"), plain)
+        for c in kids:
+            x = drafts[:, c : c + 1]
+            p_x = (w.gather(1, x) / s)[:, 0]
+            p_child[:, c] = torch.where(greedy, (x[:, 0] == argmax).float(), p_x)
+            lp_child[:, c] = logp.gather(1, x)[:, 0]
+            if tree:
+                continue
+            # Accept x iff u·q(x) <= p(x) (q = 1 for a point mass): P(accept) = min(1, p/q), and
+            # a rejection is followed by a draw of norm(max(p - q, 0)), which together give p.
+            u = uniform_from_bits(philox4x32(seeds, pos, c, 0, 0)[0])
+            if draft_probs is None:
+                ok = (p_child[:, c] > 0) & (u <= p_child[:, c])
+            else:
+                q = draft_probs[:, c - 1].float()
+                qx = q.gather(1, x)[:, 0]
+                ok = (qx > 0) & (u * qx <= p_child[:, c])
+                r = (w / s - q).clamp(min=0)
+                key = torch.where(r > 0, r / e, -1.0)
+                end = torch.where(ok | ~used[:, c], end, _argmax_or(key, 0.0, plain))
+            acc[:, c] = torch.where(greedy, x[:, 0] == argmax, ok)
+        tok_end[:, j] = torch.where(greedy, argmax, end)
+        lp_end[:, j] = logp.gather(1, tok_end[:, j : j + 1])[:, 0]
+
+    out = torch.full((bsz, n_rows), -1, dtype=torch.long, device=dev)
+    out_lp = torch.zeros(bsz, n_rows, device=dev)
+    row_ids = torch.full((bsz, n_rows), -1, dtype=torch.int32, device=dev)
+    if not tree:
+        fail = used & ~acc
+        num_acc = torch.where(fail.any(1), fail.float().argmax(1) - 1, n)  # first rejected - 1
+        i = c_all[None].expand(bsz, -1)
+        out = torch.where(i < num_acc[:, None], drafts.roll(-1, 1), out)
+        out_lp = torch.where(i < num_acc[:, None], lp_child.roll(-1, 1), out_lp)
+        out[rows, num_acc] = tok_end[rows, num_acc]
+        out_lp[rows, num_acc] = lp_end[rows, num_acc]
+        row_ids = torch.where(i <= num_acc[:, None], i.int(), row_ids)
+        return out, num_acc.int(), out_lp, row_ids
+
+    # Tree walk: at each node try its children in order, each as a point mass on the residual
+    # r (p_node minus earlier siblings' tokens): accept c iff u·sum(r) <= r(x_c).
+    node = torch.zeros(bsz, dtype=torch.long, device=dev)
+    done = torch.zeros(bsz, dtype=torch.bool, device=dev)
+    num_acc = torch.zeros(bsz, dtype=torch.long, device=dev)
+    # Child c is only ever tried at its parent, so its uniform's position is fixed.
+    u_child = [uniform_from_bits(philox4x32(seeds, offsets.long() + depth[max(parents[c], 0)],
+                                            c, 0, 0)[0]) for c in range(n_rows)]
+    for step in range(max(depth) + 1):  # a walk accepts at most max-depth nodes
+        found = torch.zeros_like(done)
+        nxt = torch.zeros_like(node)
+        mass = torch.ones(bsz, device=dev)  # sum(r), updated in the kernel's float32 order
+        for c in range(1, n_rows):
+            try_c = (parents[c] == node) & used[:, c] & ~found & ~done
+            dup = torch.zeros_like(done)
+            for c2 in range(1, c):
+                dup |= (parents[c2] == node) & (drafts[:, c2] == drafts[:, c])
+            r = torch.where(dup, 0.0, p_child[:, c])
+            ok = (r > 0) & (greedy | (u_child[c] * mass <= r))
+            nxt = torch.where(try_c & ok, c, nxt)
+            found |= try_c & ok
+            mass = torch.where(try_c & ~ok, mass - r, mass)
+        live = ~done
+        b, at = rows[live], torch.full_like(rows[live], step)
+        out[b, at] = torch.where(found, drafts[rows, nxt], tok_end[rows, node])[live]
+        out_lp[b, at] = torch.where(found, lp_child[rows, nxt], lp_end[rows, node])[live]
+        row_ids[b, at] = node[live].int()
+        num_acc += found.long()
+        node = torch.where(found, nxt, node)
+        done |= ~found
+    return out, num_acc.int(), out_lp, row_ids
