@@ -67,6 +67,62 @@ def excluded(lane, draft_row_ptr, parents_ptr, j, n, N, V, IS_TREE: tl.constexpr
 
 
 @triton.jit
+def exponential_from_bits(bits):
+    """uint32 → Exp(1) as -log(1 - w), w in (0, 1) (``reference.exponential_from_bits``)."""
+    w = tl.minimum((bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10, 0.99999994039535522)
+    return tl.where(w < 0.000244140625, w + 0.5 * w * w, -tl.log(1.0 - w))
+
+
+@triton.jit
+def _race_counter(pos, j):
+    """First three Philox counter words of the sampling race of row j: (pos, j, 1)."""
+    c0 = pos.to(tl.uint32)
+    c1 = j.to(tl.uint32)
+    return c0, c1, c1 * 0 + 1
+
+
+@triton.jit
+def _word(r0, r1, r2, r3, w: tl.constexpr):
+    """Word ``w`` of one Philox output: it drives tokens ``base + w * RNG_GROUP + lane``."""
+    if w == 0:
+        bits = r0
+    elif w == 1:
+        bits = r1
+    elif w == 2:
+        bits = r2
+    else:
+        bits = r3
+    return bits
+
+
+@triton.jit
+def _chain_child_token(draft_row_ptr, j, n, IS_TREE: tl.constexpr):
+    """Token of the chain draft judged at row j (row j's child), -1 if none or for trees."""
+    x_ex = j * 0 - 1
+    if not IS_TREE:
+        x_ex = tl.where(j < n, tl.load(draft_row_ptr + j, mask=j < n, other=-1).to(tl.int32), -1)
+    return x_ex
+
+
+@triton.jit
+def _drop_children(g, at, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, IS_TREE: tl.constexpr):
+    """``g`` with the lanes of row j's children's tokens set to -inf (point-mass residual)."""
+    if IS_TREE:
+        g = tl.where(excluded(at, draft_row_ptr, parents_ptr, j, n, N, V, True), NEG_INF, g)
+    else:
+        g = tl.where(at == x_ex, NEG_INF, g)
+    return g
+
+
+@triton.jit
+def _lowest_argmax(g, i):
+    """(max of the per-lane keys ``g``, lowest index ``i`` among lanes holding it, -1 if none)."""
+    top = tl.max(g, 0)
+    i = tl.min(tl.where((g == top) & (i >= 0), i, 2147483647), 0)
+    return top, tl.where(i == 2147483647, -1, i)
+
+
+@triton.jit
 def first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t,
                IS_TREE: tl.constexpr):
     """Pass 1 over a sampled row: max, sum exp(z - max), min, and two unfiltered races — over
@@ -75,9 +131,7 @@ def first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv
     State is kept per lane and reduced once at the end (no cross-lane reduction per step)."""
     G: tl.constexpr = RNG_GROUP
     lane = tl.arange(0, G)
-    c0 = pos.to(tl.uint32)
-    c1 = j.to(tl.uint32)
-    c2 = c1 * 0 + 1
+    c0, c1, c2 = _race_counter(pos, j)
     m = tl.full([G], -3.4028234663852886e38, tl.float32)
     s = tl.zeros([G], tl.float32)
     zmin = tl.full([G], POS_INF, tl.float32)
@@ -85,22 +139,12 @@ def first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv
     g2 = g1
     i1 = tl.full([G], -1, tl.int32)
     i2 = i1
-    x_ex = j * 0 - 1  # token of the chain child of row j, -1 if none
-    if not IS_TREE:
-        x_ex = tl.where(j < n, tl.load(draft_row_ptr + j, mask=j < n, other=-1).to(tl.int32), -1)
+    x_ex = _chain_child_token(draft_row_ptr, j, n, IS_TREE)
     for base in range(0, V, 4 * G):
         # One Philox call gives 4 words: word w drives tokens base + w*G + lane.
         r0, r1, r2, r3 = philox(k0, k1, c0, c1, c2, (base // 4 + lane).to(tl.uint32))
         for w in tl.static_range(4):
             at = base + w * G + lane
-            if w == 0:
-                bits = r0
-            elif w == 1:
-                bits = r1
-            elif w == 2:
-                bits = r2
-            else:
-                bits = r3
             valid = at < V
             z = tl.load(row_ptr + at, mask=valid, other=NEG_INF).to(tl.float32) * inv_t
             # Online softmax per lane with one exp: e = exp(-|z - m|) rescales whichever side.
@@ -109,26 +153,17 @@ def first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv
             m = tl.maximum(m, z)
             zmin = tl.minimum(zmin, tl.where(valid, z, POS_INF))
             # Gumbel form of the race argmax p_i / E_i: no normalisation, so one pass suffices.
-            u = tl.minimum((bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10,
-                           0.99999994039535522)
-            u = tl.where(u < 0.000244140625, u + 0.5 * u * u, -tl.log(1.0 - u))
-            g = z - tl.log(u)
+            g = z - tl.log(exponential_from_bits(_word(r0, r1, r2, r3, w)))
             i1 = tl.where(g > g1, at, i1)  # strict: the earliest (lowest) index wins ties
             g1 = tl.maximum(g1, g)
-            if IS_TREE:
-                g = tl.where(excluded(at, draft_row_ptr, parents_ptr, j, n, N, V, True), NEG_INF, g)
-            else:
-                g = tl.where(at == x_ex, NEG_INF, g)
+            g = _drop_children(g, at, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, IS_TREE)
             i2 = tl.where(g > g2, at, i2)
             g2 = tl.maximum(g2, g)
     m_row = tl.max(m, 0)
     s_row = tl.sum(s * tl.exp(m - m_row), 0)
-    top = tl.max(g1, 0)
-    i1 = tl.min(tl.where((g1 == top) & (i1 >= 0), i1, 2147483647), 0)
-    top = tl.max(g2, 0)
-    i2 = tl.min(tl.where((g2 == top) & (i2 >= 0), i2, 2147483647), 0)
-    return m_row, s_row, tl.min(zmin, 0), tl.where(i1 == 2147483647, -1, i1), \
-        tl.where(i2 == 2147483647, -1, i2)
+    _, i1 = _lowest_argmax(g1, i1)
+    _, i2 = _lowest_argmax(g2, i2)
+    return m_row, s_row, tl.min(zmin, 0), i1, i2
 
 
 @triton.jit
@@ -222,52 +257,31 @@ def final_pass(row_ptr, q_row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n
     j's children's tokens (point mass) or norm(max(p - q, 0)) (use_q). Same E as pass 1."""
     G: tl.constexpr = RNG_GROUP
     lane = tl.arange(0, G)
-    c0 = pos.to(tl.uint32)
-    c1 = j.to(tl.uint32)
-    c2 = c1 * 0 + 1
+    c0, c1, c2 = _race_counter(pos, j)
     g1 = tl.full([G], NEG_INF, tl.float32)
     g2 = g1
     i1 = tl.full([G], -1, tl.int32)
     i2 = i1
-    x_ex = j * 0 - 1  # token of the chain child of row j, -1 if none
-    if not IS_TREE:
-        x_ex = tl.where(j < n, tl.load(draft_row_ptr + j, mask=j < n, other=-1).to(tl.int32), -1)
+    x_ex = _chain_child_token(draft_row_ptr, j, n, IS_TREE)
     for base in range(0, V, 4 * G):
         r0, r1, r2, r3 = philox(k0, k1, c0, c1, c2, (base // 4 + lane).to(tl.uint32))
         for w in tl.static_range(4):
             at = base + w * G + lane
-            if w == 0:
-                bits = r0
-            elif w == 1:
-                bits = r1
-            elif w == 2:
-                bits = r2
-            else:
-                bits = r3
             valid = at < V
             z = tl.load(row_ptr + at, mask=valid, other=NEG_INF).to(tl.float32) * inv_t
             kept = valid & (z >= tau)
-            e = tl.minimum((bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10,
-                           0.99999994039535522)
-            e = tl.where(e < 0.000244140625, e + 0.5 * e * e, -tl.log(1.0 - e))
+            e = exponential_from_bits(_word(r0, r1, r2, r3, w))
             g = tl.where(kept, z - tl.log(e), NEG_INF)
             i1 = tl.where(g > g1, at, i1)
             g1 = tl.maximum(g1, g)
-            if IS_TREE:
-                g = tl.where(excluded(at, draft_row_ptr, parents_ptr, j, n, N, V, True), NEG_INF, g)
-            else:
-                g = tl.where(at == x_ex, NEG_INF, g)
+            g = _drop_children(g, at, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, IS_TREE)
             # use_q is 0/1: lanes < V * use_q are the valid lanes exactly when q is needed.
             q = tl.load(q_row_ptr + at, mask=at < V * use_q, other=0.0).to(tl.float32)
             r = tl.maximum(tl.where(kept, tl.exp(z - m) / s, 0.0) - q, 0.0)  # max(p - q, 0)
             key = tl.where(use_q != 0, tl.where(r > 0, r / e, -1.0), g)
             i2 = tl.where(key > g2, at, i2)
             g2 = tl.maximum(g2, key)
-    top = tl.max(g1, 0)
-    i1 = tl.min(tl.where((g1 == top) & (i1 >= 0), i1, 2147483647), 0)
-    i1 = tl.where(i1 == 2147483647, -1, i1)
-    top2 = tl.max(g2, 0)
-    i2 = tl.min(tl.where((g2 == top2) & (i2 >= 0), i2, 2147483647), 0)
-    i2 = tl.where(i2 == 2147483647, -1, i2)
+    _, i1 = _lowest_argmax(g1, i1)
+    top2, i2 = _lowest_argmax(g2, i2)
     found = tl.where(use_q != 0, top2 > 0, i2 >= 0)
     return i1, tl.where(found, i2, i1)
