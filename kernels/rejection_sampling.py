@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .sampling_checks import validate_inputs
 from .sampling_pass import (
     NEG_INF,
     acceptance_uniform,
@@ -34,8 +35,6 @@ from .sampling_pass import (
     threshold_search,
 )
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_INTS = (torch.int32, torch.int64)
 # Search-pass tile: small on GPUs (registers); large in the CPU interpreter (fewer numpy ops).
 _SBLOCK = 1024 if os.environ.get("TRITON_INTERPRET") == "1" else 128
 
@@ -213,83 +212,6 @@ def _walk_kernel(draft_ptr, s_db, num_draft_ptr, temp_ptr, seed_ptr, offset_ptr,
         tl.store(num_acc_ptr + b, m)
 
 
-def _check(cond: bool, msg: str, exc: type[Exception] = ValueError) -> None:
-    if not cond:
-        raise exc(msg)
-
-
-def _check_vec(name: str, t: Tensor, dtypes: tuple, bsz: int, device: torch.device) -> None:
-    _check(isinstance(t, Tensor), f"{name} must be a tensor, got {type(t).__name__}", TypeError)
-    _check(t.dtype in dtypes, f"{name} must have dtype in {dtypes}, got {t.dtype}", TypeError)
-    _check(tuple(t.shape) == (bsz,), f"{name} must have shape ({bsz},), got {tuple(t.shape)}")
-    _check(t.device == device, f"{name} is on {t.device} but target_logits is on {device}")
-    _check(t.is_contiguous(), f"{name} must be contiguous")
-
-
-def _validate(logits, drafts, num_draft, q, temperature, top_k, top_p, seeds, offsets, parents,
-              check_values: bool) -> None:
-    _check(isinstance(logits, Tensor), "target_logits must be a tensor", TypeError)
-    _check(logits.dim() == 3, f"target_logits must be [B, N, V], got {tuple(logits.shape)}")
-    bsz, n_rows, vocab = logits.shape
-    _check(bsz > 0 and n_rows > 0 and vocab > 0, f"empty target_logits {tuple(logits.shape)}")
-    _check(logits.dtype in _FLOATS, f"target_logits dtype {logits.dtype} not in {_FLOATS}",
-           TypeError)
-    _check(logits.stride(2) == 1, "target_logits must be contiguous along the vocabulary")
-    dev = logits.device
-    _check(isinstance(drafts, Tensor) and drafts.dtype in _INTS,
-           "draft_token_ids must be an int32/int64 tensor", TypeError)
-    _check(tuple(drafts.shape) == (bsz, n_rows - 1),
-           f"draft_token_ids must be [B, N-1] = ({bsz}, {n_rows - 1}), got {tuple(drafts.shape)}")
-    _check(drafts.device == dev, "draft_token_ids must be on the device of target_logits")
-    _check(n_rows == 1 or drafts.stride(1) == 1, "draft_token_ids must be contiguous in dim 1")
-    _check_vec("num_draft_tokens", num_draft, _INTS, bsz, dev)
-    _check_vec("temperature", temperature, (torch.float32,), bsz, dev)
-    _check_vec("top_k", top_k, _INTS, bsz, dev)
-    _check_vec("top_p", top_p, (torch.float32,), bsz, dev)
-    _check_vec("seeds", seeds, (torch.int64,), bsz, dev)
-    _check_vec("offsets", offsets, (torch.int64,), bsz, dev)
-    if q is not None:
-        _check(parents is None, "draft_probs must be None for trees (tree drafts are point masses)")
-        _check(isinstance(q, Tensor) and q.dtype in _FLOATS,
-               f"draft_probs must be a float tensor in {_FLOATS}", TypeError)
-        _check(tuple(q.shape) == (bsz, n_rows - 1, vocab),
-               f"draft_probs must be [B, N-1, V] = ({bsz}, {n_rows - 1}, {vocab}), "
-               f"got {tuple(q.shape)}")
-        _check(q.device == dev, "draft_probs must be on the device of target_logits")
-        _check(q.stride(2) == 1, "draft_probs must be contiguous along the vocabulary")
-    if parents is not None:
-        _check(isinstance(parents, Tensor) and parents.dtype in _INTS,
-               "tree_parents must be an int32/int64 tensor", TypeError)
-        _check(tuple(parents.shape) == (n_rows,),
-               f"tree_parents must have shape ({n_rows},), got {tuple(parents.shape)}")
-        _check(parents.device == dev and parents.is_contiguous(),
-               "tree_parents must be contiguous on the device of target_logits")
-    if not check_values:
-        return
-    # Value checks read device memory (one sync), so they are skipped under graph capture.
-    n = num_draft.long()
-    c = torch.arange(n_rows - 1, device=dev)
-    used = (n[:, None] > 0) if parents is not None else (c[None] < n[:, None])
-    conds = [
-        (((n >= 0) & (n <= n_rows - 1)).all(), f"num_draft_tokens must be in [0, {n_rows - 1}]"),
-        ((~used | ((drafts >= 0) & (drafts < vocab))).all(),
-         f"draft_token_ids of used drafts must be in [0, {vocab})"),
-        (((temperature >= 0) & torch.isfinite(temperature)).all(),
-         "temperature must be finite and >= 0"),
-        (((top_p > 0) & (top_p <= 1)).all(), "top_p must be in (0, 1]"),
-        ((offsets >= 0).all(), "offsets must be >= 0"),
-    ]
-    if parents is not None:
-        p = parents.long()
-        ok_par = (p[0] == -1) & ((p[1:] >= 0) & (p[1:] < c + 1)).all()
-        conds += [(ok_par, "tree_parents must have parents[0] = -1 and 0 <= parents[j] < j"),
-                  (((n == 0) | (n == n_rows - 1)).all(),
-                   f"num_draft_tokens of a tree must be 0 or N-1 = {n_rows - 1}")]
-    ok = torch.stack([cond for cond, _ in conds]).cpu()
-    for good, (_, msg) in zip(ok.tolist(), conds):
-        _check(good, msg)
-
-
 def rejection_sample(
     target_logits: Tensor,  # [B, N, V] float32 / float16 / bfloat16
     draft_token_ids: Tensor,  # [B, N-1] int64: chain: draft j judged by row j; tree: node j+1
@@ -312,8 +234,8 @@ def rejection_sample(
     """
     if check_values is None:
         check_values = not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-    _validate(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temperature, top_k,
-              top_p, seeds, offsets, tree_parents, check_values)
+    validate_inputs(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temperature,
+                    top_k, top_p, seeds, offsets, tree_parents, check_values)
     bsz, n_rows, vocab = target_logits.shape
     dev = target_logits.device
     is_tree = tree_parents is not None
