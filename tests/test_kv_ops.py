@@ -346,6 +346,25 @@ def run_compact(fn, k_caches, v_caches, src, dst, slot_dtype, device="cpu") -> N
        torch.tensor(dst, dtype=slot_dtype, device=device))
 
 
+def compact_matches_reference(k_caches: list, v_caches: list, src: list[int], dst: list[int],
+                              slot_dtype: torch.dtype, device: str = "cpu",
+                              ref_pairs: tuple[list[int], list[int]] | None = None) -> tuple:
+    """Compacts the caches in place with the kernel, after the reference did so on copies, and
+    asserts every cache equals its copy bit for bit; returns the copies (k_exp, v_exp).
+
+    ``ref_pairs``: the (src, dst) the reference gets instead of (src, dst), e.g. without the
+    pairs the kernel must skip.
+    """
+    k_exp = [c.clone() for c in k_caches]
+    v_exp = [c.clone() for c in v_caches]
+    ref_src, ref_dst = ref_pairs if ref_pairs is not None else (src, dst)
+    run_compact(ref.compact_kv, k_exp, v_exp, ref_src, ref_dst, slot_dtype, device)
+    run_compact(kv.compact_kv, k_caches, v_caches, src, dst, slot_dtype, device)
+    for got, exp in zip(k_caches + v_caches, k_exp + v_exp):
+        assert_same(got, exp)
+    return k_exp, v_exp
+
+
 COMPACT_CASES = [  # (dtype, Hkv, D): row bytes allow VEC 1, 2, 4, 8, 16
     (torch.float8_e4m3fn, 1, 3),
     (torch.float16, 1, 1),
@@ -367,12 +386,7 @@ def test_compact_kv_matches_reference(dtype: torch.dtype, h: int, d: int,
     # Up to 12 sequences: more pairs than one step of the kernel (kCompactPairsPerStep = 32).
     src, dst, moving = accepted_moves(rng, num_blocks, block_size, rng.randrange(1, 13))
     k_caches, v_caches = make_caches(num_layers, (num_blocks, block_size, h, d), dtype, gen)
-    k_exp = [c.clone() for c in k_caches]
-    v_exp = [c.clone() for c in v_caches]
-    run_compact(ref.compact_kv, k_exp, v_exp, src, dst, slot_dtype)
-    run_compact(kv.compact_kv, k_caches, v_caches, src, dst, slot_dtype)
-    for got, exp in zip(k_caches + v_caches, k_exp + v_exp):
-        assert_same(got, exp)
+    k_exp, _ = compact_matches_reference(k_caches, v_caches, src, dst, slot_dtype)
     if moving:  # the compaction did something in every cache
         i = next(i for i in range(len(src)) if src[i] != dst[i])
         assert not torch.equal(bits(k_caches[-1].view(-1, h, d)[dst[i]]),
@@ -397,33 +411,24 @@ def test_compact_kv_long_overlapping_path_across_steps() -> None:
     overlaps = set(src) & {d for s, d in zip(src, dst) if s != d}
     assert len(overlaps) > 5  # many slots are both read and written
     k_caches, v_caches = make_caches(3, (40, block_size, 2, 8), torch.float16, gen)
-    k_exp = [c.clone() for c in k_caches]
-    v_exp = [c.clone() for c in v_caches]
-    run_compact(ref.compact_kv, k_exp, v_exp, src, dst, torch.int64)
     # A later pair's store landing before an earlier pair's load (here: pairs copied in reverse
     # order) gives another answer: the test tells a safe implementation from an unsafe one.
     naive = k_caches[0].clone().view(-1, 2, 8)
     for s, d in reversed(list(zip(src, dst))):
         naive[d] = naive[s]
+    k_exp, _ = compact_matches_reference(k_caches, v_caches, src, dst, torch.int64)
     assert not torch.equal(naive, k_exp[0].view(-1, 2, 8))
-    run_compact(kv.compact_kv, k_caches, v_caches, src, dst, torch.int64)
-    for got, exp in zip(k_caches + v_caches, k_exp + v_exp):
-        assert_same(got, exp)
 
 
 def test_compact_kv_skips_negative_and_identity_pairs() -> None:
     gen = torch.Generator().manual_seed(3)
     k_caches, v_caches = make_caches(2, (4, 4, 2, 8), torch.bfloat16, gen)
-    k_exp = [c.clone() for c in k_caches]
-    v_exp = [c.clone() for c in v_caches]
     src = [-1, 3, 9, 5, 6]
     dst = [0, -1, 9, 1, 2]
     keep = [i for i in range(len(src)) if src[i] >= 0 and dst[i] >= 0]
-    run_compact(ref.compact_kv, k_exp, v_exp, [src[i] for i in keep], [dst[i] for i in keep],
-                torch.int32)
-    run_compact(kv.compact_kv, k_caches, v_caches, src, dst, torch.int32)
-    for got, exp in zip(k_caches + v_caches, k_exp + v_exp):
-        assert_same(got, exp)
+    k_exp, _ = compact_matches_reference(k_caches, v_caches, src, dst, torch.int32,
+                                         ref_pairs=([src[i] for i in keep],
+                                                    [dst[i] for i in keep]))
     flat = k_caches[0].view(-1, 2, 8)
     assert_same(flat[1], k_exp[0].view(-1, 2, 8)[5])
 
@@ -455,12 +460,7 @@ def test_compact_kv_write_after_read_is_ordered() -> None:
     # reverse order, which the precondition rejects.
     gen = torch.Generator().manual_seed(5)
     k_caches, v_caches = make_caches(1, (4, 4, 1, 4), torch.float32, gen)
-    k_exp = [c.clone() for c in k_caches]
-    v_exp = [c.clone() for c in v_caches]
-    run_compact(ref.compact_kv, k_exp, v_exp, [9, 12], [2, 9], torch.int64)
-    run_compact(kv.compact_kv, k_caches, v_caches, [9, 12], [2, 9], torch.int64)
-    assert_same(k_caches[0], k_exp[0])
-    assert_same(v_caches[0], v_exp[0])
+    compact_matches_reference(k_caches, v_caches, [9, 12], [2, 9], torch.int64)
 
 
 def test_compact_kv_rejects_bad_inputs() -> None:
@@ -553,13 +553,7 @@ def test_compact_kv_cuda(dtype: torch.dtype, h: int, d: int, slot_dtype: torch.d
     src, dst, _ = accepted_moves(rng, num_blocks, block_size, num_seqs, max_tree=40)
     k_caches, v_caches = make_caches(num_layers, (num_blocks, block_size, h, d), dtype, gen,
                                      "cuda")
-    k_exp = [c.clone() for c in k_caches]
-    v_exp = [c.clone() for c in v_caches]
-    run_compact(ref.compact_kv, k_exp, v_exp, src, dst, slot_dtype, "cuda")
-    run_compact(kv.compact_kv, k_caches, v_caches, src, dst, slot_dtype, "cuda")
-    torch.cuda.synchronize()
-    for got, exp in zip(k_caches + v_caches, k_exp + v_exp):
-        assert_same(got, exp)
+    compact_matches_reference(k_caches, v_caches, src, dst, slot_dtype, "cuda")
 
 
 @pytest.mark.gpu
@@ -574,10 +568,4 @@ def test_compact_kv_cuda_long_overlapping_path() -> None:
     src = [slot_of(table, ctx + n, block_size) for n in path]
     dst = [slot_of(table, ctx + i, block_size) for i in range(len(path))]
     k_caches, v_caches = make_caches(2, (64, block_size, 8, 128), torch.bfloat16, gen, "cuda")
-    k_exp = [c.clone() for c in k_caches]
-    v_exp = [c.clone() for c in v_caches]
-    run_compact(ref.compact_kv, k_exp, v_exp, src, dst, torch.int64, "cuda")
-    run_compact(kv.compact_kv, k_caches, v_caches, src, dst, torch.int64, "cuda")
-    torch.cuda.synchronize()
-    for got, exp in zip(k_caches + v_caches, k_exp + v_exp):
-        assert_same(got, exp)
+    compact_matches_reference(k_caches, v_caches, src, dst, torch.int64, "cuda")
