@@ -5,16 +5,19 @@ cache with scattered blocks. Modes: decode (q_len 1), chain verification (k+1 = 
 causal) and tree verification (8-64 nodes, random trees of depth <= 8, packed mask). Every
 sequence of a configuration has the same context length.
 
-Per configuration it reports the kernel time (``triton.testing.do_bench``, median, L2 flushed),
-the bytes a perfect kernel must move (K/V of context + new tokens, q read, o write), the
-achieved GB/s, the HBM floor (bytes / peak bandwidth) and time / floor; and the same time for
-two baselines run in this process on the same data:
+Per configuration it reports the kernel time (``benchlib.time_ms``: warm-up calls, then the
+median of CUDA-event timings of single calls with L2 flushed), the bytes a perfect kernel must
+move (K/V of context + new tokens, q read, o write), the achieved GB/s, the HBM floor (bytes /
+peak bandwidth) and time / floor; and the same time for two baselines run in this process on
+the same data:
 
 * ``sdpa``: gather the pages into dense ``[B, Hkv, L, D]`` K/V, then
   ``torch.nn.functional.scaled_dot_product_attention`` (GQA, bool mask for chains/trees);
 * ``flex``: the same gather, then compiled FlexAttention with a block mask (context + tree bits).
 
 Baseline times include the gather, since a paged cache must be gathered to use them.
+Outputs: a table on stdout, ``OUT/attention.json`` and ``OUT/attention.png`` (``--out``,
+default ``benchmarks/out``).
 
 Usage::
 
@@ -26,15 +29,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import math
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
+import benchlib
 import torch
 from tqdm import tqdm
 
@@ -43,33 +44,7 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before kerne
 
 log = logging.getLogger("bench_attention")
 
-# Peak HBM bandwidth (GB/s) by device name.
-PEAK_GBPS = {"B200": 8000.0, "H200": 4800.0, "H100": 3350.0}
 HQ, HKV, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B and Qwen3-8B attention
-
-
-def detect_peak_gbps(name: str) -> float | None:
-    for key, gbps in PEAK_GBPS.items():
-        if key in name:
-            return 2000.0 if key == "H100" and "PCIe" in name else gbps
-    return None
-
-
-def random_tree_dense(n: int, g: torch.Generator, max_depth: int = 8) -> torch.Tensor:
-    """Ancestor-or-self mask ``[n, n]`` of a random tree rooted at node 0."""
-    parents, depth = [-1], [0]
-    for i in range(1, n):
-        ok = [j for j in range(i) if depth[j] < max_depth]
-        p = ok[int(torch.randint(0, len(ok), (1,), generator=g))]
-        parents.append(p)
-        depth.append(depth[p] + 1)
-    dense = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            dense[i, j] = True
-            j = parents[j]
-    return dense
 
 
 class Case:
@@ -94,7 +69,7 @@ class Case:
                                       device=device)
         self.q = torch.randn(batch * q_len, HQ, HEAD_DIM, dtype=dtype, device=device)
         if mode == "tree":
-            self.dense = random_tree_dense(q_len, g).to(device)  # [n, n]
+            self.dense = reference.random_tree_mask(q_len, g, max_depth=8).to(device)  # [n, n]
             packed = reference.pack_tree_mask(self.dense)
             self.tree_mask = packed.repeat(batch, 1)  # [T, words]
         else:
@@ -154,6 +129,16 @@ def run_flex(c: Case):
 
     if _FLEX is None:
         if c.q.is_cuda:
+            # One compilation per shape: lift dynamo's recompile limit (8 by default, past
+            # which it would silently run the unfused eager path), and fail rather than fall
+            # back if it is still hit, so a flex time is always the compiled kernel's.
+            dynamo = torch._dynamo.config
+            for knob, value in (("recompile_limit", 1024), ("cache_size_limit", 1024),
+                                ("accumulated_recompile_limit", 8192),
+                                ("accumulated_cache_size_limit", 8192),
+                                ("fail_on_recompile_limit_hit", True)):
+                if hasattr(dynamo, knob):
+                    setattr(dynamo, knob, value)
             _FLEX = torch.compile(flex_attention, dynamic=False)
         else:  # smoke run: eager flex (a slow reference path, warns that it is unfused)
             warnings.filterwarnings("ignore", message=".*flex_attention.*")
@@ -172,18 +157,6 @@ def run_flex(c: Case):
     return fn
 
 
-def time_ms(fn, cuda: bool) -> float:
-    if cuda:
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    fn()  # interpreter / CPU: one warm call, then the mean of a few
-    t0 = time.perf_counter()
-    for _ in range(3):
-        fn()
-    return (time.perf_counter() - t0) / 3 * 1e3
-
-
 def configs(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
     out = []
     q_lens = {"decode": [1], "chain": args.chain_lens, "tree": args.tree_sizes}
@@ -200,8 +173,8 @@ def bench(args: argparse.Namespace) -> dict:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    name = torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)"
-    peak = args.peak_gbps or (detect_peak_gbps(name) if cuda else None)
+    name = benchlib.device_name() if cuda else "cpu (Triton interpreter)"
+    peak = benchlib.peak_gbps(name if cuda else "", args.peak_gbps)
     if peak is None:
         log.warning("unknown peak bandwidth for %s: pass --peak-gbps for floor/ratio", name)
     rows = []
@@ -226,30 +199,23 @@ def bench(args: argparse.Namespace) -> dict:
                     ref = dense.float()
                 else:  # the baselines double as a correctness check of the kernel
                     row[f"{impl}_max_diff"] = float((dense.float() - ref).abs().max())
-                row[f"{impl}_ms"] = time_ms(fn, cuda)
+                row[f"{impl}_ms"] = benchlib.time_ms(fn, warmup=args.warmup, iters=args.iters)
             except Exception as e:  # noqa: BLE001
                 row[f"{impl}_error"] = f"{type(e).__name__}: {e}"[:200]
         if "triton_ms" in row:
-            row["gbps"] = row["bytes"] / (row["triton_ms"] * 1e-3) / 1e9
-            if peak:
-                row["floor_ms"] = row["bytes"] / (peak * 1e9) * 1e3
-                row["ratio"] = row["triton_ms"] / row["floor_ms"]
+            row.update(benchlib.roofline(row["bytes"], row["triton_ms"], peak))
         rows.append(row)
         del case
         if cuda:
             torch.cuda.empty_cache()
     return dict(device=name, peak_gbps=peak, dtype=args.dtype, block_size=args.block_size,
-                shapes=dict(hq=HQ, hkv=HKV, head_dim=HEAD_DIM), rows=rows)
-
-
-def fmt(x: float | None, spec: str) -> str:
-    """``format(x, spec)``, or a right-aligned ``-`` of the same width when missing."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-".rjust(int(spec.split(".")[0]))
-    return format(x, spec)
+                shapes=dict(hq=HQ, hkv=HKV, head_dim=HEAD_DIM), torch=torch.__version__,
+                timing=f"median of {args.iters} single calls after {args.warmup} warm-up calls"
+                       + (", L2 flushed" if cuda else " (wall clock)"), rows=rows)
 
 
 def print_table(result: dict) -> None:
+    fmt = benchlib.fmt
     head = (f"{'mode':6} {'B':>4} {'ctx':>6} {'q':>3} {'MB':>9} {'triton ms':>10} {'GB/s':>7} "
             f"{'floor ms':>9} {'ratio':>6} {'sdpa ms':>9} {'flex ms':>9}")
     print(f"device: {result['device']}  peak: {result['peak_gbps']} GB/s  dtype: "
@@ -267,21 +233,16 @@ def print_table(result: dict) -> None:
         print(f"note: {k}: {v}")
 
 
-def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.info("matplotlib not importable: skipping the plot")
+def plot(result: dict, out_dir: Path) -> None:
+    plt = benchlib.pyplot()
+    if plt is None:
         return
     modes = sorted({r["mode"] for r in result["rows"]})
     fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         series: dict[tuple[int, int], list[tuple[int, float]]] = {}
         for r in result["rows"]:
-            if r["mode"] == mode and "gbps" in r:
+            if r["mode"] == mode and r.get("gbps") is not None:
                 series.setdefault((r["batch"], r["q_len"]), []).append((r["context"], r["gbps"]))
         for (batch, q_len), pts in sorted(series.items()):
             pts.sort()
@@ -294,10 +255,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_ylabel("achieved GB/s")
         ax.set_title(f"{mode} ({result['device']})")
         ax.legend(fontsize=6)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    log.info("plot written to %s", path)
+    benchlib.save_figure(fig, out_dir, "attention")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -317,8 +275,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="skip batch x context above this (memory: 4M tokens = 16 GiB bf16 K+V)")
     p.add_argument("--peak-gbps", type=float, default=None,
                    help="peak HBM bandwidth when the device name is not H100/H200/B200")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/attention.json"))
-    p.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out .png)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed calls before timing")
+    p.add_argument("--iters", type=int, default=50, help="timed calls (median reported)")
+    p.add_argument("--out", type=Path, default=benchlib.DEFAULT_OUT,
+                   help="folder for attention.json and attention.png")
     p.add_argument("--smoke", action="store_true",
                    help="tiny configuration; runs under the Triton interpreter without CUDA")
     args = p.parse_args(argv)
@@ -326,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.batches, args.contexts = [1, 2], [40]
         args.chain_lens, args.tree_sizes = [3], [8]
+        args.warmup, args.iters = 1, 3
         if not torch.cuda.is_available():
             args.dtype = "fp32"  # the interpreter's tl.dot is wrong for bf16
     elif not torch.cuda.is_available():
@@ -333,10 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     result = bench(args)
     result["smoke"] = args.smoke
     print_table(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    log.info("results written to %s", args.out)
-    plot(result, args.plot or args.out.with_suffix(".png"))
+    benchlib.write_json(result, args.out, "attention")
+    plot(result, args.out)
 
 
 if __name__ == "__main__":

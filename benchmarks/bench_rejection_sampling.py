@@ -1,11 +1,16 @@
 """Fused rejection sampler vs the memory floor and a vectorised PyTorch baseline.
 
-For B x k x V it times ``kernels.rejection_sampling.rejection_sample`` (CUDA events, median),
-counts the bytes it must move — the logits read once per pass over the vocabulary plus the
-draft probabilities (when given) — and reports GB/s, the HBM floor (bytes / peak bandwidth:
-H100 3.35 TB/s, H200 4.8 TB/s, B200 8 TB/s by device name, or --peak-gbps) and their ratio.
-The baseline (same process) does what a straightforward PyTorch sampler does: softmax, top-k,
-sort + cumsum for top-p, multinomial draws, gathers for acceptance.
+For B x k x V it times ``kernels.rejection_sampling.rejection_sample`` with its value checks off
+(as under CUDA-graph capture: they cost a device→host sync that is not the kernels' work) and the
+baseline, both with ``benchlib.time_ms`` (warm-up calls, then the median of CUDA-event timings of
+single calls with L2 flushed). Bytes are what any sampler must read — the logits once, plus the
+draft probabilities when given (the outputs are negligible) — and the table reports GB/s, the
+HBM floor (bytes / peak bandwidth: H100 3.35 TB/s, H200 4.8 TB/s, B200 8 TB/s by device name, or
+--peak-gbps) and time / floor. With top-p the kernel makes a few more passes over each row (its
+threshold search); they show up as time above the floor. The baseline (same process) does what
+a straightforward PyTorch sampler does: softmax, sort + cumsum for top-p, multinomial draws,
+gathers for acceptance. Outputs: the table, ``OUT/rejection_sampling.json`` and ``.png``
+(``--out``, default ``benchmarks/out``).
 
 Usage::
 
@@ -16,15 +21,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
+import benchlib
 import torch
 from tqdm import tqdm
-
-PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0, "B200": 8000.0}
 
 
 def inputs(bsz: int, k: int, vocab: int, with_q: bool, top_p: float, device: str):
@@ -62,84 +65,41 @@ def torch_baseline(logits, drafts, nd, q, temperature, top_k, top_p, seeds, offs
     return tokens, first_reject
 
 
-def time_ms(fn, iters: int) -> float:
-    if not torch.cuda.is_available():
-        import time
-
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
-    ap.add_argument("--ks", type=int, nargs="+", default=[1, 3, 7])
-    ap.add_argument("--vocabs", type=int, nargs="+", default=[151936, 32000])
-    ap.add_argument("--top-p", type=float, nargs="+", default=[1.0, 0.9])
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--peak-gbps", type=float, default=None)
-    ap.add_argument("--out", default="benchmarks/results/rejection_sampling.json")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: Triton interpreter)")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        if not args.smoke:
-            sys.exit("bench_rejection_sampling: no CUDA device; use --smoke for a tiny CPU run")
-        os.environ["TRITON_INTERPRET"] = "1"
-    if args.smoke:
-        args.batches, args.ks, args.vocabs, args.top_p, args.iters = [2], [1], [1000], [1.0], 1
+def bench(args: argparse.Namespace, peak: float | None) -> list[dict]:
     from specengine.kernels.rejection_sampling import rejection_sample
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    peak = args.peak_gbps or next((v for key, v in PEAK_GBPS.items() if key in name), None)
     rows = []
     grid = [(b, k, v, tp, q) for v in args.vocabs for tp in args.top_p for q in (False, True)
             for k in args.ks for b in args.batches]
     for bsz, k, vocab, top_p, with_q in tqdm(grid, desc="rejection sampling"):
         x = inputs(bsz, k, vocab, with_q, top_p, device)
-        ms = time_ms(lambda x=x: rejection_sample(*x), args.iters)
-        base_ms = time_ms(lambda x=x: torch_baseline(*x), args.iters)
-        # Passes over V per row: 1 without filters; top-p adds ~5 counting passes + 1 race pass
-        # (an estimate for the table — the exact count is data dependent); rejected rows with
-        # draft_probs re-read logits + q once (counted at the worst case, all rejected).
-        passes = 1 if top_p >= 1 else 7
-        elem = x[0].element_size()
-        nbytes = bsz * (k + 1) * vocab * elem * passes
+        kw = dict(warmup=args.warmup, iters=args.iters)
+        ms = benchlib.time_ms(lambda x=x: rejection_sample(*x, check_values=False), **kw)
+        base_ms = benchlib.time_ms(lambda x=x: torch_baseline(*x), **kw)
+        logits, q = x[0], x[3]
+        nbytes = logits.numel() * logits.element_size()
         if with_q:
-            nbytes += bsz * k * vocab * (4 + elem)
-        gbps = nbytes / ms / 1e6
-        floor_ms = nbytes / (peak * 1e6) if peak else None
-        rows.append(dict(device=name, batch=bsz, k=k, vocab=vocab, top_p=top_p, draft_probs=with_q,
-                         ms=ms, torch_ms=base_ms, bytes=nbytes, gbps=gbps, floor_ms=floor_ms,
-                         floor_ratio=(ms / floor_ms) if floor_ms else None))
-    hdr = f"{'B':>4} {'k':>2} {'V':>7} {'top_p':>5} {'q':>2} {'ms':>8} {'torch':>8} "
-    print(hdr + f"{'MB':>8} {'GB/s':>7} {'floor':>7} {'x':>5}")
-    for r in rows:
-        floor = f"{r['floor_ms']:7.3f} {r['floor_ratio']:5.1f}" if r["floor_ms"] else "    -     -"
-        print(f"{r['batch']:>4} {r['k']:>2} {r['vocab']:>7} {r['top_p']:>5} "
-              f"{int(r['draft_probs']):>2} {r['ms']:8.3f} {r['torch_ms']:8.3f} "
-              f"{r['bytes'] / 1e6:8.1f} {r['gbps']:7.1f} {floor}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
-    try:
-        import matplotlib
+            nbytes += q.numel() * q.element_size()
+        rows.append(dict(batch=bsz, k=k, vocab=vocab, top_p=top_p, draft_probs=with_q, ms=ms,
+                         torch_ms=base_ms, bytes=nbytes, **benchlib.roofline(nbytes, ms, peak)))
+    return rows
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+
+def print_table(rows: list[dict]) -> None:
+    fmt = benchlib.fmt
+    print(f"{'B':>4} {'k':>2} {'V':>7} {'top_p':>5} {'q':>2} {'MB':>8} {'ms':>8} {'GB/s':>7} "
+          f"{'floor ms':>8} {'ratio':>6} {'torch ms':>8} {'x kern':>6}")
+    for r in rows:
+        print(f"{r['batch']:>4} {r['k']:>2} {r['vocab']:>7} {r['top_p']:>5} "
+              f"{int(r['draft_probs']):>2} {r['bytes'] / 1e6:8.2f} {r['ms']:8.3f} "
+              f"{fmt(r['gbps'], '7.1f')} {fmt(r['floor_ms'], '8.4f')} {fmt(r['ratio'], '6.2f')} "
+              f"{r['torch_ms']:8.3f} {r['torch_ms'] / r['ms']:6.2f}")
+
+
+def plot(rows: list[dict], peak: float | None, name: str, out_dir: Path) -> None:
+    plt = benchlib.pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for key in sorted({(r["vocab"], r["k"], r["top_p"]) for r in rows if not r["draft_probs"]}):
@@ -150,8 +110,39 @@ def main() -> None:
         ax.axhline(peak, color="k", ls="--", label=f"peak {peak:.0f} GB/s")
     ax.set(xscale="log", xlabel="batch", ylabel="GB/s", title=f"rejection sampling ({name})")
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=120)
+    benchlib.save_figure(fig, out_dir, "rejection_sampling")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 3, 7])
+    ap.add_argument("--vocabs", type=int, nargs="+", default=[151936, 32000])
+    ap.add_argument("--top-p", type=float, nargs="+", default=[1.0, 0.9])
+    ap.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
+    ap.add_argument("--iters", type=int, default=20, help="timed calls (median reported)")
+    ap.add_argument("--peak-gbps", type=float, default=None)
+    ap.add_argument("--out", type=Path, default=benchlib.DEFAULT_OUT,
+                    help="folder for rejection_sampling.json and .png")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: Triton interpreter)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        if not args.smoke:
+            sys.exit("bench_rejection_sampling: no CUDA device; use --smoke for a tiny CPU run")
+        os.environ["TRITON_INTERPRET"] = "1"
+    if args.smoke:
+        args.batches, args.ks, args.vocabs, args.top_p = [2], [1], [1000], [1.0]
+        args.warmup, args.iters = 1, 1
+    name = benchlib.device_name()
+    peak = benchlib.peak_gbps(name, args.peak_gbps)
+    print(f"device: {name}  peak: {peak} GB/s" + ("" if peak else " (--peak-gbps for the floor)"))
+    rows = bench(args, peak)
+    print_table(rows)
+    result = dict(device=name, peak_gbps=peak, torch=torch.__version__, smoke=args.smoke,
+                  timing=f"median of {args.iters} calls after {args.warmup} warm-up calls",
+                  rows=rows)
+    benchlib.write_json(result, args.out, "rejection_sampling")
+    plot(rows, peak, name, args.out)
 
 
 if __name__ == "__main__":
