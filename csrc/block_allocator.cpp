@@ -3,8 +3,28 @@
 #include <algorithm>
 #include <limits>
 #include <string>
+#include <utility>
 
 namespace specengine {
+
+namespace {
+
+// (id, occurrences) per distinct id, ids increasing. Sorting a copy groups repeated ids, so a
+// block passed several times in one call is counted (and checked) as often as it occurs.
+std::vector<std::pair<int64_t, int64_t>> count_ids(const std::vector<int64_t>& blocks) {
+  std::vector<int64_t> sorted(blocks);
+  std::sort(sorted.begin(), sorted.end());
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (size_t i = 0; i < sorted.size();) {
+    size_t j = i;
+    while (j < sorted.size() && sorted[j] == sorted[i]) ++j;
+    runs.emplace_back(sorted[i], static_cast<int64_t>(j - i));
+    i = j;
+  }
+  return runs;
+}
+
+}  // namespace
 
 BlockAllocator::BlockAllocator(int64_t num_blocks) {
   if (num_blocks < 0 || num_blocks > std::numeric_limits<int32_t>::max()) {
@@ -74,15 +94,8 @@ std::vector<std::vector<int32_t>> BlockAllocator::allocate_batch(
 }
 
 void BlockAllocator::check_releasable(const std::vector<int64_t>& blocks) const {
-  // Sorting a copy groups repeated ids, so freeing a block twice in one call is caught too.
-  std::vector<int64_t> sorted(blocks);
-  std::sort(sorted.begin(), sorted.end());
-  for (size_t i = 0; i < sorted.size();) {
-    const int64_t b = sorted[i];
+  for (const auto& [b, times] : count_ids(blocks)) {
     check_in_range(b);
-    size_t j = i;
-    while (j < sorted.size() && sorted[j] == b) ++j;
-    const auto times = static_cast<int64_t>(j - i);
     const int32_t refs = refs_[static_cast<size_t>(b)];
     if (refs < times) {
       throw std::invalid_argument(
@@ -90,7 +103,6 @@ void BlockAllocator::check_releasable(const std::vector<int64_t>& blocks) const 
           std::to_string(refs) + " reference(s) but is freed " + std::to_string(times) +
           " time(s)");
     }
-    i = j;
   }
 }
 
@@ -119,24 +131,17 @@ void BlockAllocator::free_batch(const std::vector<std::vector<int64_t>>& lists) 
 }
 
 void BlockAllocator::incref(const std::vector<int64_t>& blocks) {
-  std::vector<int64_t> sorted(blocks);
-  std::sort(sorted.begin(), sorted.end());
-  for (size_t i = 0; i < sorted.size();) {
-    const int64_t b = sorted[i];
+  for (const auto& [b, times] : count_ids(blocks)) {
     check_in_range(b);
-    size_t j = i;
-    while (j < sorted.size() && sorted[j] == b) ++j;
     const int32_t refs = refs_[static_cast<size_t>(b)];
     if (refs == 0) {
       throw std::invalid_argument("incref of KV block " + std::to_string(b) +
                                   ", which is free (allocate it first)");
     }
-    if (static_cast<int64_t>(refs) + static_cast<int64_t>(j - i) >
-        std::numeric_limits<int32_t>::max()) {
+    if (static_cast<int64_t>(refs) + times > std::numeric_limits<int32_t>::max()) {
       throw std::overflow_error("reference count of KV block " + std::to_string(b) +
                                 " would overflow");
     }
-    i = j;
   }
   for (int64_t b : blocks) ++refs_[static_cast<size_t>(b)];
 }
