@@ -67,12 +67,11 @@ def generate_main(args: argparse.Namespace) -> int:
     if bundled:
         model = DEFAULT_TARGET
         if draft is None and args.k > 0:
-            if DEFAULT_DRAFT.is_dir():
-                draft = str(DEFAULT_DRAFT)
-            else:  # the bundled EAGLE-3 head is not trained yet: say so, use n-grams
-                logging.getLogger(__name__).warning(
-                    "bundled EAGLE-3 head missing at %s; drafting with n-grams", DEFAULT_DRAFT)
-                draft = "ngram"
+            if not (DEFAULT_DRAFT / "config.json").is_file():
+                print(f"bundled EAGLE-3 head missing at {DEFAULT_DRAFT} (train it with "
+                      "scripts/train_eagle3.py, or pass --draft / --k 0)", file=sys.stderr)
+                return 2
+            draft = str(DEFAULT_DRAFT)
         if not model.is_dir():
             print(f"bundled model missing at {model}", file=sys.stderr)
             return 2

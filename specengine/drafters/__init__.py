@@ -42,7 +42,7 @@ def make_drafter(draft: str | None, engine: SpecEngine) -> Drafter | None:
     if "draft_vocab_size" in cfg or any("eagle" in a.lower() for a in archs):
         from specengine.drafters.eagle3 import Eagle3Drafter
 
-        return Eagle3Drafter(path, engine)
+        return Eagle3Drafter(path, engine, **opts)
     from specengine.drafters.draft_model import DraftModelDrafter
 
     return DraftModelDrafter(path, engine, **opts)

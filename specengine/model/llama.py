@@ -31,14 +31,19 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    """Self-attention over the paged cache. ``in_features`` is the width q/k/v read (default
+    ``hidden_size``; an EAGLE-3 layer reads ``2 * hidden_size``)."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding,
+                 in_features: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        x = in_features or h
+        self.q_proj = nn.Linear(x, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(x, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(x, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -119,7 +124,8 @@ class CausalLM(nn.Module):
         aux_layers: tuple[int, ...] = (),
     ) -> tuple[Tensor, list[Tensor]]:
         """Final-norm hidden states ``[T, H]`` and the inputs of the layers in ``aux_layers``
-        (the residual stream entering each, as EAGLE-3 reads it)."""
+        (the residual stream entering each, as EAGLE-3 reads it), in layer order; index
+        ``num_layers`` is the last layer's output before the final norm."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb.cos_sin(positions, h.dtype)
         aux: list[Tensor] = []
@@ -127,6 +133,8 @@ class CausalLM(nn.Module):
             if i in aux_layers:
                 aux.append(h)
             h = layer(h, cos, sin, kv_cache[0, i], kv_cache[1, i], meta, backend)
+        if len(self.model.layers) in aux_layers:
+            aux.append(h)
         return self.model.norm(h), aux
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
