@@ -1,11 +1,11 @@
 """GRPO on the bundled arithmetic model: an engine process rolls out with speculative decoding,
 a learner process trains, and the new weights travel over torch.distributed every step.
 
-    python examples/rl_loop.py              # 30 steps, a few minutes on 2 CPU cores
+    python examples/rl_loop.py              # 40 steps, a few minutes on 2 CPU cores
     python examples/rl_loop.py --quick      # 2-step smoke run
 
 Two processes (``torch.multiprocessing``, spawn), joined by a Pipe for rollouts (plain lists)
-and by a process group for weights (gloo on CPU, NCCL on CUDA):
+and by a process group for weights (gloo on CPU, NCCL between two GPUs):
 
 * engine (rank 1): a ``SpecEngine`` on ``specengine/assets/arith-target`` that samples G
   completions for each of P prompts with ``k=3`` drafts (the bundled EAGLE-3 head when it is
@@ -22,8 +22,13 @@ engine's: ~1e-6 means the training signal really is the current policy's.
 
 Why T = 2 by default: the bundled model is near perfect at T = 1 (every group of samples gets
 the same reward, so every advantage is 0 and there is nothing to learn). At T = 2 it solves
-about two thirds of the problems; RL at that temperature sharpens the policy and the reward
-rises.
+about two thirds of the problems, and what RL has to learn is mostly sharpness: the policy
+gradient consistently asks for larger logits (its component along the final norm's gain is
+positive every step), while its component on the weight matrices is mostly sampling noise at
+this batch size. So Adam gets two groups: the 1-D gains (norm weights, which scale
+activations and so the logits) a large step (``--gain-lr``, 2e-2) and the matrices a small one
+(``--lr``, 1e-4). With one lr for all, 1e-4 leaves the reward flat for 40 steps and 1e-3
+destroys the model.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -50,18 +56,21 @@ LEARNER_RANK, ENGINE_RANK, WORLD_SIZE = 0, 1, 2
 
 @dataclass(frozen=True)
 class LoopConfig:
-    """One RL run. ``draft`` None picks the bundled EAGLE-3 head if present, else ``"ngram"``;
-    ``backend`` None is NCCL on CUDA and gloo on CPU."""
+    """One RL run. ``draft`` None picks the bundled EAGLE-3 head if present, else ``"ngram"``.
+    On CUDA the learner uses GPU 0 and the engine GPU 1 when there are two; ``backend`` None is
+    then NCCL, and gloo otherwise (NCCL cannot pair two ranks on one GPU; gloo goes through host
+    copies)."""
 
     model: str = str(DEFAULT_TARGET)
     draft: str | None = None
-    steps: int = 30
+    steps: int = 40
     num_prompts: int = 8  # P prompts per step
     group_size: int = 8  # G samples per prompt
     k: int = 3
     temperature: float = 2.0
     max_tokens: int = 64
-    lr: float = 1e-4
+    lr: float = 1e-4  # Adam lr of the weight matrices
+    gain_lr: float = 2e-2  # Adam lr of the 1-D gains (norm weights)
     clip_eps: float = 0.2
     seed: int = 0
     device: str = "cpu"
@@ -78,14 +87,16 @@ class LoopConfig:
                              f"got {self.group_size}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 (sampled rollouts), got {self.temperature}")
-        if not (self.lr > 0 and 0 < self.clip_eps < 1 and self.eval_prompts >= 0):
-            raise ValueError("need lr > 0, 0 < clip_eps < 1 and eval_prompts >= 0")
+        if not (min(self.lr, self.gain_lr) > 0 and 0 < self.clip_eps < 1
+                and self.eval_prompts >= 0):
+            raise ValueError("need lr > 0, gain_lr > 0, 0 < clip_eps < 1, eval_prompts >= 0")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
 
     @property
     def dist_backend(self) -> str:
-        return self.backend or ("nccl" if self.device == "cuda" else "gloo")
+        two_gpus = self.device == "cuda" and torch.cuda.device_count() > 1
+        return self.backend or ("nccl" if two_gpus else "gloo")
 
 
 @dataclass(frozen=True)
@@ -144,7 +155,10 @@ def engine_worker(cfg: LoopConfig, draft: str, port: int, conn: Connection) -> N
     torch.set_num_threads(1)  # the two processes take turns; the CPU is small
     try:
         device = "cpu" if cfg.device == "cpu" else f"cuda:{min(1, torch.cuda.device_count() - 1)}"
-        engine = SpecEngine(cfg.model, draft=draft, device=device, seed=cfg.seed,
+        if device != "cpu":
+            torch.cuda.set_device(device)  # NCCL's group uses the current device
+        # float32 on every device: the logprob check compares with the float32 learner
+        engine = SpecEngine(cfg.model, draft=draft, device=device, dtype="float32", seed=cfg.seed,
                             max_model_len=min(256, 32 + cfg.max_tokens))
         conn.send(("built", None))
         engine.init_weight_update_group(MASTER_ADDRESS, port, ENGINE_RANK, WORLD_SIZE,
@@ -273,6 +287,22 @@ def padded(rows: list[list[float]], like: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def grpo_step(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: LoopConfig,
+              prompt_ids: list[list[int]], ro: dict, rewards: list[float]
+              ) -> tuple[float, float, int]:
+    """One GRPO update from the engine's rollouts ``ro``; returns the loss, the largest
+    |engine - learner| logprob difference (before the update) and the number of tokens."""
+    new_logp, mask = token_logprobs(model, prompt_ids, ro["token_ids"], cfg.temperature)
+    old_logp = padded(ro["logprobs"], new_logp)
+    max_diff = ((new_logp.detach() - old_logp).abs() * mask).max().item()
+    loss = grpo_loss(new_logp, old_logp, group_advantages(rewards, cfg.group_size), mask,
+                     cfg.clip_eps)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss.item(), max_diff, int(mask.sum().item())
+
+
 # --- the loop ------------------------------------------------------------------------------------
 def run(cfg: LoopConfig, on_step: Callable[[StepRecord], None] | None = None,
         fetch_params: bool = False) -> RunResult:
@@ -293,7 +323,10 @@ def run(cfg: LoopConfig, on_step: Callable[[StepRecord], None] | None = None,
     sender = None
     try:
         model = load_learner(cfg)
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        params = list(model.parameters())
+        opt = torch.optim.Adam([{"params": [p for p in params if p.dim() > 1]},
+                                {"params": [p for p in params if p.dim() == 1],
+                                 "lr": cfg.gain_lr}], lr=cfg.lr)
         engine.recv("built")
         # rendezvous: this constructor and the engine's init_weight_update_group meet here
         sender = WeightSender(MASTER_ADDRESS, port, WORLD_SIZE, backend=cfg.dist_backend,
@@ -308,31 +341,21 @@ def run(cfg: LoopConfig, on_step: Callable[[StepRecord], None] | None = None,
             prompts = [next(problems)[0] for _ in range(cfg.num_prompts)]
             group = [p for p in prompts for _ in range(cfg.group_size)]
             prompt_ids = [encode(p) for p in group]
-            seeds = [rng.getrandbits(62) for _ in group]
-            ro = engine.call("generate", (prompt_ids, seeds))
+            ro = engine.call("generate", (prompt_ids, [rng.getrandbits(62) for _ in group]))
             if set(ro["versions"]) != {version}:
                 raise RuntimeError(f"rollouts carry versions {set(ro['versions'])}, "
                                    f"expected {version}")
             rewards = [reward(p, decode(t)) for p, t in zip(group, ro["token_ids"])]
-            adv = group_advantages(rewards, cfg.group_size)
-            new_logp, mask = token_logprobs(model, prompt_ids, ro["token_ids"], cfg.temperature)
-            old_logp = padded(ro["logprobs"], new_logp)
-            max_diff = ((new_logp.detach() - old_logp).abs() * mask).max().item()
-            loss = grpo_loss(new_logp, old_logp, adv, mask, cfg.clip_eps)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            loss, max_diff, num_tokens = grpo_step(model, opt, cfg, prompt_ids, ro, rewards)
             # push: the engine starts receiving, then this process broadcasts
             t0 = time.perf_counter()
             engine.conn.send(("sync", None))
-            with torch.no_grad():
-                sender.send(((n, p.detach()) for n, p in model.named_parameters()),
-                            version + 1, which="policy")
+            sender.send(((n, p.detach()) for n, p in model.named_parameters()), version + 1,
+                        which="policy")
             new_version = engine.recv("synced")
-            sync_s = time.perf_counter() - t0
             rec = StepRecord(step, sum(rewards) / len(rewards), ro["accepted_length"],
-                             ro["gen_s"], sync_s, version, new_version, max_diff, loss.item(),
-                             int(mask.sum().item()))
+                             ro["gen_s"], time.perf_counter() - t0, version, new_version,
+                             max_diff, loss, num_tokens)
             result.records.append(rec)
             if on_step is not None:
                 on_step(rec)
@@ -364,28 +387,31 @@ def evaluate(engine: EngineClient, cfg: LoopConfig) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=None, help="default 30 (2 with --quick)")
+    p.add_argument("--steps", type=int, default=None, help="default 40 (2 with --quick)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 steps, 2 prompts x 4")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--temperature", type=float, default=2.0)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=1e-4, help="Adam lr of the weight matrices")
+    p.add_argument("--gain-lr", type=float, default=2e-2, help="Adam lr of the norm gains")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft", default=None, help="drafter (default: bundled head, else ngram)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--eval-prompts", type=int, default=128,
+    p.add_argument("--eval-prompts", type=int, default=256,
                    help="held-out prompts scored before and after (0: skip)")
     a = p.parse_args(argv)
     quick = a.quick
-    cfg = LoopConfig(draft=a.draft, steps=a.steps or (2 if quick else 30),
+    cfg = LoopConfig(draft=a.draft, steps=a.steps or (2 if quick else 40),
                      num_prompts=2 if quick else a.num_prompts,
                      group_size=4 if quick else a.group_size, k=a.k,
-                     temperature=a.temperature, max_tokens=a.max_tokens, lr=a.lr, seed=a.seed,
+                     temperature=a.temperature, max_tokens=a.max_tokens, lr=a.lr,
+                     gain_lr=a.gain_lr, seed=a.seed,
                      device=a.device, eval_prompts=0 if quick else a.eval_prompts)
     print(f"GRPO: {cfg.steps} steps x {cfg.num_prompts} prompts x {cfg.group_size} samples, "
-          f"T={cfg.temperature}, k={cfg.k}, drafter {pick_draft(cfg)}, lr {cfg.lr}, "
+          f"T={cfg.temperature}, k={cfg.k}, drafter {Path(pick_draft(cfg)).name}, lr {cfg.lr} "
+          f"(gains {cfg.gain_lr}), "
           f"weights over {cfg.dist_backend}", flush=True)
     t0 = time.perf_counter()
     res = run(cfg, on_step=lambda r: print(r.line(), flush=True))

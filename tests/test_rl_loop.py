@@ -26,8 +26,9 @@ def rl_loop() -> Iterator[ModuleType]:
 def test_two_steps_across_processes(rl_loop: ModuleType) -> None:
     from safetensors.torch import load_file
 
+    # the example's own drafter choice: the bundled EAGLE-3 head (n-grams if it is missing)
     cfg = rl_loop.LoopConfig(steps=2, num_prompts=2, group_size=4, max_tokens=48, lr=1e-3,
-                             draft="ngram", timeout_s=60)
+                             timeout_s=60)
     res = rl_loop.run(cfg, fetch_params=True)
     recs = res.records
     # (a) the engine's logprobs are the learner's log_softmax(logits / T) at the sampled tokens,
