@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Callable
+
+import torch
 
 from specengine import SamplingParams, SpecEngine
+from specengine.model.attention import AttentionBackend
+from specengine.tree import DraftTree
 
 TREES = {
     "binary2": [(0,), (1,), (0, 0), (0, 1), (1, 0)],
@@ -43,3 +49,67 @@ def assert_greedy_lossless(engine: SpecEngine, prompts: list[list[int]],
             assert max((abs(x - y) for x, y in zip(o.logprobs, b.logprobs)), default=0.0) <= atol
         assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks, label
         assert engine.stats.num_draft_tokens > 0, f"{label}: nothing was drafted"
+
+
+class DenseCausal(AttentionBackend):
+    """Plain causal attention over the tokens of one call (no cache): the reference that
+    drafters' paged passes are checked against."""
+
+    def write_kv(self, k, v, k_cache, v_cache, meta) -> None:  # type: ignore[no-untyped-def]
+        self.k, self.v = k, v
+
+    def attend(self, q, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+        group = q.shape[1] // self.k.shape[1]
+        k = self.k.repeat_interleave(group, 1)
+        v = self.v.repeat_interleave(group, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) * scale
+        n = q.shape[0]
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
+        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+Proposal = tuple[list[int], list[int], DraftTree | None]
+
+
+def record_proposals(engine: SpecEngine, runs: list[dict[str, object]], prompts: list[list[int]],
+                     params: list[SamplingParams]) -> list[Proposal]:
+    """Generate ``prompts`` once per ``runs`` entry (``generate`` kwargs) and return every
+    ``(sequence tokens, drafts, tree)`` the drafter proposed on the way."""
+    drafter = engine.drafter
+    seen: list[Proposal] = []
+    inner = drafter.propose  # type: ignore[union-attr]
+
+    def recording(seqs, num_drafts, tree):  # type: ignore[no-untyped-def]
+        out = inner(seqs, num_drafts, tree)
+        for b, seq in enumerate(seqs):
+            n = int(out.num_draft_tokens[b])
+            seen.append((list(seq.token_ids), out.token_ids[b, :n].tolist(), tree))
+        return out
+
+    drafter.propose = recording  # type: ignore[union-attr, method-assign]
+    try:
+        for kwargs in runs:
+            engine.generate(prompts, sampling=params, **kwargs)
+    finally:
+        del drafter.propose  # type: ignore[union-attr]
+    return seen
+
+
+def assert_proposals_ranked(seen: list[Proposal],
+                            logits_after: Callable[[list[int], list[int]], torch.Tensor],
+                            every: int = 3) -> None:
+    """Each proposed chain / tree node is the rank-``r`` choice (``r`` = its tree rank, 0 for
+    chains) of ``logits_after(tokens, path)``, a from-scratch recomputation after the
+    sequence's tokens and the node's drafted ancestors."""
+    assert len(seen) > 20
+    for tokens, drafts, tree in seen[::every]:
+        if not drafts:
+            continue
+        tree = tree or DraftTree.chain(len(drafts))
+        paths: list[list[int]] = [[]]
+        for i in range(1, tree.num_nodes):
+            path = paths[int(tree.parents[i])]
+            logits = logits_after(tokens, path)
+            rth = logits.sort(descending=True).values[int(tree.ranks[i])]
+            assert abs(logits[drafts[i - 1]] - rth) <= 1e-4
+            paths.append(path + [drafts[i - 1]])

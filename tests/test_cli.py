@@ -53,3 +53,25 @@ def test_bad_arguments_give_a_clear_error(tiny_checkpoint: Path,
                "--k", "0"])
     assert rc == 2
     assert "outside the vocabulary" in capsys.readouterr().err
+
+
+def test_bundled_pair_drafts_with_its_eagle3_head(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    rc = main(["generate", "--num-prompts", "4", "--max-tokens", "48", "--k", "3",
+               "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "identical completions: 4/4" in out
+    tau = float(re.search(r"\[k=3\].*mean accepted length ([0-9.]+)", out).group(1))
+    assert tau >= 2.0  # the EAGLE-3 head, not n-grams, is drafting
+
+
+def test_bundled_pair_without_its_head_is_a_clear_error(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import specengine.cli as cli
+
+    monkeypatch.setattr(cli, "DEFAULT_DRAFT", tmp_path / "missing-head")
+    assert main(["generate", "--num-prompts", "1", "--k", "3"]) == 2
+    assert "bundled EAGLE-3 head missing" in capsys.readouterr().err

@@ -8,11 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import make_hf_model, save_checkpoint
-from lossless import TREES, assert_greedy_lossless, ragged_requests
+from lossless import (
+    TREES,
+    assert_greedy_lossless,
+    assert_proposals_ranked,
+    ragged_requests,
+    record_proposals,
+)
 
 from specengine import SamplingParams, SpecEngine
 from specengine.drafters.draft_model import DraftModelDrafter
-from specengine.tree import DraftTree
 
 STOPS = (3, 17, 64, 99)
 
@@ -73,40 +78,15 @@ def test_proposals_equal_a_plain_forward(target_dir: Path, draft_dir: Path,
     """Every chain / tree the drafter proposed mid-generation is what a fresh transformers
     forward of the draft over the same tokens ranks first (so the incremental KV is right)."""
     engine = make_engine(target_dir, draft_dir)
-    drafter = engine.drafter
-    seen: list[tuple[list[int], list[int], DraftTree | None]] = []
-    inner = drafter.propose
-
-    def recording(seqs, num_drafts, tree):  # type: ignore[no-untyped-def]
-        out = inner(seqs, num_drafts, tree)
-        for b, seq in enumerate(seqs):
-            n = int(out.num_draft_tokens[b])
-            seen.append((list(seq.token_ids), out.token_ids[b, :n].tolist(), tree))
-        return out
-
-    drafter.propose = recording  # type: ignore[method-assign]
     prompts, params = ragged_requests(128, n=6, seed=2)
-    engine.generate(prompts, k=3, sampling=params)
-    engine.generate(prompts, tree=TREES["deep_chain_and_branch"], sampling=params)
+    seen = record_proposals(engine, [dict(k=3), dict(tree=TREES["deep_chain_and_branch"])],
+                            prompts, params)
 
-    def ranked(ids: list[int]) -> torch.Tensor:
+    def ranked(tokens: list[int], path: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            return draft_hf(torch.tensor([ids])).logits[0, -1].float()
+            return draft_hf(torch.tensor([tokens + path])).logits[0, -1].float()
 
-    assert len(seen) > 20
-    for tokens, drafts, tree in seen[::3]:
-        if tree is None:
-            for j, d in enumerate(drafts):
-                logits = ranked(tokens + drafts[:j])
-                assert logits[d] >= logits.max() - 1e-4
-            continue
-        paths: list[list[int]] = [[]]
-        for i in range(1, tree.num_nodes):
-            path = paths[int(tree.parents[i])]
-            logits = ranked(tokens + path)
-            rth = logits.sort(descending=True).values[int(tree.ranks[i])]
-            assert abs(logits[drafts[i - 1]] - rth) <= 1e-4
-            paths.append(path + [drafts[i - 1]])
+    assert_proposals_ranked(seen, ranked)
 
 
 def test_vocab_mismatch_is_a_clear_error(target_dir: Path,

@@ -4,19 +4,23 @@ proposals equal to a dense recomputation, and target parity with the MTP keys pr
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
 from checkpoints import make_hf_model, save_checkpoint
-from lossless import TREES, assert_greedy_lossless, ragged_requests
+from lossless import (
+    TREES,
+    DenseCausal,
+    assert_greedy_lossless,
+    assert_proposals_ranked,
+    ragged_requests,
+    record_proposals,
+)
 from safetensors.torch import load_file, save_file
 
 from specengine import SpecEngine
 from specengine.drafters.mtp import MTPDrafter
-from specengine.model.attention import AttentionBackend
-from specengine.tree import DraftTree
 
 
 def add_mtp_weights(hf: torch.nn.Module, path: Path, seed: int = 1) -> None:
@@ -78,22 +82,6 @@ def test_mtp_greedy_lossless(engine: SpecEngine) -> None:
     assert not drafter._states
 
 
-class DenseCausal(AttentionBackend):
-    """Plain causal attention over the tokens of one call (no cache): the reference."""
-
-    def write_kv(self, k, v, k_cache, v_cache, meta) -> None:  # type: ignore[no-untyped-def]
-        self.k, self.v = k, v
-
-    def attend(self, q, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
-        group = q.shape[1] // self.k.shape[1]
-        k = self.k.repeat_interleave(group, 1)
-        v = self.v.repeat_interleave(group, 1)
-        s = torch.einsum("qhd,khd->hqk", q, k) * scale
-        n = q.shape[0]
-        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
-        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
-
-
 def mtp_logits(hf: torch.nn.Module, drafter: MTPDrafter, tokens: list[int],
                path: list[int]) -> torch.Tensor:
     """The MTP's logits after ``tokens`` + drafted ``path``, recomputed densely from scratch on
@@ -114,37 +102,11 @@ def mtp_logits(hf: torch.nn.Module, drafter: MTPDrafter, tokens: list[int],
 def test_proposals_equal_a_dense_recomputation(mtp_target, engine: SpecEngine) -> None:
     """Every chain / tree node proposed mid-generation equals the MTP recomputed from scratch
     on the target's hidden states of the same tokens (so the KV bookkeeping is right)."""
-    hf = mtp_target[0]
-    drafter = engine.drafter
-    seen: list[tuple[list[int], list[int], DraftTree | None]] = []
-    inner = drafter.propose
-
-    def recording(seqs, num_drafts, tree):  # type: ignore[no-untyped-def]
-        out = inner(seqs, num_drafts, tree)
-        for b, seq in enumerate(seqs):
-            n = int(out.num_draft_tokens[b])
-            seen.append((list(seq.token_ids), out.token_ids[b, :n].tolist(), tree))
-        return out
-
-    drafter.propose = recording  # type: ignore[method-assign]
-    try:
-        prompts, params = ragged_requests(128, n=6, seed=2)
-        engine.generate(prompts, k=4, sampling=params)
-        engine.generate(prompts, tree=TREES["deep_chain_and_branch"], sampling=params)
-    finally:
-        del drafter.propose
-    assert len(seen) > 20
-    for tokens, drafts, tree in seen[::3]:
-        if not drafts:
-            continue
-        tree = tree or DraftTree.chain(len(drafts))
-        paths: list[list[int]] = [[]]
-        for i in range(1, tree.num_nodes):
-            path = paths[int(tree.parents[i])]
-            logits = mtp_logits(hf, drafter, tokens, path)
-            rth = logits.sort(descending=True).values[int(tree.ranks[i])]
-            assert abs(logits[drafts[i - 1]] - rth) <= 1e-4
-            paths.append(path + [drafts[i - 1]])
+    hf, drafter = mtp_target[0], engine.drafter
+    prompts, params = ragged_requests(128, n=6, seed=2)
+    seen = record_proposals(engine, [dict(k=4), dict(tree=TREES["deep_chain_and_branch"])],
+                            prompts, params)
+    assert_proposals_ranked(seen, lambda tokens, path: mtp_logits(hf, drafter, tokens, path))
 
 
 def test_mtp_needs_declared_layers(tmp_path: Path) -> None:

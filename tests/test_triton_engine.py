@@ -11,6 +11,7 @@ import pytest
 import torch
 from checkpoints import make_hf_model, save_checkpoint
 from lossless import TREES
+from test_eagle3 import fit_head
 
 from specengine import SamplingParams, SpecEngine
 
@@ -58,6 +59,37 @@ def test_sampled_on_kernels_equals_torch_backend(ckpts: tuple[Path, Path]) -> No
         prompts, k=2, sampling=params)
     want = make(target, "torch", str(draft), draft_options=opts).generate(
         prompts, k=2, sampling=params)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+    assert sum(o.num_accepted_tokens for o in got) > 0
+    assert sum(o.num_draft_tokens - o.num_accepted_tokens for o in got) > 0
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A target and an EAGLE-3 head fitted to it on a few contexts (some drafts pass)."""
+    hf = make_hf_model("qwen3", vocab_size=48, hidden_size=32, seed=1, init_std=0.2)
+    target = save_checkpoint(hf, tmp_path_factory.mktemp("t"))
+    gen = torch.Generator().manual_seed(4)
+    contexts = [torch.randint(0, 48, (12,), generator=gen).tolist() for _ in range(24)]
+    return target, fit_head(hf, target, tmp_path_factory.mktemp("e"), contexts + PROMPTS,
+                            dropped=(0, 47))
+
+
+def test_eagle3_on_kernels(eagle_dir: tuple[Path, Path]) -> None:
+    """Greedy EAGLE-3 chains and trees on the kernels equal k=0; sampled EAGLE-3 drafts give
+    the PyTorch backend's tokens seed for seed, with both accepts and rejects."""
+    target, head = eagle_dir
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n) for n in (10, 4, 8)]
+    base = make(target, "torch", None).generate(PROMPTS, sampling=greedy)
+    engine = make(target, "triton", str(head))
+    for kwargs in (dict(k=3), dict(tree=TREES["binary2"])):
+        outs = engine.generate(PROMPTS, sampling=greedy, **kwargs)
+        assert [o.token_ids for o in outs] == [b.token_ids for b in base], kwargs
+    params = [SamplingParams(temperature=0.8, top_k=12, max_tokens=6, seed=s) for s in range(3)]
+    got, want = (make(target, backend, str(head), draft_options={"sample": True}).generate(
+        PROMPTS, k=2, sampling=params) for backend in ("triton", "torch"))
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)

@@ -1,0 +1,299 @@
+"""EAGLE-3 drafter: heads written here in the published layout (random weights on a random
+target, near-zero acceptance) and the bundled trained pair (high acceptance): greedy
+losslessness, proposals equal to a dense recomputation, sampled drafts, both checkpoint
+formats, bad checkpoints, and in-place draft weight updates."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import make_hf_model, save_checkpoint
+from lossless import (
+    DenseCausal,
+    assert_greedy_lossless,
+    assert_proposals_ranked,
+    ragged_requests,
+    record_proposals,
+)
+from safetensors.torch import save_file
+from torch import nn
+
+from specengine import SamplingParams, SpecEngine
+from specengine import arith_task as task
+from specengine.drafters.eagle3 import Eagle3Drafter, Eagle3Head, read_head_checkpoint
+from specengine.model.config import CheckpointError, ModelConfig
+from specengine.model_runner import ForwardOutput
+from specengine.sequence import Sequence
+
+DROPPED = (0, 7, 100)  # target ids without a draft id
+STOPS = (3, 17, 64, 99)
+Edit = Callable[[dict, dict], None]
+
+
+def head_tensors(target: Path, *, seed: int = 0, aux_ids: tuple[int, ...] = (0, 1, 0),
+                 dropped: tuple[int, ...] = DROPPED) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Config and random weights of an EAGLE-3 head for ``target``, in the published layout.
+    ``aux_ids`` (0, 1, 0) on a 2-layer target reads the inputs of layers 1, 2 (the last
+    output, pre-norm) and 1 again: unsorted and repeated, as a config may say."""
+    tcfg = json.loads((target / "config.json").read_text())
+    vocab, h = tcfg["vocab_size"], tcfg["hidden_size"]
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+           "hidden_size": h, "intermediate_size": 2 * h, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 1,
+           "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
+           "vocab_size": vocab, "draft_vocab_size": vocab - len(dropped),
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_ids)}}
+    torch.manual_seed(seed)
+    head = Eagle3Head(head_model_config(cfg), cfg["draft_vocab_size"], nn.Embedding(vocab, h))
+    tensors = {}
+    for name, p in head.named_parameters():
+        noise = torch.randn(p.shape)
+        tensors[name] = 1 + 0.1 * noise if name.endswith("norm.weight") else 0.08 * noise
+    kept = torch.tensor([t for t in range(vocab) if t not in dropped])
+    tensors["d2t"] = kept - torch.arange(kept.numel())
+    tensors["t2d"] = torch.ones(vocab, dtype=torch.bool)
+    tensors["t2d"][list(dropped)] = False
+    return cfg, tensors
+
+
+def head_model_config(cfg: dict) -> ModelConfig:
+    return ModelConfig.from_dict({**cfg, "architectures": ["LlamaForCausalLM"]})
+
+
+def save_head(path: Path, cfg: dict, tensors: dict[str, torch.Tensor],
+              fmt: str = "safetensors") -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    if fmt == "bin":
+        torch.save(tensors, path / "pytorch_model.bin")
+    else:
+        save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def write_head(path: Path, target: Path, *, fmt: str = "safetensors", edit: Edit | None = None,
+               **kwargs: object) -> Path:
+    """A random head (see :func:`head_tensors`); ``edit(cfg, tensors)`` spoils it on
+    purpose."""
+    cfg, tensors = head_tensors(target, **kwargs)  # type: ignore[arg-type]
+    if edit is not None:
+        edit(cfg, tensors)
+    return save_head(path, cfg, tensors, fmt)
+
+
+def fit_head(hf: nn.Module, target: Path, path: Path, contexts: list[list[int]],
+             dropped: tuple[int, ...] = (), seed: int = 0) -> Path:
+    """A head close to the target by construction: random layer reading the output of target
+    layer 0 (three times), then the LM head is the least-squares fit of the target's logits
+    after each context prefix from the head's normed output (its first draft step)."""
+    cfg, tensors = head_tensors(target, seed=seed, aux_ids=(0, 0, 0), dropped=dropped)
+    head = Eagle3Head(head_model_config(cfg), cfg["draft_vocab_size"], hf.model.embed_tokens)
+    head.load_state_dict({k: v for k, v in tensors.items() if k not in ("d2t", "t2d")})
+    kept = torch.arange(cfg["draft_vocab_size"]) + tensors["d2t"]
+    xs, ys = [], []
+    with torch.no_grad():
+        for ctx in (c for c in contexts if len(c) > 1):
+            out = hf(torch.tensor([ctx]), output_hidden_states=True)
+            feats = out.hidden_states[1][0, :-1].repeat(1, 3)
+            g = head(torch.tensor(ctx[1:]), feats, torch.arange(len(ctx) - 1),
+                     torch.zeros(2, 1, 1), None, DenseCausal())[0]
+            xs.append(head.norm(g))
+            ys.append(out.logits[0, 1:, kept])  # entry i predicts the token after ctx[:i+2]
+        x, y = torch.cat(xs), torch.cat(ys)
+        fit = torch.linalg.lstsq(x, y - y.mean(1, keepdim=True)).solution
+        tensors["lm_head.weight"] = fit.T.contiguous()
+    return save_head(path, cfg, tensors)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_checkpoint(make_hf_model("qwen3"), tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="module")
+def head_dir(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_head(tmp_path_factory.mktemp("head"), target_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(target_dir: Path, head_dir: Path) -> SpecEngine:
+    return SpecEngine(target_dir, draft=str(head_dir), device="cpu", dtype="float32",
+                      max_model_len=96, max_batch_size=16, kv_cache_tokens=4096)
+
+
+def target_features(engine: SpecEngine, drafter: Eagle3Drafter,
+                    tokens: list[int]) -> ForwardOutput:
+    """The target's pass over ``tokens`` recomputed densely (no cache)."""
+    num_layers = engine.model_config.num_layers
+    with torch.no_grad():
+        hidden, aux = engine.model(torch.tensor(tokens), torch.arange(len(tokens)),
+                                   torch.zeros(2, num_layers, 1), None, DenseCausal(),
+                                   drafter.aux_layers)
+    return ForwardOutput(hidden, aux, [0, len(tokens)])
+
+
+def eagle_logits(engine: SpecEngine, tokens: list[int], path: list[int]) -> torch.Tensor:
+    """The head's target-vocab logits after ``tokens`` + drafted ``path``, from scratch: entry
+    i reads (fc(features_i), x_{i+1}); a drafted entry reads the previous entry's output."""
+    drafter = engine.drafter
+    head, dense, no_cache = drafter.module, DenseCausal(), torch.zeros(2, 1, 1)
+    feats = drafter.features(target_features(engine, drafter, tokens), torch.arange(len(tokens)))
+    with torch.no_grad():
+        hidden, ids = head.fc(feats[:-1]), tokens[1:]
+        g = head(torch.tensor(ids), hidden, torch.arange(len(ids)), no_cache, None, dense)[0]
+        for token in path:
+            hidden, ids = torch.cat([hidden, g[-1:]]), ids + [token]
+            g = head(torch.tensor(ids), hidden, torch.arange(len(ids)), no_cache, None,
+                     dense)[0]
+        return head.compute_logits(g[-1:])[0]
+
+
+def drafts_of(drafter: Eagle3Drafter, engine: SpecEngine, tokens: list[int], k: int,
+              params: SamplingParams | None = None) -> tuple[list[int], torch.Tensor | None]:
+    seq = Sequence(-5, tokens, params or SamplingParams(temperature=0.0), 11, ())
+    try:
+        out = target_features(engine, drafter, tokens[:-1])
+        drafter.observe((seq,), out, [list(range(len(tokens) - 1))])
+        prop = drafter.propose((seq,), [k], None)
+    finally:
+        drafter.release(seq)
+    return prop.token_ids[0].tolist(), prop.probs
+
+
+def test_random_head_greedy_lossless(engine: SpecEngine) -> None:
+    prompts, params = ragged_requests(128, stop_pool=STOPS)
+    assert_greedy_lossless(engine, prompts, params)
+    drafter = engine.drafter
+    assert isinstance(drafter, Eagle3Drafter) and drafter.aux_layers == (1, 2)
+    assert drafter.kv_cache.num_free_blocks == drafter.kv_cache.num_blocks
+    assert not drafter._states
+
+
+def test_proposals_equal_a_dense_recomputation(engine: SpecEngine) -> None:
+    """Every chain / tree node proposed mid-generation equals the head recomputed from scratch
+    on the target's features of the same tokens; no dropped target id is ever proposed."""
+    prompts, params = ragged_requests(128, n=6, seed=2)
+    seen = record_proposals(engine, [dict(k=4), dict(tree=[(0,), (1,), (0, 0), (0, 1)])],
+                            prompts, params)
+    assert_proposals_ranked(seen, lambda tokens, path: eagle_logits(engine, tokens, path))
+    proposed = {t for _, drafts, _ in seen for t in drafts}
+    assert proposed and not proposed & set(DROPPED)
+
+
+def test_sampled_drafts_carry_their_distributions(engine: SpecEngine, head_dir: Path) -> None:
+    drafter = Eagle3Drafter(head_dir, engine, sample=True)
+    assert not drafter.point_mass
+    params = SamplingParams(temperature=0.8, top_k=10, seed=3)
+    ids, probs = drafts_of(drafter, engine, [4, 8, 15, 16, 23, 42], 3, params)
+    assert probs is not None and probs.shape == (1, 3, 128)
+    assert torch.allclose(probs.sum(-1), torch.ones(1, 3))
+    assert int((probs > 0).sum(-1).max()) <= 10
+    assert (probs[0, :, list(DROPPED)] == 0).all()  # no draft id: draft probability 0
+    assert all(probs[0, j, t] > 0 for j, t in enumerate(ids))
+    assert drafts_of(drafter, engine, [4, 8, 15, 16, 23, 42], 3, params)[0] == ids  # by seed
+
+
+def test_both_checkpoint_formats_give_identical_proposals(engine: SpecEngine, target_dir: Path,
+                                                          head_dir: Path, tmp_path: Path) -> None:
+    from_bin = Eagle3Drafter(write_head(tmp_path / "bin", target_dir, fmt="bin"), engine)
+    for tokens in ([5, 9, 2, 77, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]):
+        assert drafts_of(from_bin, engine, tokens, 4) == drafts_of(engine.drafter, engine,
+                                                                   tokens, 4)
+
+
+def _set(key: str, value: object) -> Edit:
+    return lambda cfg, tensors: cfg.__setitem__(key, value)
+
+
+def _shift_d2t(cfg: dict, tensors: dict) -> None:
+    tensors["d2t"][-1] += 50
+
+
+BAD_HEADS: dict[str, tuple[Edit, str]] = {
+    "vocab": (_set("vocab_size", 96), "vocab_size 96 but the target has 128"),
+    "hidden": (_set("hidden_size", 32), "hidden_size 32"),
+    "aux-range": (_set("eagle_config", {"eagle_aux_hidden_state_layer_ids": [0, 2, 1]}),
+                  "out of range"),
+    "d2t-range": (_shift_d2t, "outside"),
+    "d2t-length": (lambda c, t: t.__setitem__("d2t", t["d2t"][:-1]), "length"),
+    "no-d2t": (lambda c, t: (t.pop("d2t"), t.pop("t2d")), "no d2t"),
+    "t2d": (lambda c, t: t["t2d"].__setitem__(0, True), "t2d disagrees"),
+    "missing": (lambda c, t: t.pop("midlayer.mlp.up_proj.weight"), "missing weight"),
+    "unexpected": (lambda c, t: t.__setitem__("midlayer.extra", torch.zeros(3)),
+                   "unexpected weight"),
+    "embed": (lambda c, t: t.__setitem__("embed_tokens.weight", torch.randn(128, 64)),
+              "differs from the target"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HEADS))
+def test_bad_head_is_a_clear_error(case: str, engine: SpecEngine, target_dir: Path,
+                                   tmp_path: Path) -> None:
+    edit, message = BAD_HEADS[case]
+    with pytest.raises(CheckpointError, match=message):
+        Eagle3Drafter(write_head(tmp_path, target_dir, edit=edit), engine)
+
+
+def test_checkpoint_embeddings_equal_to_the_targets_are_accepted(
+        engine: SpecEngine, target_dir: Path, tmp_path: Path) -> None:
+    embed = engine.model.model.embed_tokens.weight.detach().clone()
+    path = write_head(tmp_path, target_dir,
+                      edit=lambda c, t: t.__setitem__("embed_tokens.weight", embed))
+    assert drafts_of(Eagle3Drafter(path, engine), engine, [3, 1, 4, 1, 5], 3) == \
+        drafts_of(engine.drafter, engine, [3, 1, 4, 1, 5], 3)
+
+
+def test_load_weights_in_place(engine: SpecEngine, target_dir: Path, head_dir: Path,
+                               tmp_path: Path) -> None:
+    drafter = engine.drafter
+    params = dict(drafter.module.named_parameters())
+    ptrs = {n: p.data_ptr() for n, p in params.items()}
+    other = write_head(tmp_path / "other", target_dir, seed=5, dropped=(1, 2, 3))
+    fresh = Eagle3Drafter(other, engine)
+    before = {n: p.clone() for n, p in params.items()}
+    with pytest.raises(CheckpointError, match="shape"):  # all or nothing: nothing written
+        engine.load_weights([("norm.weight", torch.zeros(64)), ("fc.weight", torch.zeros(3))],
+                            which="draft")
+    assert all(torch.equal(p, before[n]) for n, p in params.items())
+    try:
+        engine.load_weights(read_head_checkpoint(other).items(), which="draft")
+        assert {n: p.data_ptr() for n, p in params.items()} == ptrs
+        tokens = [9, 8, 7, 6, 5, 4, 3]
+        assert drafts_of(drafter, engine, tokens, 4) == drafts_of(fresh, engine, tokens, 4)
+        prompts, sp = ragged_requests(128, n=6, seed=4)
+        base = engine.generate(prompts, k=0, sampling=sp)
+        assert [o.token_ids for o in engine.generate(prompts, k=3, sampling=sp)] == \
+            [b.token_ids for b in base]
+    finally:
+        engine.load_weights(read_head_checkpoint(head_dir).items(), which="draft")
+
+
+# --- the bundled pair -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bundled() -> SpecEngine:
+    from specengine.cli import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    return SpecEngine(DEFAULT_TARGET, draft=str(DEFAULT_DRAFT), device="cpu", dtype="float32",
+                      max_batch_size=16, kv_cache_tokens=16 * 160)
+
+
+def test_bundled_pair_is_lossless_with_long_accepted_runs(bundled: SpecEngine) -> None:
+    prompts = task.heldout_prompts(16)
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    base = bundled.generate(prompts, k=0, sampling=params)
+    outs = bundled.generate(prompts, k=3, sampling=params)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert bundled.stats.mean_accepted_length >= 2.0
+
+
+def test_bundled_pair_greedy_lossless_ragged(bundled: SpecEngine) -> None:
+    """Held-out task prompts with mixed max_tokens and stop tokens (';' ends a step early)."""
+    _, params = ragged_requests(len(task.VOCAB), stop_pool=tuple(task.encode(";=")))
+    prompts = [task.encode(p) for p in task.heldout_prompts(16, seed=99)]
+    assert_greedy_lossless(bundled, prompts, params)
+    assert bundled.stats.mean_accepted_length > 1.5
