@@ -21,6 +21,7 @@ import pytest
 import torch
 from checkpoints import make_hf_model, save_checkpoint
 from scipy.stats import chisquare
+from test_eagle3 import fit_head
 
 from specengine import SamplingParams, SpecEngine
 
@@ -91,6 +92,15 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, P
     return hf, target, save_checkpoint(draft, tmp_path_factory.mktemp("draft"))
 
 
+@pytest.fixture(scope="module")
+def eagle_dir(models, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An EAGLE-3 head fitted to the target on the contexts the test draws from (its first
+    draft step is close; later steps are not), with one target id it can never propose."""
+    hf, target, _ = models
+    contexts = [[*PROMPT, a, b] for a in range(VOCAB) for b in range(VOCAB)]
+    return fit_head(hf, target, tmp_path_factory.mktemp("eagle"), contexts, dropped=(9,))
+
+
 def run_joint(engine: SpecEngine, params: SamplingParams, n: int, **gen_kwargs) -> Counter:
     outs = engine.generate([PROMPT] * n, sampling=params, **gen_kwargs)
     assert all(len(o.token_ids) == 3 for o in outs)
@@ -104,16 +114,22 @@ CASES = {
                                            dict(temperature=0.7, top_k=6, top_p=0.9)),
     "tree-greedy-draft-topp": ("model", False, dict(tree=[(0,), (1,), (0, 0), (1, 0), (2,)]),
                                dict(temperature=1.0, top_p=0.8)),
+    "eagle-chain-greedy-draft-t1": ("eagle", False, dict(k=2), dict(temperature=1.0)),
+    "eagle-chain-sampled-draft-t0.8-topk": ("eagle", True, dict(k=2),
+                                            dict(temperature=0.8, top_k=8)),
+    "eagle-tree-greedy-draft-topp": ("eagle", False, dict(tree=[(0,), (1,), (0, 0), (1, 0)]),
+                                     dict(temperature=1.0, top_p=0.9)),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_speculative_sampling_matches_policy(models, case: str) -> None:
+def test_speculative_sampling_matches_policy(models, eagle_dir: Path, case: str) -> None:
     hf, target, draft_dir = models
     kind, sample, gen_kwargs, sp = CASES[case]
     params = SamplingParams(max_tokens=3, **sp)
+    draft = {"model": str(draft_dir), "eagle": str(eagle_dir)}.get(kind, "ngram")
     engine = SpecEngine(
-        target, draft=str(draft_dir) if kind == "model" else "ngram", device="cpu",
+        target, draft=draft, device="cpu",
         dtype="float32", max_model_len=32, max_batch_size=2048, kv_cache_tokens=2048 * 32,
         seed=hash(case) % 1000, draft_options={"sample": True} if sample else None,
     )
