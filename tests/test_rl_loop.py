@@ -39,7 +39,7 @@ def test_two_steps_across_processes(rl_loop: ModuleType) -> None:
     assert [(r.version, r.new_version) for r in recs] == [(0, 1), (1, 2)]
     # (b) after the last push the engine holds exactly the learner's parameters
     learner, engine = res.learner_params, res.engine_params
-    assert engine is not None and set(learner) <= set(engine)
+    assert engine is not None and learner is not None and set(learner) <= set(engine)
     assert all(torch.equal(engine[n], learner[n]) for n in learner)
     # (d) and those differ from the checkpoint: the GRPO steps had a real gradient
     start = load_file(str(Path(cfg.model) / "model.safetensors"))
