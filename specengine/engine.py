@@ -337,7 +337,7 @@ class SpecEngine:
         if self._weight_receiver is not None:
             raise RuntimeError("already in a weight-update group: close_weight_update_group()")
         self._weight_receiver = WeightReceiver(master_address, master_port, rank, world_size,
-                                               backend, timeout_s)
+                                               backend, timeout_s, self.device)
 
     def update_weights_from_distributed(self, *, which: str = "policy", src_rank: int = 0,
                                         staging: str = "auto") -> int:

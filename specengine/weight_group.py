@@ -26,10 +26,11 @@ class WeightGroup:
     """``world_size`` ranks (0: the learner, 1..: receivers) joined at ``master_address:
     master_port`` (rank 0 hosts the store). Blocks until every rank joined, or raises
     :class:`WeightSyncError` after ``timeout_s``; every later collective has the same limit.
-    After a transport failure the group is broken: close it and make a new one."""
+    After a transport failure the group is broken: close it and make a new one. ``device``:
+    where NCCL buffers live (default: the current CUDA device); gloo uses the CPU."""
 
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
-                 backend: str, timeout_s: float) -> None:
+                 backend: str, timeout_s: float, device: torch.device | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
@@ -43,8 +44,10 @@ class WeightGroup:
             raise ValueError("backend='nccl' needs CUDA; use backend='gloo' on CPU")
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.timeout = timedelta(seconds=timeout_s)
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if backend == "nccl" else torch.device("cpu")
+        if backend == "gloo":
+            self.device = torch.device("cpu")
+        else:  # NCCL moves CUDA tensors: the engine's device, or the current one
+            self.device = device or torch.device("cuda", torch.cuda.current_device())
         self.broken = False
         try:
             self._store = dist.TCPStore(master_address, master_port, world_size,

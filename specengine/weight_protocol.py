@@ -112,6 +112,15 @@ class Manifest:
                 yield i, e, start - e.offset, end - e.offset
             i += 1
 
+    def sole_piece(self, lo: int, hi: int) -> tuple[int, ManifestEntry, int, int] | None:
+        """The piece, when ``[lo, hi)`` lies inside one tensor: both ends can then use that
+        tensor's bytes directly instead of a bucket buffer (no pack, no scatter copy)."""
+        pieces = self.pieces(lo, hi)
+        first = next(pieces, None)
+        if first is None or next(pieces, None) is not None or first[3] - first[2] != hi - lo:
+            return None
+        return first
+
     def to_json(self) -> bytes:
         return json.dumps({
             "version": self.version, "which": self.which, "full": self.full,

@@ -31,7 +31,7 @@ from torch import nn
 
 from specengine.model.config import CheckpointError
 from specengine.model.loader import check_entries, format_errors, iter_checkpoint, tied_names
-from specengine.weight_group import WeightGroup
+from specengine.weight_group import MAX_ERROR_BYTES, WeightGroup
 from specengine.weight_protocol import MAX_MANIFEST_BYTES, Manifest, WeightSyncError
 from specengine.weight_sync import MAGIC, SharedWeights
 
@@ -114,6 +114,18 @@ class _Plan:
             with torch.no_grad():
                 dst.view(-1)[start // item: end // item].copy_(src)
 
+    def direct(self, lo: int, hi: int, device: torch.device) -> torch.Tensor | None:
+        """The destination's own bytes for chunk ``[lo, hi)`` when the chunk lies inside one
+        accepted tensor that needs no cast and lives where the group receives."""
+        sole = self.manifest.sole_piece(lo, hi)
+        if sole is None or sole[1].name not in self.accepted:
+            return None
+        _, entry, start, end = sole
+        dst = (self.staged or self.params)[entry.name]
+        if dst.dtype != entry.dtype or dst.device != device or not dst.is_contiguous():
+            return None
+        return dst.view(-1).view(torch.uint8)[start:end]
+
     def apply_staged(self) -> None:
         if self.staged is not None:
             with torch.no_grad():
@@ -160,11 +172,11 @@ class WeightReceiver:
     """An engine's membership (rank 1..world_size-1) in a weight-sync group."""
 
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
-                 backend: str, timeout_s: float) -> None:
+                 backend: str, timeout_s: float, device: torch.device) -> None:
         if rank == 0:
             raise ValueError("rank 0 is the sender (WeightSender); engines take ranks 1..")
         self.group = WeightGroup(master_address, master_port, rank, world_size, backend,
-                                 timeout_s)
+                                 timeout_s, device if device.type == "cuda" else None)
 
     def receive(self, engine: SpecEngine, which: str, src_rank: int, staging: str) -> int:
         """One update from ``src_rank`` (see ``engine.update_weights_from_distributed``)."""
@@ -174,6 +186,11 @@ class WeightReceiver:
         header = torch.zeros(2, dtype=torch.int64, device=g.device)
         g.broadcast(header, src_rank)
         magic, size = header.tolist()
+        if magic == MAGIC and -MAX_ERROR_BYTES <= size < 0:  # the sender refused its input
+            message = torch.empty(-size, dtype=torch.uint8, device=g.device)
+            g.broadcast(message, src_rank)
+            raise WeightSyncError("the sender refused its own update, nothing changed: "
+                                  + message.cpu().numpy().tobytes().decode(errors="replace"))
         if magic != MAGIC or not 0 < size <= MAX_MANIFEST_BYTES:
             g.broken = True  # out of step with the sender: nothing after this can be trusted
             raise WeightSyncError(f"bad weight-sync header {header.tolist()}: is rank "
@@ -194,12 +211,13 @@ class WeightReceiver:
         if chunks:
             buf = torch.empty(max(hi - lo for lo, hi in chunks), dtype=torch.uint8,
                               device=g.device)
+            if plan.staged is None:  # in place from the first byte on: torn until complete
+                engine._torn_weights.update((which, n) for n in plan.accepted)
             for lo, hi in chunks:
-                g.broadcast(buf[: hi - lo], src_rank)  # raises if the sender died
-                if plan.staged is None:
-                    engine._torn_weights.update((which, n) for n in plan.accepted)
-                if error is None:  # keep receiving after a local failure, to stay in step
-                    try:
+                direct = plan.direct(lo, hi, g.device) if error is None else None
+                g.broadcast(buf[: hi - lo] if direct is None else direct, src_rank)
+                if error is None and direct is None:  # after a local failure keep receiving,
+                    try:                              # to stay in step with the group
                         plan.scatter(buf, lo, hi)
                     except RuntimeError as e:
                         error = f"copy failed: {e}"

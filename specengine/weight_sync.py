@@ -29,11 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specengine.weight_group import WeightGroup
+from specengine.weight_group import MAX_ERROR_BYTES, WeightGroup
 from specengine.weight_protocol import (
     WHICH,
     Manifest,
     WeightSyncError,
+    byte_view,
     manifest_for,
     pack,
 )
@@ -103,14 +104,22 @@ class WeightSender:
         :class:`WeightSyncError` (naming the receivers' first bad entries) when any refused
         it or the transfer failed. Shared: returns the :class:`SharedWeights` to hand over.
         """
-        if which not in WHICH:
-            raise ValueError(f"which must be one of {WHICH}, got {which!r}")
-        manifest, tensors = manifest_for(named_tensors, version, which, full, bucket_bytes)
+        if self.transport == "distributed" and self.group is None:
+            raise WeightSyncError("the sender is closed")
+        try:
+            if which not in WHICH:
+                raise ValueError(f"which must be one of {WHICH}, got {which!r}")
+            manifest, tensors = manifest_for(named_tensors, version, which, full, bucket_bytes)
+        except (ValueError, WeightSyncError) as e:
+            if self.group is not None:  # tell the receivers, so that they raise too
+                raw = f"{type(e).__name__}: {e}".encode()[:MAX_ERROR_BYTES]
+                self.group.broadcast(torch.tensor([MAGIC, -len(raw)], dtype=torch.int64,
+                                                  device=self.group.device), 0)
+                self.group.broadcast(_bytes_tensor(raw, self.group.device), 0)
+            raise
         if self.transport == "shared":
             return self._send_shared(manifest, tensors)
-        if self.group is None:
-            raise WeightSyncError("the sender is closed")
-        self._send_distributed(self.group, manifest, tensors)
+        self._send_distributed(self.group, manifest, tensors)  # type: ignore[arg-type]
         return None
 
     def _send_distributed(self, group: WeightGroup, manifest: Manifest,
@@ -118,8 +127,7 @@ class WeightSender:
         payload = manifest.to_json()
         header = torch.tensor([MAGIC, len(payload)], dtype=torch.int64, device=group.device)
         group.broadcast(header, 0)
-        group.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                        .to(group.device), 0)
+        group.broadcast(_bytes_tensor(payload, group.device), 0)
         errors = group.agree(None)
         if errors:
             raise WeightSyncError(f"receivers refused weight update v{manifest.version} "
@@ -129,8 +137,13 @@ class WeightSender:
             buf = torch.empty(max(hi - lo for lo, hi in chunks), dtype=torch.uint8,
                               device=group.device)
             for lo, hi in chunks:
-                pack(manifest, tensors, lo, hi, buf)
-                group.broadcast(buf[: hi - lo], 0)
+                sole = manifest.sole_piece(lo, hi)
+                src = tensors[sole[0]] if sole is not None else None
+                if src is not None and src.is_contiguous() and src.device == group.device:
+                    group.broadcast(byte_view(src)[sole[2]: sole[3]], 0)  # type: ignore
+                else:
+                    pack(manifest, tensors, lo, hi, buf)
+                    group.broadcast(buf[: hi - lo], 0)
         errors = group.agree(None)
         if errors:
             raise WeightSyncError(f"weight update v{manifest.version} failed on receivers: "
@@ -175,6 +188,10 @@ class WeightSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _bytes_tensor(raw: bytes, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
 
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "SharedWeights", "WeightSender", "WeightSyncError"]

@@ -192,6 +192,18 @@ def test_bad_manifest_refused_on_both_sides(engines: Engines, bad: str) -> None:
     assert error is None and replies == [("ok", version + 1)] * 2
 
 
+def test_sender_refusing_its_input_makes_receivers_raise(engines: Engines) -> None:
+    for c in engines.conns:
+        c.send(("update", "policy"))
+    twice = [("model.norm.weight", torch.ones(64))] * 2
+    with pytest.raises(ValueError, match="names must be unique"):
+        engines.sender.send(twice, engines.version + 1)
+    for status, message in [reply(c) for c in engines.conns]:
+        assert status == "error" and "sender refused its own update" in message
+    error, replies = engines.update({"model.norm.weight": torch.ones(64)})
+    assert error is None and replies == [("ok", engines.version)] * 2
+
+
 def test_draft_update_keeps_speculation_lossless(engines: Engines) -> None:
     policy = new_weights(seed=13)
     assert engines.update(policy)[0] is None
@@ -255,15 +267,34 @@ def test_sender_dies_mid_transfer(tiny_checkpoint: Path, staging: str) -> None:
     assert run(engine) != before
 
 
-def test_rendezvous_times_out(tiny_checkpoint: Path) -> None:
+def _silent_sender(port: int, release: object) -> None:
+    sender = WeightSender("127.0.0.1", port, 2, backend="gloo", timeout_s=GROUP_TIMEOUT_S)
+    release.get(timeout=WAIT_S)  # type: ignore[attr-defined]  # joins, then never sends
+    sender.close()
+
+
+def test_rendezvous_and_transfer_time_out(tiny_checkpoint: Path) -> None:
     engine = make_engine(tiny_checkpoint)
+    before = run(engine)
     start = time.monotonic()
-    with pytest.raises(WeightSyncError, match="rendezvous"):
+    with pytest.raises(WeightSyncError, match="rendezvous"):  # nobody at that port
         engine.init_weight_update_group("127.0.0.1", free_port(), 1, 2, backend="gloo",
                                         timeout_s=2)
     assert time.monotonic() - start < 15
     with pytest.raises(RuntimeError, match="no weight-update group"):
         engine.update_weights_from_distributed()
+    port, release = free_port(), CTX.Queue()
+    proc = CTX.Process(target=_silent_sender, args=(port, release), daemon=True)
+    proc.start()
+    engine.init_weight_update_group("127.0.0.1", port, 1, 2, backend="gloo", timeout_s=3)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="timeout"):  # the sender is alive but silent
+        engine.update_weights_from_distributed()
+    assert time.monotonic() - start < 3 + 10
+    release.put("go")
+    engine.close_weight_update_group()
+    proc.join(WAIT_S)
+    assert run(engine) == before and engine.weight_version == 0
 
 
 # --- colocated transport ---------------------------------------------------------------------
@@ -276,6 +307,21 @@ def _shared_sender(queue: object, acks: object, seed: int) -> None:
                           bucket_bytes=SMALL_BUCKET, full=True))
     assert acks.get(timeout=WAIT_S) == "copied"  # type: ignore[attr-defined]
     sender.close()
+
+
+@pytest.mark.parametrize("send_lm_head", [True, False])
+def test_tied_lm_head_may_be_sent_or_omitted(tmp_path: Path, send_lm_head: bool) -> None:
+    """In one process (the shared transport needs no second one to check the byte path):
+    a tied model takes a full update with or without its ``lm_head.weight``."""
+    ckpt = save_checkpoint(make_hf_model("qwen2"), tmp_path / "old")
+    engine = make_engine(ckpt)
+    new = make_hf_model("qwen2", seed=4)
+    sd = dict(new.state_dict())
+    if not send_lm_head:
+        del sd["lm_head.weight"]
+    handles = WeightSender(transport="shared").send(sd, 1, bucket_bytes=SMALL_BUCKET, full=True)
+    assert engine.update_weights_from_shared(handles) == 1
+    assert run(engine) == run(make_engine(save_checkpoint(new, tmp_path / "new")))
 
 
 def test_colocated_shared_transport(tiny_checkpoint: Path, tmp_path: Path) -> None:
