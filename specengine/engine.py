@@ -16,8 +16,7 @@ from specengine.config import EngineConfig
 from specengine.kv_cache import KVCache
 from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
-from specengine.model.llama import CausalLM
-from specengine.model.loader import iter_checkpoint, load_named_tensors, tied_names
+from specengine.model.loader import build_model
 from specengine.model_runner import ModelRunner
 from specengine.outputs import EngineStats, GenerationOutput
 from specengine.sampler import Sampler
@@ -34,38 +33,6 @@ logger = logging.getLogger(__name__)
 MAX_K = 16
 CPU_KV_BUDGET_BYTES = 1 << 30
 GPU_MEMORY_UTILIZATION = 0.85
-
-
-def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-                load_format: str = "auto") -> CausalLM:
-    """A :class:`CausalLM` on ``device`` filled from the checkpoint dir (strict: every weight
-    present, none unexpected, shapes equal). ``load_format="dummy"`` reads only config.json
-    and fills the weights with seeded random values (vLLM's option, for benchmarks at real
-    shapes without the checkpoint)."""
-    cfg = ModelConfig.from_dir(path)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = CausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    if load_format == "dummy":
-        gen = torch.Generator(device=device).manual_seed(0)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                else:
-                    param.normal_(0.0, 0.02, generator=gen)
-    elif load_format == "auto":
-        # A checkpoint's MTP layers are the "mtp" drafter's business, not the target's.
-        skip = ("mtp.",) if cfg.num_mtp_layers else ()
-        load_named_tensors(model, iter_checkpoint(path, skip), strict=True,
-                           tied=tied_names(model))
-    else:
-        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-    return model.eval().requires_grad_(False)
 
 
 class SpecEngine:
@@ -93,6 +60,12 @@ class SpecEngine:
         draft_options: keywords for the drafter, e.g. ``{"sample": True}``: a small-LM or MTP
             drafter samples its chain drafts with each request's temperature / top-k / top-p
             (and returns their distributions) instead of proposing its greedy choice.
+
+    Weights are updated in place (``data_ptr()`` never changes) and versioned: in process
+    (:meth:`load_weights`), from an RL learner's ``specengine.weight_sync.WeightSender`` over
+    gloo/NCCL (:meth:`init_weight_update_group`, :meth:`update_weights_from_distributed`,
+    :meth:`close_weight_update_group`) or from shared storage on the same host
+    (:meth:`update_weights_from_shared`); the logic lives in ``specengine.weight_receiver``.
     """
 
     def __init__(

@@ -2,7 +2,9 @@
 
 Loading is two-phase so it is all-or-nothing: every name, shape and dtype is checked first
 (and the tensors read), then each parameter is filled with ``param.data.copy_`` so storage
-addresses never change (captured CUDA graphs stay valid).
+addresses never change (captured CUDA graphs stay valid). :func:`check_entries` holds the
+rules for every update path (checkpoint, in-process ``load_weights``, the weight-sync
+manifest); :func:`build_model` makes a model from a checkpoint dir.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
-from specengine.model.config import CheckpointError
+from specengine.model.config import CheckpointError, ModelConfig
+from specengine.model.llama import CausalLM
 
 # Checkpoint keys that carry no parameter of ours.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -158,3 +161,35 @@ def tied_names(module: nn.Module) -> dict[str, str]:
         else:
             seen[id(p)] = name
     return tied
+
+
+def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
+                load_format: str = "auto") -> CausalLM:
+    """A :class:`CausalLM` on ``device`` filled from the checkpoint dir (strict: every weight
+    present, none unexpected, shapes equal). ``load_format="dummy"`` reads only config.json
+    and fills the weights with seeded random values (vLLM's option, for benchmarks at real
+    shapes without the checkpoint)."""
+    cfg = ModelConfig.from_dir(path)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = CausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    if load_format == "dummy":
+        gen = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, 0.02, generator=gen)
+    elif load_format == "auto":
+        # A checkpoint's MTP layers are the "mtp" drafter's business, not the target's.
+        skip = ("mtp.",) if cfg.num_mtp_layers else ()
+        load_named_tensors(model, iter_checkpoint(path, skip), strict=True,
+                           tied=tied_names(model))
+    else:
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    return model.eval().requires_grad_(False)
