@@ -9,6 +9,7 @@ of a refused update are exchanged as UTF-8 bytes in a uint8 tensor.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -68,7 +69,7 @@ class WeightGroup:
                                   f"{timeout_s:g} s: {e}") from e
         logger.info("weight-sync group up: rank %d of %d (%s)", rank, world_size, backend)
 
-    def _run(self, what: str, work_fn) -> None:  # noqa: ANN001
+    def _run(self, what: str, work_fn: Callable[[], dist.Work]) -> None:
         if self.broken:
             raise WeightSyncError("the weight-sync group failed earlier: close it and create a "
                                   "new one")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -145,11 +145,15 @@ class Manifest:
             raise WeightSyncError(f"malformed manifest ({e})") from e
 
 
-def manifest_for(named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, which: str,
-                 full: bool, bucket_bytes: int) -> tuple[Manifest, list[torch.Tensor]]:
+def manifest_for(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                 version: int, which: str, full: bool, bucket_bytes: int
+                 ) -> tuple[Manifest, list[torch.Tensor]]:
     """Check a sender's input (unique names, sendable dtypes) and lay it out."""
-    items = list(named_tensors.items()) if isinstance(named_tensors, dict) else \
+    items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else \
         list(named_tensors)
+    bad = [n for n, t in items if not isinstance(n, str) or not isinstance(t, torch.Tensor)]
+    if bad:
+        raise ValueError(f"named_tensors must be (str, Tensor) pairs; bad entries: {bad[:5]}")
     names = [n for n, _ in items]
     if len(set(names)) != len(names):
         raise ValueError(f"tensor names must be unique; repeated: "
