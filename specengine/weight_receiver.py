@@ -8,9 +8,9 @@ bumps ``engine.weight_version`` only once the last byte is in.
 Atomicity over the network, where the sender may die mid-transfer (``staging``):
 
 - ``"device"`` / ``"host"``: buckets are cast into a staged copy of the updated parameters
-  (on the engine's device, or in pinned host memory) and copied into the parameters only
-  after the group agreed that every receiver holds the complete update; on failure the old
-  weights stay, whole.
+  (on the engine's device, or in pinned host memory, kept for the next update until the
+  group is closed) and copied into the parameters only after the group agreed that every
+  receiver holds the complete update; on failure the old weights stay, whole.
 - ``"auto"`` (default): the device when it has room for the copy (plus a margin), else host.
   A full 8B model in bf16 is a second 16 GB, which rarely fits next to the KV cache.
 - ``"none"``: no second copy; buckets are written in place and, if the transfer fails, the
@@ -134,9 +134,12 @@ class _Plan:
             self.staged = None
 
 
-def plan_update(engine: SpecEngine, which: str, manifest: Manifest, staging: str) -> _Plan:
+def plan_update(engine: SpecEngine, which: str, manifest: Manifest, staging: str,
+                host_cache: dict[tuple[str, str], torch.Tensor] | None = None) -> _Plan:
     """Check ``manifest`` against the engine (raises naming the first bad entries) and
-    allocate the staging copy."""
+    allocate the staging copy. Host staging buffers are taken from / kept in ``host_cache``
+    (allocating, and on CUDA pinning, 16 GB of host memory per update would cost seconds);
+    device staging is allocated per update and given back, as device memory is dear."""
     if manifest.which != which:
         raise ValueError(f"the sender sends {manifest.which!r} weights but this receiver "
                          f"expects {which!r}")
@@ -151,9 +154,17 @@ def plan_update(engine: SpecEngine, which: str, manifest: Manifest, staging: str
     staged = None
     where = _staging_device(engine.device, sum(params[n].nbytes for n in accepted), staging)
     if where is not None:
+        staged = {}
         pin = where.type == "cpu" and engine.device.type == "cuda"
-        staged = {n: torch.empty(params[n].shape, dtype=params[n].dtype, device=where,
-                                 pin_memory=pin) for n in accepted}
+        for n in accepted:
+            buf = host_cache.get((which, n)) if host_cache is not None else None
+            if buf is None or buf.device != where or buf.shape != params[n].shape or \
+                    buf.dtype != params[n].dtype:
+                buf = torch.empty(params[n].shape, dtype=params[n].dtype, device=where,
+                                  pin_memory=pin)
+                if host_cache is not None and where.type == "cpu":
+                    host_cache[(which, n)] = buf
+            staged[n] = buf
     return _Plan(manifest, which, params, set(accepted), staged)
 
 
@@ -177,6 +188,7 @@ class WeightReceiver:
             raise ValueError("rank 0 is the sender (WeightSender); engines take ranks 1..")
         self.group = WeightGroup(master_address, master_port, rank, world_size, backend,
                                  timeout_s, device if device.type == "cuda" else None)
+        self._host_staging: dict[tuple[str, str], torch.Tensor] = {}  # kept until close
 
     def receive(self, engine: SpecEngine, which: str, src_rank: int, staging: str) -> int:
         """One update from ``src_rank`` (see ``engine.update_weights_from_distributed``)."""
@@ -200,7 +212,7 @@ class WeightReceiver:
         plan, error = None, None
         try:
             manifest = Manifest.from_json(payload.cpu().numpy().tobytes())
-            plan = plan_update(engine, which, manifest, staging)
+            plan = plan_update(engine, which, manifest, staging, self._host_staging)
         except (ValueError, RuntimeError) as e:  # incl. WeightSyncError, out of memory
             error = str(e)
         errors = g.agree(error)
@@ -232,6 +244,7 @@ class WeightReceiver:
         return version
 
     def close(self) -> None:
+        self._host_staging.clear()
         self.group.close()
 
 
