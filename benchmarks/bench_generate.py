@@ -187,7 +187,7 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--device", default=None)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/generate.json"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/out/generate.json"))
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     started = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -8,6 +8,8 @@ import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 KERNEL_BACKENDS = ("auto", "triton", "torch", "cuda")
+#: longest draft chain a step verifies (``generate(k=...)``)
+MAX_K = 16
 
 
 @dataclass(frozen=True)

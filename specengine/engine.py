@@ -13,12 +13,13 @@ from pathlib import Path
 import torch
 
 from specengine.config import EngineConfig
-from specengine.kv_cache import KVCache
+from specengine.kv_cache import KVCache, num_kv_blocks
 from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
 from specengine.model.loader import build_model
 from specengine.model_runner import ModelRunner
 from specengine.outputs import EngineStats, GenerationOutput
+from specengine.requests import load_tokenizer, validate_requests
 from specengine.sampler import Sampler
 from specengine.sampling import SamplingParams
 from specengine.scheduler import Scheduler
@@ -29,10 +30,6 @@ from specengine.weight_receiver import WeightReceiver, apply_shared, load_in_pro
 from specengine.weight_sync import SharedWeights
 
 logger = logging.getLogger(__name__)
-
-MAX_K = 16
-CPU_KV_BUDGET_BYTES = 1 << 30
-GPU_MEMORY_UTILIZATION = 0.85
 
 
 class SpecEngine:
@@ -109,12 +106,16 @@ class SpecEngine:
                 f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings "
                 f"({self.model_config.max_position_embeddings})"
             )
-        self.tokenizer = _load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model)
         from specengine.drafters import make_drafter
 
         self.drafter = make_drafter(cfg.draft, self)
         aux = self.drafter.aux_layers if self.drafter is not None else ()
-        self.kv_cache = self._make_kv_cache(self.model_config, cfg)
+        mc = self.model_config
+        num_blocks = num_kv_blocks(cfg, mc, self.device)
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks, cfg.block_size)
+        self.kv_cache = KVCache(num_blocks, cfg.block_size, mc.num_layers, mc.num_kv_heads,
+                                mc.head_dim, cfg.torch_dtype, self.device)
         self.backend = make_attention_backend(cfg.kernel_backend)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device, aux)
         self.sampler = Sampler(cfg.kernel_backend, self.device)
@@ -131,91 +132,6 @@ class SpecEngine:
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------------------------
-    def _make_kv_cache(self, mc: ModelConfig, cfg: EngineConfig) -> KVCache:
-        bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * \
-            torch.empty(0, dtype=cfg.torch_dtype).element_size()
-        wanted = cfg.max_batch_size * (cfg.max_model_len + MAX_K + 1)
-        if cfg.kv_cache_tokens is not None:
-            tokens = cfg.kv_cache_tokens
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - GPU_MEMORY_UTILIZATION) * total
-            tokens = min(wanted, int(max(budget, 0) // bytes_per_token))
-        else:
-            tokens = min(wanted, CPU_KV_BUDGET_BYTES // bytes_per_token)
-        num_blocks = max(1, tokens // cfg.block_size)
-        logger.info("KV cache: %d blocks of %d tokens", num_blocks, cfg.block_size)
-        return KVCache(num_blocks, cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                       cfg.torch_dtype, self.device)
-
-    def _prompt_ids(self, prompt: object, index: int) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompt {index} is a string but the checkpoint has no "
-                                 "tokenizer.json: pass token ids")
-            return self.tokenizer.encode(prompt).ids
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            raise ValueError(f"prompt {index} must be a list of int token ids or a string")
-        return list(prompt)
-
-    def _validate(self, batch: Seq[object], k: int, sampling: SamplingParams | Seq[SamplingParams]
-                  | None, tree: Seq[Seq[int]] | DraftTree | None
-                  ) -> tuple[list[list[int]], list[SamplingParams], DraftTree | None, int]:
-        """Check the whole request before anything is scheduled (so bad input changes nothing)."""
-        if self._torn_weights:
-            raise RuntimeError(f"weights are incomplete after a failed in-place update (e.g. "
-                               f"{sorted(self._torn_weights)[0]}): apply a complete update first")
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_K:
-            raise ValueError(f"k (draft length) must be an int in [0, {MAX_K}], got {k!r}")
-        if isinstance(batch, (str, torch.Tensor)) or not isinstance(batch, Seq) or not batch:
-            raise ValueError("batch must be a non-empty list of prompts")
-        prompts = [self._prompt_ids(p, i) for i, p in enumerate(batch)]
-        if sampling is None:
-            params = [SamplingParams()] * len(prompts)
-        elif isinstance(sampling, SamplingParams):
-            params = [sampling] * len(prompts)
-        else:
-            params = list(sampling)
-            if len(params) != len(prompts) or not all(isinstance(p, SamplingParams)
-                                                      for p in params):
-                raise ValueError(f"sampling must be one SamplingParams or one per prompt "
-                                 f"({len(prompts)}), got {len(params)}")
-        draft_tree = None
-        if tree is not None:
-            draft_tree = tree if isinstance(tree, DraftTree) else DraftTree(tree)
-            if k not in (0, draft_tree.max_depth):
-                raise ValueError(f"k={k} disagrees with the tree's depth {draft_tree.max_depth}; "
-                                 "pass k=0 or the depth with a tree")
-            k = draft_tree.max_depth
-        if k > 0 and self.drafter is None:
-            raise ValueError(f"k={k} needs a drafter: construct the engine with draft=...")
-        vocab = self.model_config.vocab_size
-        max_len = self.config.max_model_len
-        for i, (ids, sp) in enumerate(zip(prompts, params)):
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): "
-                                 f"{bad[:5]}")
-            if len(ids) >= max_len:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len is {max_len}, "
-                                 "which leaves no room to generate")
-            bad_stop = [t for t in sp.stop_token_ids if not 0 <= t < vocab]
-            if bad_stop:
-                raise ValueError(f"stop_token_ids of prompt {i} are outside the vocabulary: "
-                                 f"{bad_stop}")
-            need = min(len(ids) + sp.max_tokens, max_len) + k + 1
-            if draft_tree is not None:
-                need += draft_tree.num_nodes
-            self.kv_cache.check_fits(need)
-        return prompts, params, draft_tree, k
-
-    # ------------------------------------------------------------------------------------
     def generate(
         self,
         batch: Seq[list[int] | str],
@@ -229,9 +145,16 @@ class SpecEngine:
         the checkpoint has a tokenizer), with up to ``k`` draft tokens verified per step (or the
         static ``tree``). Returns outputs in prompt order; raises ``ValueError`` on bad input
         before any work, leaving the engine unchanged."""
-        prompts, params, draft_tree, k = self._validate(batch, k, sampling, tree)
+        if self._torn_weights:
+            raise RuntimeError(f"weights are incomplete after a failed in-place update (e.g. "
+                               f"{sorted(self._torn_weights)[0]}): apply a complete update first")
+        req = validate_requests(batch, k, sampling, tree, tokenizer=self.tokenizer,
+                                vocab_size=self.model_config.vocab_size,
+                                max_model_len=self.config.max_model_len,
+                                kv_cache=self.kv_cache, has_drafter=self.drafter is not None)
+        draft_tree, k = req.tree, req.k
         seqs = []
-        for ids, sp in zip(prompts, params):
+        for ids, sp in zip(req.prompts, req.params):
             seed = sp.seed if sp.seed is not None else self._rng.getrandbits(62)
             seqs.append(Sequence(self._next_seq_id, ids, sp, seed,
                                  self.model_config.eos_token_ids))
@@ -374,18 +297,6 @@ class SpecEngine:
             weight_version=self.weight_version,
             text=text,
         )
-
-
-def _load_tokenizer(path: str | Path) -> object | None:
-    file = Path(path) / "tokenizer.json"
-    if not file.is_file():
-        return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        logger.warning("%s has a tokenizer.json but the tokenizers package is missing", path)
-        return None
-    return Tokenizer.from_file(str(file))
 
 
 __all__ = ["SpecEngine", "num_drafts_for"]

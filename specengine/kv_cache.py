@@ -3,12 +3,20 @@ its blocks to sequences."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
 import torch
 
+from specengine.config import MAX_K, EngineConfig
+from specengine.model.config import ModelConfig
 from specengine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_BUDGET_BYTES = 1 << 30
+GPU_MEMORY_UTILIZATION = 0.85
 
 
 class KVCacheFullError(RuntimeError):
@@ -68,3 +76,32 @@ class KVCache:
                 f"has only {self.num_blocks} (block_size {self.block_size}); raise "
                 "kv_cache_tokens or lower max_tokens / max_model_len"
             )
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> int:
+    """K and V of one token in every layer."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def num_kv_blocks(cfg: EngineConfig, target: ModelConfig, device: torch.device,
+                  extra_bytes_per_token: int = 0) -> int:
+    """Blocks of a paged cache that holds as many tokens as the target's will.
+
+    ``kv_cache_tokens`` when given; otherwise enough for ``max_batch_size`` full sequences,
+    capped on CUDA by the memory left under ``GPU_MEMORY_UTILIZATION`` (split between the
+    target's cache and ``extra_bytes_per_token``, a drafter's own cache built first) and on
+    CPU by a 1 GiB target cache. Every cache of an engine gets the same token count, so a
+    drafter never runs out of room before the target does."""
+    target_bpt = kv_bytes_per_token(target.num_layers, target.num_kv_heads, target.head_dim,
+                                    cfg.torch_dtype)
+    wanted = cfg.max_batch_size * (cfg.max_model_len + MAX_K + 1)
+    if cfg.kv_cache_tokens is not None:
+        tokens = cfg.kv_cache_tokens
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = max(free - (1 - GPU_MEMORY_UTILIZATION) * total, 0)
+        tokens = min(wanted, int(budget // (target_bpt + extra_bytes_per_token)))
+    else:
+        tokens = min(wanted, CPU_KV_BUDGET_BYTES // target_bpt)
+    return max(1, tokens // cfg.block_size)

@@ -22,12 +22,11 @@ from torch import Tensor
 
 from specengine.drafters.base import Drafter, DraftProposal
 from specengine.drafters.drafting import (
-    draft_kv_blocks,
+    draft_kv_cache,
     expand_tree,
     run_chain,
     tree_level_mask,
 )
-from specengine.kv_cache import KVCache
 from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
 from specengine.model_runner import ForwardOutput, ModelRunner
@@ -72,10 +71,7 @@ class DraftModelDrafter(Drafter):
         self.point_mass = not self.sample
         self.device = engine.device
         self.module = build_model(path, cfg.torch_dtype, self.device)
-        bpt = 2 * dcfg.num_layers * dcfg.num_kv_heads * dcfg.head_dim * \
-            torch.empty(0, dtype=cfg.torch_dtype).element_size()
-        self.kv_cache = KVCache(draft_kv_blocks(engine, bpt), cfg.block_size, dcfg.num_layers,
-                                dcfg.num_kv_heads, dcfg.head_dim, cfg.torch_dtype, self.device)
+        self.kv_cache = draft_kv_cache(engine, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim)
         self.runner = ModelRunner(self.module, self.kv_cache,
                                   make_attention_backend(cfg.kernel_backend), self.device)
         self._states: dict[int, _State] = {}

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specengine.kv_cache import KVCache, kv_bytes_per_token, num_kv_blocks
 from specengine.sequence import Sequence
 from specengine.tree import DraftTree
 
@@ -79,24 +80,15 @@ def choose_tokens(logits: Tensor, seqs: list[Sequence], positions: list[int],
     return torch.where(greedy, tokens, drawn), q
 
 
-def draft_kv_blocks(engine: SpecEngine, bytes_per_token: int) -> int:
-    """Blocks for a drafter's cache: as many tokens as the target's cache will hold (so the
-    draft never runs out first). On CUDA the free memory is split between both caches."""
-    from specengine.engine import CPU_KV_BUDGET_BYTES, GPU_MEMORY_UTILIZATION, MAX_K
-
-    cfg, mc = engine.config, engine.model_config
-    target_bpt = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * \
-        torch.empty(0, dtype=cfg.torch_dtype).element_size()
-    wanted = cfg.max_batch_size * (cfg.max_model_len + MAX_K + 1)
-    if cfg.kv_cache_tokens is not None:
-        tokens = cfg.kv_cache_tokens
-    elif engine.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(engine.device)
-        budget = max(free - (1 - GPU_MEMORY_UTILIZATION) * total, 0)
-        tokens = min(wanted, int(budget // (target_bpt + bytes_per_token)))
-    else:
-        tokens = min(wanted, CPU_KV_BUDGET_BYTES // target_bpt)
-    return max(1, tokens // cfg.block_size)
+def draft_kv_cache(engine: SpecEngine, num_layers: int, num_kv_heads: int,
+                   head_dim: int) -> KVCache:
+    """A drafter's own paged cache, holding as many tokens as the target's (so the draft never
+    runs out first); on CUDA the free memory is split between both caches."""
+    cfg = engine.config
+    bpt = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, cfg.torch_dtype)
+    blocks = num_kv_blocks(cfg, engine.model_config, engine.device, extra_bytes_per_token=bpt)
+    return KVCache(blocks, cfg.block_size, num_layers, num_kv_heads, head_dim, cfg.torch_dtype,
+                   engine.device)
 
 
 def tree_level_mask(tree: DraftTree, n: int, batch: int, device: torch.device) -> Tensor:

@@ -24,8 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from specengine.drafters.base import Drafter, DraftProposal
-from specengine.drafters.drafting import draft_kv_blocks, expand_tree, run_chain, tree_level_mask
-from specengine.kv_cache import KVCache
+from specengine.drafters.drafting import draft_kv_cache, expand_tree, run_chain, tree_level_mask
 from specengine.model.attention import make_attention_backend
 from specengine.model_runner import ForwardOutput, ModelRunner
 from specengine.sequence import SeqStatus, Sequence
@@ -58,9 +57,7 @@ class FeatureDrafter(Drafter):
         self.point_mass = not self.sample
         self.device = engine.device
         self.module = module.eval().requires_grad_(False)
-        bpt = 2 * num_kv_heads * head_dim * torch.empty(0, dtype=cfg.torch_dtype).element_size()
-        self.kv_cache = KVCache(draft_kv_blocks(engine, bpt), cfg.block_size, 1, num_kv_heads,
-                                head_dim, cfg.torch_dtype, self.device)
+        self.kv_cache = draft_kv_cache(engine, 1, num_kv_heads, head_dim)
         self.runner = ModelRunner(self.module, self.kv_cache,  # type: ignore[arg-type]
                                   make_attention_backend(cfg.kernel_backend), self.device)
         self._states: dict[int, FeatureState] = {}

@@ -1,0 +1,123 @@
+"""Turning a ``generate`` call's arguments into checked requests, before anything is scheduled
+(so bad input raises and changes nothing)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specengine.config import MAX_K
+from specengine.kv_cache import KVCache
+from specengine.sampling import SamplingParams
+from specengine.tree import DraftTree
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestBatch:
+    """A validated ``generate`` call: token ids and sampling parameters per prompt, the draft
+    tree (None for a chain) and the draft length (a tree's depth when a tree is given)."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    params: tuple[SamplingParams, ...]
+    tree: DraftTree | None
+    k: int
+
+    def __post_init__(self) -> None:
+        if len(self.prompts) != len(self.params):
+            raise ValueError("one SamplingParams per prompt")
+
+
+def prompt_ids(prompt: object, index: int, tokenizer: object | None) -> list[int]:
+    """Token ids of one prompt: a list of ints, a 1-D tensor, or text (needs a tokenizer)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"prompt {index} is a string but the checkpoint has no "
+                             "tokenizer.json: pass token ids")
+        return tokenizer.encode(prompt).ids  # type: ignore[attr-defined]
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        raise ValueError(f"prompt {index} must be a list of int token ids or a string")
+    return list(prompt)
+
+
+def validate_requests(
+    batch: Seq[object],
+    k: int,
+    sampling: SamplingParams | Seq[SamplingParams] | None,
+    tree: Seq[Seq[int]] | DraftTree | None,
+    *,
+    tokenizer: object | None,
+    vocab_size: int,
+    max_model_len: int,
+    kv_cache: KVCache,
+    has_drafter: bool,
+) -> RequestBatch:
+    """Check the whole call: ``k`` in [0, MAX_K], prompts non-empty, in the vocabulary and
+    shorter than ``max_model_len``, stop ids in the vocabulary, a prefix-closed tree whose
+    depth agrees with ``k``, a drafter when ``k > 0``, and every request able to fit in the KV
+    cache even alone. Raises ``ValueError`` (or ``KVCacheFullError``) naming the bad part."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_K:
+        raise ValueError(f"k (draft length) must be an int in [0, {MAX_K}], got {k!r}")
+    if isinstance(batch, (str, torch.Tensor)) or not isinstance(batch, Seq) or not batch:
+        raise ValueError("batch must be a non-empty list of prompts")
+    prompts = [prompt_ids(p, i, tokenizer) for i, p in enumerate(batch)]
+    if sampling is None:
+        params = [SamplingParams()] * len(prompts)
+    elif isinstance(sampling, SamplingParams):
+        params = [sampling] * len(prompts)
+    else:
+        params = list(sampling)
+        if len(params) != len(prompts) or not all(isinstance(p, SamplingParams)
+                                                  for p in params):
+            raise ValueError(f"sampling must be one SamplingParams or one per prompt "
+                             f"({len(prompts)}), got {len(params)}")
+    draft_tree = None
+    if tree is not None:
+        draft_tree = tree if isinstance(tree, DraftTree) else DraftTree(tree)
+        if k not in (0, draft_tree.max_depth):
+            raise ValueError(f"k={k} disagrees with the tree's depth {draft_tree.max_depth}; "
+                             "pass k=0 or the depth with a tree")
+        k = draft_tree.max_depth
+    if k > 0 and not has_drafter:
+        raise ValueError(f"k={k} needs a drafter: construct the engine with draft=...")
+    for i, (ids, sp) in enumerate(zip(prompts, params)):
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary "
+                             f"[0, {vocab_size}): {bad[:5]}")
+        if len(ids) >= max_model_len:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len is "
+                             f"{max_model_len}, which leaves no room to generate")
+        bad_stop = [t for t in sp.stop_token_ids if not 0 <= t < vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids of prompt {i} are outside the vocabulary: "
+                             f"{bad_stop}")
+        need = min(len(ids) + sp.max_tokens, max_model_len) + k + 1
+        if draft_tree is not None:
+            need += draft_tree.num_nodes
+        kv_cache.check_fits(need)
+    return RequestBatch(tuple(tuple(p) for p in prompts), tuple(params), draft_tree, k)
+
+
+def load_tokenizer(path: str | Path) -> object | None:
+    """The checkpoint's ``tokenizer.json`` (a ``tokenizers.Tokenizer``), or None."""
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        logger.warning("%s has a tokenizer.json but the tokenizers package is missing", path)
+        return None
+    return Tokenizer.from_file(str(file))
