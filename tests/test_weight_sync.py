@@ -9,6 +9,7 @@ Every wait is bounded.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -58,6 +59,27 @@ def checkpoint_of(sd: dict[str, torch.Tensor], path: Path) -> Path:
     model = make_hf_model("qwen3")
     model.load_state_dict(sd)
     return save_checkpoint(model, path)
+
+
+BAD_UPDATES = ("unknown name", "wrong shape", "missing", "dtype")
+
+
+def bad_update(bad: str) -> tuple[dict[str, torch.Tensor], bool, str]:
+    """A state dict with one ``bad`` entry, whether it claims to be full, and the text the
+    error must name."""
+    sd = {n: t + 1.0 for n, t in new_weights(seed=11).items()}
+    full = False
+    if bad == "unknown name":
+        sd["model.layers.9.mlp.up_proj.weight"], culprit = torch.zeros(2, 2), "layers.9"
+    elif bad == "wrong shape":
+        sd["model.norm.weight"], culprit = torch.zeros(3), "model.norm.weight: shape"
+    elif bad == "missing":  # a full update must hold every parameter
+        del sd["model.layers.1.mlp.down_proj.weight"]
+        full, culprit = True, "missing weight 'model.layers.1.mlp.down_proj.weight'"
+    else:
+        sd["model.norm.weight"] = torch.ones(64, dtype=torch.int32)
+        culprit = "model.norm.weight: dtype torch.int32 cannot be cast"
+    return sd, full, culprit
 
 
 def reply(conn: Connection) -> object:
@@ -165,22 +187,11 @@ def test_update_equals_fresh_engine_on_both_receivers(engines: Engines, tmp_path
         assert all(torch.equal(state[n], sd[n]) for n in sd)
 
 
-@pytest.mark.parametrize("bad", ["unknown name", "wrong shape", "missing", "dtype"])
+@pytest.mark.parametrize("bad", BAD_UPDATES)
 def test_bad_manifest_refused_on_both_sides(engines: Engines, bad: str) -> None:
     before = engines.ask("generate", 0)
     version = engines.version
-    sd = {n: t + 1.0 for n, t in new_weights(seed=11).items()}
-    full = False
-    if bad == "unknown name":
-        sd["model.layers.9.mlp.up_proj.weight"], culprit = torch.zeros(2, 2), "layers.9"
-    elif bad == "wrong shape":
-        sd["model.norm.weight"], culprit = torch.zeros(3), "model.norm.weight: shape"
-    elif bad == "missing":  # a full update must hold every parameter
-        del sd["model.layers.1.mlp.down_proj.weight"]
-        full, culprit = True, "missing weight 'model.layers.1.mlp.down_proj.weight'"
-    else:
-        sd["model.norm.weight"] = torch.ones(64, dtype=torch.int32)
-        culprit = "model.norm.weight: dtype torch.int32 cannot be cast"
+    sd, full, culprit = bad_update(bad)
     error, replies = engines.update(sd, full=full)
     assert error is not None and culprit in str(error)
     for status, message in replies:
@@ -301,8 +312,12 @@ def test_rendezvous_and_transfer_time_out(tiny_checkpoint: Path) -> None:
 def _shared_sender(queue: object, acks: object, seed: int) -> None:
     sender = WeightSender(transport="shared")
     sd = new_weights(seed)
-    bad = dict(sd, **{"model.norm.weight": torch.zeros(3)})
-    queue.put(sender.send(bad, 1, bucket_bytes=SMALL_BUCKET))  # type: ignore[attr-defined]
+    for bad in BAD_UPDATES:  # the engine must refuse each, as over the distributed transport
+        bad_sd, full, _ = bad_update(bad)
+        queue.put(sender.send(bad_sd, 1, bucket_bytes=SMALL_BUCKET,  # type: ignore
+                              full=full))
+        assert acks.get(timeout=WAIT_S) == "refused"  # type: ignore[attr-defined]
+        sender.release(1)
     queue.put(sender.send({n: t.bfloat16() for n, t in sd.items()}, 2,  # type: ignore
                           bucket_bytes=SMALL_BUCKET, full=True))
     assert acks.get(timeout=WAIT_S) == "copied"  # type: ignore[attr-defined]
@@ -331,10 +346,13 @@ def test_colocated_shared_transport(tiny_checkpoint: Path, tmp_path: Path) -> No
     queue, acks = CTX.Queue(), CTX.Queue()
     proc = CTX.Process(target=_shared_sender, args=(queue, acks, 9), daemon=True)
     proc.start()
-    bad, good = queue.get(timeout=WAIT_S), queue.get(timeout=WAIT_S)
-    with pytest.raises(CheckpointError, match="model.norm.weight: shape"):
-        engine.update_weights_from_shared(bad)
-    assert run(engine) == before and engine.weight_version == 0
+    for bad in BAD_UPDATES:
+        handles = queue.get(timeout=WAIT_S)
+        with pytest.raises(CheckpointError, match=re.escape(bad_update(bad)[2])):
+            engine.update_weights_from_shared(handles)
+        assert run(engine) == before and engine.weight_version == 0
+        acks.put("refused")
+    good = queue.get(timeout=WAIT_S)
     assert engine.update_weights_from_shared(good) == 2
     acks.put("copied")
     proc.join(WAIT_S)
