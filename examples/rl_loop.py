@@ -29,74 +29,30 @@ while on the weight matrices it is mostly sampling noise at this batch size. So 
 groups: the 1-D gains (norm weights, which scale the activations and so the logits) a large
 step (``--gain-lr`` 2e-2) and the matrices a small one (``--lr`` 1e-4). With 1e-4 for all the
 reward only creeps up (held-out 0.54 -> 0.61 in 40 steps); 1e-3 for all wrecks the model.
+
+Files: ``rl_config.py`` (the run's configuration), ``rl_engine.py`` (the engine process and the
+learner's client for it), ``grpo.py`` (advantages, loss, the learner's log-probabilities); this
+one is the loop. The siblings are imported by name, so ``examples/`` must be on ``sys.path``, as
+it is when this file runs as a script (the spawned engine process inherits that ``sys.path``).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import socket
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from grpo import grpo_step
+from rl_config import LoopConfig, pick_draft
+from rl_engine import MASTER_ADDRESS, WORLD_SIZE, EngineClient, engine_worker, free_port
 
 from specengine.arith_task import decode, encode, heldout_prompts, reward, training_problems
-from specengine.cli import DEFAULT_DRAFT, DEFAULT_TARGET
-
-MASTER_ADDRESS = "127.0.0.1"
-LEARNER_RANK, ENGINE_RANK, WORLD_SIZE = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class LoopConfig:
-    """One RL run. ``draft`` None picks the bundled EAGLE-3 head if present, else ``"ngram"``.
-    On CUDA the learner uses GPU 0 and the engine GPU 1 when there are two; ``backend`` None is
-    then NCCL, and gloo otherwise (NCCL cannot pair two ranks on one GPU; gloo goes through host
-    copies)."""
-
-    model: str = str(DEFAULT_TARGET)
-    draft: str | None = None
-    steps: int = 40
-    num_prompts: int = 16  # P prompts per step
-    group_size: int = 8  # G samples per prompt
-    k: int = 3
-    temperature: float = 2.0
-    max_tokens: int = 64
-    lr: float = 1e-4  # Adam lr of the weight matrices
-    gain_lr: float = 2e-2  # Adam lr of the 1-D gains (norm weights)
-    clip_eps: float = 0.2
-    seed: int = 0
-    device: str = "cpu"
-    backend: str | None = None
-    timeout_s: float = 120.0
-    eval_prompts: int = 0  # held-out prompts scored before and after training (0: skip)
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "num_prompts", "max_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 (advantages are relative to the group), "
-                             f"got {self.group_size}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (sampled rollouts), got {self.temperature}")
-        if not (min(self.lr, self.gain_lr) > 0 and 0 < self.clip_eps < 1
-                and self.eval_prompts >= 0):
-            raise ValueError("need lr > 0, gain_lr > 0, 0 < clip_eps < 1, eval_prompts >= 0")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-
-    @property
-    def dist_backend(self) -> str:
-        two_gpus = self.device == "cuda" and torch.cuda.device_count() > 1
-        return self.backend or ("nccl" if two_gpus else "gloo")
 
 
 @dataclass(frozen=True)
@@ -115,6 +71,7 @@ class StepRecord:
     num_tokens: int
 
     def line(self) -> str:
+        """The step as one line of the run's log."""
         return (f"step {self.step:3d} | reward {self.reward:.3f} | accepted len "
                 f"{self.accepted_length:.2f} | gen {self.gen_s:5.2f} s | sync {self.sync_s:.3f} s"
                 f" | version {self.version}->{self.new_version} | max|dlogp| "
@@ -133,143 +90,6 @@ class RunResult:
     learner_params: dict[str, torch.Tensor] | None = None
 
 
-def pick_draft(cfg: LoopConfig) -> str:
-    """The configured drafter, else the bundled EAGLE-3 head if it exists, else n-grams."""
-    if cfg.draft is not None:
-        return cfg.draft
-    return str(DEFAULT_DRAFT) if DEFAULT_DRAFT.is_dir() else "ngram"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((MASTER_ADDRESS, 0))
-        return s.getsockname()[1]
-
-
-# --- engine process ----------------------------------------------------------------------------
-def engine_worker(cfg: LoopConfig, draft: str, port: int, conn: Connection) -> None:
-    """Rank 1: build the engine, join the weight group, then serve commands from the Pipe until
-    ``stop``. Any failure is sent back as a traceback so the learner raises instead of hanging."""
-    from specengine import SamplingParams, SpecEngine
-
-    torch.set_num_threads(1)  # the two processes take turns; the CPU is small
-    try:
-        device = "cpu" if cfg.device == "cpu" else f"cuda:{min(1, torch.cuda.device_count() - 1)}"
-        if device != "cpu":
-            torch.cuda.set_device(device)  # NCCL's group uses the current device
-        # float32 on every device: the logprob check compares with the float32 learner
-        engine = SpecEngine(cfg.model, draft=draft, device=device, dtype="float32", seed=cfg.seed,
-                            max_model_len=min(256, 32 + cfg.max_tokens))
-        conn.send(("built", None))
-        engine.init_weight_update_group(MASTER_ADDRESS, port, ENGINE_RANK, WORLD_SIZE,
-                                        backend=cfg.dist_backend, timeout_s=cfg.timeout_s)
-        while True:
-            cmd, arg = conn.recv()
-            if cmd == "generate":
-                prompts, seeds = arg
-                params = [SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                         seed=s) for s in seeds]
-                t0 = time.perf_counter()
-                outs = engine.generate(prompts, k=cfg.k, sampling=params)
-                gen_s = time.perf_counter() - t0
-                conn.send(("rollouts", {
-                    "token_ids": [list(o.token_ids) for o in outs],
-                    "logprobs": [list(o.logprobs) for o in outs],
-                    "versions": [o.weight_version for o in outs],
-                    "accepted_length": engine.stats.mean_accepted_length,
-                    "gen_s": gen_s,
-                }))
-            elif cmd == "sync":
-                conn.send(("synced", engine.update_weights_from_distributed(
-                    which="policy", src_rank=LEARNER_RANK)))
-            elif cmd == "params":
-                conn.send(("params", {n: p.detach().cpu().clone()
-                                      for n, p in engine.model.named_parameters()}))
-            elif cmd == "stop":
-                break
-            else:
-                raise ValueError(f"unknown command {cmd!r}")
-        engine.close_weight_update_group()
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        raise
-
-
-class EngineClient:
-    """The learner's end of the Pipe: waits for answers, raising if the engine failed or died."""
-
-    def __init__(self, conn: Connection, proc: mp.process.BaseProcess, timeout_s: float) -> None:
-        self.conn, self.proc, self.timeout_s = conn, proc, timeout_s
-
-    def recv(self, expect: str) -> object:
-        deadline = time.monotonic() + self.timeout_s
-        while not self.conn.poll(0.1):
-            if not self.proc.is_alive():
-                raise RuntimeError(f"engine process exited (code {self.proc.exitcode})")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine gave no {expect!r} within {self.timeout_s} s")
-        tag, payload = self.conn.recv()
-        if tag == "error":
-            raise RuntimeError(f"engine process failed:\n{payload}")
-        if tag != expect:
-            raise RuntimeError(f"engine answered {tag!r}, expected {expect!r}")
-        return payload
-
-    def call(self, cmd: str, arg: object = None) -> object:
-        self.conn.send((cmd, arg))
-        return self.recv({"generate": "rollouts", "sync": "synced", "params": "params"}[cmd])
-
-
-# --- learner: scoring, GRPO ----------------------------------------------------------------------
-def token_logprobs(model: torch.nn.Module, prompt_ids: list[list[int]],
-                   token_ids: list[list[int]], temperature: float
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, T]`` float32 log pi(token_ids[i][j]) = log_softmax(logits / temperature) and its
-    0/1 mask (T = longest completion). One right-padded forward: padding sits after every real
-    token, so causal attention never lets a real position see it."""
-    device = next(model.parameters()).device
-    seqs = [p + t for p, t in zip(prompt_ids, token_ids)]
-    n, width = len(seqs), max(map(len, seqs))
-    input_ids = torch.zeros(n, width, dtype=torch.long, device=device)
-    attn = torch.zeros(n, width, dtype=torch.long, device=device)
-    for i, s in enumerate(seqs):
-        input_ids[i, : len(s)] = torch.tensor(s, device=device)
-        attn[i, : len(s)] = 1
-    logits = model(input_ids=input_ids, attention_mask=attn).logits.float()
-    t_max = max(map(len, token_ids))
-    j = torch.arange(t_max, device=device)
-    starts = torch.tensor([len(p) for p in prompt_ids], device=device)
-    lens = torch.tensor([len(t) for t in token_ids], device=device)
-    mask = (j[None, :] < lens[:, None]).float()
-    # completion token j of row i sits at position len(prompt)+j, predicted by the logits one
-    # position earlier; positions past the row's end are clamped and masked out.
-    pos = (starts[:, None] - 1 + j[None, :]).clamp(max=width - 1)
-    rows = logits.gather(1, pos[:, :, None].expand(-1, -1, logits.shape[-1]))
-    targets = input_ids.gather(1, (pos + 1).clamp(max=width - 1))
-    logp = torch.log_softmax(rows / temperature, dim=-1).gather(2, targets[:, :, None])[..., 0]
-    return logp * mask, mask
-
-
-def group_advantages(rewards: list[float], group_size: int, eps: float = 1e-4) -> torch.Tensor:
-    """GRPO: each sample's reward minus its group's mean, over the group's (population) std + eps;
-    a group whose samples all score the same gets advantage 0."""
-    r = torch.tensor(rewards, dtype=torch.float32).view(-1, group_size)
-    adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
-    return adv.flatten()
-
-
-def grpo_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
-              mask: torch.Tensor, clip_eps: float) -> torch.Tensor:
-    """-mean over completion tokens of min(ratio * A, clip(ratio, 1 +- eps) * A), ratio =
-    exp(log pi_new - log pi_old). On-policy (one inner step) the ratio is 1 in value and its
-    gradient is grad log pi_new, so this is the policy gradient; the clip only matters off
-    policy."""
-    ratio = torch.exp(new_logp - old_logp)
-    a = adv.to(new_logp.device)[:, None]
-    surrogate = torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
-    return -(surrogate * mask).sum() / mask.sum()
-
-
 def load_learner(cfg: LoopConfig) -> torch.nn.Module:
     """The checkpoint as a transformers causal LM in float32, in training mode."""
     from transformers import AutoModelForCausalLM
@@ -280,30 +100,6 @@ def load_learner(cfg: LoopConfig) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(device).train()
 
 
-def padded(rows: list[list[float]], like: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros_like(like)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=out.dtype)
-    return out
-
-
-def grpo_step(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: LoopConfig,
-              prompt_ids: list[list[int]], ro: dict, rewards: list[float]
-              ) -> tuple[float, float, int]:
-    """One GRPO update from the engine's rollouts ``ro``; returns the loss, the largest
-    |engine - learner| logprob difference (before the update) and the number of tokens."""
-    new_logp, mask = token_logprobs(model, prompt_ids, ro["token_ids"], cfg.temperature)
-    old_logp = padded(ro["logprobs"], new_logp)
-    max_diff = ((new_logp.detach() - old_logp).abs() * mask).max().item()
-    loss = grpo_loss(new_logp, old_logp, group_advantages(rewards, cfg.group_size), mask,
-                     cfg.clip_eps)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-    return loss.item(), max_diff, int(mask.sum().item())
-
-
-# --- the loop ------------------------------------------------------------------------------------
 def run(cfg: LoopConfig, on_step: Callable[[StepRecord], None] | None = None,
         fetch_params: bool = False) -> RunResult:
     """Spawn the engine, then per step: roll out, score, check the engine's logprobs against the
@@ -347,7 +143,9 @@ def run(cfg: LoopConfig, on_step: Callable[[StepRecord], None] | None = None,
                 raise RuntimeError(f"rollouts carry versions {set(ro['versions'])}, "
                                    f"expected {version}")
             rewards = [reward(p, decode(t)) for p, t in zip(group, ro["token_ids"])]
-            loss, max_diff, num_tokens = grpo_step(model, opt, cfg, prompt_ids, ro, rewards)
+            loss, max_diff, num_tokens = grpo_step(
+                model, opt, prompt_ids, ro["token_ids"], ro["logprobs"], rewards,
+                temperature=cfg.temperature, group_size=cfg.group_size, clip_eps=cfg.clip_eps)
             # push: the engine starts receiving, then this process broadcasts
             t0 = time.perf_counter()
             engine.conn.send(("sync", None))

@@ -1,4 +1,5 @@
-"""examples/rl_loop.py: two real processes, real gloo weight sync, two GRPO steps."""
+"""examples/rl_loop.py (with its siblings grpo.py, rl_engine.py, rl_config.py): two real
+processes, real gloo weight sync, two GRPO steps."""
 
 from __future__ import annotations
 
@@ -14,13 +15,24 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.fixture(scope="module")
-def rl_loop() -> Iterator[ModuleType]:
-    # Imported by name from a sys.path entry (not from a file spec) so that the spawned engine
-    # process, which inherits sys.path, can import the module that holds its target function;
-    # the path stays for this module's tests only.
+def examples_on_path() -> Iterator[None]:
+    # The examples import their siblings by name, and the spawned engine process, which
+    # inherits sys.path, imports the module that holds its target function the same way; so the
+    # modules are imported from a sys.path entry (not from a file spec), which stays for this
+    # module's tests only.
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(EXAMPLES))
-        yield importlib.import_module("rl_loop")
+        yield
+
+
+@pytest.fixture(scope="module")
+def rl_loop(examples_on_path: None) -> ModuleType:
+    return importlib.import_module("rl_loop")
+
+
+@pytest.fixture(scope="module")
+def grpo(examples_on_path: None) -> ModuleType:
+    return importlib.import_module("grpo")
 
 
 def test_two_steps_across_processes(rl_loop: ModuleType) -> None:
@@ -47,27 +59,27 @@ def test_two_steps_across_processes(rl_loop: ModuleType) -> None:
     assert len(changed) > len(learner) // 2
 
 
-def test_group_advantages_and_policy_gradient(rl_loop: ModuleType) -> None:
-    adv = rl_loop.group_advantages([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0], group_size=4)
+def test_group_advantages_and_policy_gradient(grpo: ModuleType) -> None:
+    adv = grpo.group_advantages([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0], group_size=4)
     assert torch.allclose(adv[:4], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-3)
     assert torch.equal(adv[4:], torch.zeros(4))  # a group that all scores alike teaches nothing
     # On policy (old == new in value) the loss's gradient is -A / num_tokens per token logprob.
     new = torch.tensor([[-0.5, -1.0, 0.0], [-2.0, -0.1, -0.3]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     a = torch.tensor([2.0, -1.0])
-    loss = rl_loop.grpo_loss(new, new.detach(), a, mask, clip_eps=0.2)
+    loss = grpo.grpo_loss(new, new.detach(), a, mask, clip_eps=0.2)
     loss.backward()
     assert torch.allclose(new.grad, -a[:, None] * mask / mask.sum())
 
 
-def test_padded_logprobs_equal_unpadded(rl_loop: ModuleType) -> None:
+def test_padded_logprobs_equal_unpadded(rl_loop: ModuleType, grpo: ModuleType) -> None:
     cfg = rl_loop.LoopConfig()
     model = rl_loop.load_learner(cfg)
     prompts = [[17, 2, 3, 10, 4], [17, 5, 11, 6, 7, 10]]
     tokens = [[3, 13, 4, 1], [8, 9]]
     with torch.no_grad():
-        batch, mask = rl_loop.token_logprobs(model, prompts, tokens, 2.0)
+        batch, mask = grpo.token_logprobs(model, prompts, tokens, 2.0)
         for i, (p, t) in enumerate(zip(prompts, tokens)):
-            alone, _ = rl_loop.token_logprobs(model, [p], [t], 2.0)
+            alone, _ = grpo.token_logprobs(model, [p], [t], 2.0)
             assert torch.allclose(batch[i, : len(t)], alone[0], atol=1e-5)
             assert mask[i].sum() == len(t)
