@@ -28,6 +28,7 @@ from specengine.drafters.eagle3 import Eagle3Drafter, Eagle3Head, read_head_chec
 from specengine.model.config import CheckpointError, ModelConfig
 from specengine.model_runner import ForwardOutput
 from specengine.sequence import Sequence
+from specengine.tree import DraftTree
 
 DROPPED = (0, 7, 100)  # target ids without a draft id
 STOPS = (3, 17, 64, 99)
@@ -195,6 +196,25 @@ def test_sampled_drafts_carry_their_distributions(engine: SpecEngine, head_dir: 
     assert (probs[0, :, list(DROPPED)] == 0).all()  # no draft id: draft probability 0
     assert all(probs[0, j, t] > 0 for j, t in enumerate(ids))
     assert drafts_of(drafter, engine, [4, 8, 15, 16, 23, 42], 3, params)[0] == ids  # by seed
+
+
+def test_tree_ranks_past_the_draft_vocabulary_repeat_the_best_child(
+        engine: SpecEngine, target_dir: Path, tmp_path: Path) -> None:
+    """A head with 3 draft ids under a tree asking for ranks 3, 4 and 200 (past the target
+    vocabulary too): those children repeat their rank-0 sibling, never a token the head gives
+    probability 0, and nothing fails."""
+    kept = (5, 9, 40)
+    path = write_head(tmp_path, target_dir, dropped=tuple(t for t in range(128) if t not in kept))
+    drafter = Eagle3Drafter(path, engine)
+    tree = DraftTree([(0,), (1,), (2,), (3,), (200,), (0, 4)])
+    seq = Sequence(-6, [4, 8, 15, 16, 23], SamplingParams(temperature=0.0), 1, ())
+    try:
+        drafter.observe((seq,), target_features(engine, drafter, seq.token_ids[:-1]),
+                        [list(range(4))])
+        ids = drafter.propose((seq,), [tree.num_nodes - 1], tree).token_ids[0].tolist()
+    finally:
+        drafter.release(seq)
+    assert sorted(ids[:3]) == sorted(kept) and ids[3] == ids[4] == ids[0] and ids[5] in kept
 
 
 def test_both_checkpoint_formats_give_identical_proposals(engine: SpecEngine, target_dir: Path,

@@ -131,6 +131,16 @@ def run_chain(seqs: tuple[Sequence, ...], num_drafts: list[int], logits: Tensor,
     return ids, probs
 
 
+def top_children(logits: Tensor, num: int) -> Tensor:
+    """The ``num`` most likely tokens of each row of ``logits [B, V]`` ``[B, num]``, by rank.
+    A rank the draft cannot fill (past the vocabulary, or at a ``-inf`` logit: a target id
+    with no draft id) repeats the rank-0 token: a wasted but harmless point mass, never a
+    token of draft probability 0."""
+    values, ids = logits.topk(min(num, logits.shape[-1]), dim=-1)
+    ids = torch.where(values > float("-inf"), ids, ids[:, :1])
+    return torch.cat([ids, ids[:, :1].expand(-1, num - ids.shape[1])], dim=1)
+
+
 def expand_tree(tree: DraftTree, root_logits: Tensor,
                 run_level: Callable[[int, Tensor], Tensor],
                 compute_logits: Callable[[Tensor], Tensor]) -> Tensor:
@@ -140,7 +150,7 @@ def expand_tree(tree: DraftTree, root_logits: Tensor,
     (``compute_logits``) rank the children of the depth-``d`` nodes. Returns the node tokens
     ``[B, N-1]`` (root excluded)."""
     batch = root_logits.shape[0]
-    top = {0: root_logits.topk(tree.max_rank + 1, dim=-1).indices}
+    top = {0: top_children(root_logits, tree.max_rank + 1)}
     node_ids = torch.zeros(batch, tree.num_nodes, dtype=torch.int64, device=root_logits.device)
     for d in range(1, tree.max_depth + 1):
         for i in np.flatnonzero(tree.depths == d):
@@ -151,5 +161,5 @@ def expand_tree(tree: DraftTree, root_logits: Tensor,
         out = run_level(n, node_ids[:, 1:n])
         for i in np.flatnonzero(tree.depths == d):
             if (tree.parents == i).any():
-                top[int(i)] = compute_logits(out[:, i - 1]).topk(tree.max_rank + 1, -1).indices
+                top[int(i)] = top_children(compute_logits(out[:, i - 1]), tree.max_rank + 1)
     return node_ids[:, 1:]
