@@ -88,7 +88,8 @@ def speculative_step(
     t1 = time.perf_counter()
 
     # 2. Verify: one target pass over [newest token, drafts...] of every sequence.
-    drafts = [draft_ids[b, :n].tolist() for b, n in enumerate(num_drafts)]
+    all_drafts = draft_ids.tolist()  # one device-to-host copy, not one per sequence
+    drafts = [all_drafts[b][:n] for b, n in enumerate(num_drafts)]
     logits, target_out = runner.verify(seqs, drafts, tree)  # [B, N, V]
     t2 = time.perf_counter()
 
