@@ -217,6 +217,24 @@ def test_tree_ranks_past_the_draft_vocabulary_repeat_the_best_child(
     assert sorted(ids[:3]) == sorted(kept) and ids[3] == ids[4] == ids[0] and ids[5] in kept
 
 
+@pytest.mark.parametrize("flag", [False, True])
+def test_norm_before_residual_picks_the_residual(flag: bool, engine: SpecEngine,
+                                                 target_dir: Path, tmp_path: Path) -> None:
+    """``norm_before_residual: true`` (vLLM / speculators heads): the attention's residual is
+    ``hidden_norm(g)``, not ``g``; checked against the layer written out by hand."""
+    path = write_head(tmp_path, target_dir, edit=_set("norm_before_residual", flag))
+    layer = Eagle3Drafter(path, engine).module.midlayer
+    torch.manual_seed(0)
+    e, g, dense = torch.randn(5, 64), 3 * torch.randn(5, 64), DenseCausal()
+    cos, sin = layer.self_attn.rope.cos_sin(torch.arange(5), e.dtype)
+    with torch.no_grad():
+        out = layer(e, g, cos, sin, None, None, None, dense)
+        normed = layer.hidden_norm(g)
+        x = torch.cat([layer.input_layernorm(e), normed], -1)
+        h = (normed if flag else g) + layer.self_attn(x, cos, sin, None, None, None, dense)
+        assert torch.allclose(out, h + layer.mlp(layer.post_attention_layernorm(h)), atol=1e-5)
+
+
 def test_both_checkpoint_formats_give_identical_proposals(engine: SpecEngine, target_dir: Path,
                                                           head_dir: Path, tmp_path: Path) -> None:
     from_bin = Eagle3Drafter(write_head(tmp_path / "bin", target_dir, fmt="bin"), engine)
@@ -247,6 +265,7 @@ BAD_HEADS: dict[str, tuple[Edit, str]] = {
                    "unexpected weight"),
     "embed": (lambda c, t: t.__setitem__("embed_tokens.weight", torch.randn(128, 64)),
               "differs from the target"),
+    "norm-flag": (_set("norm_before_residual", "yes"), "norm_before_residual must be"),
 }
 
 

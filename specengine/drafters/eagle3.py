@@ -16,7 +16,9 @@ Forward of the entry at position ``i`` (SGLang's ``llama_eagle3``): ``e = embed(
 ``g = fc(concat(aux_0, aux_1, aux_2))`` from the target (3H wide) or the head's own previous
 output (H wide, fc skipped); ``h = g + o_proj(attn(concat(input_layernorm(e),
 hidden_norm(g))))``; ``h = h + mlp(post_attention_layernorm(h))``. ``h`` (pre-norm) is fed to
-the next draft step; ``lm_head(norm(h))`` predicts ``x_{i+2}``.
+the next draft step; ``lm_head(norm(h))`` predicts ``x_{i+2}``. With ``norm_before_residual:
+true`` in the config (vLLM / speculators heads) the residual is ``hidden_norm(g)`` instead of
+``g``.
 
 Decisions where the layout leaves room:
 - Aux layers: ``eagle_aux_hidden_state_layer_ids`` name layers whose *output* is read, i.e.
@@ -53,9 +55,11 @@ EMBED_KEY = "embed_tokens.weight"
 class Eagle3MidLayer(nn.Module):
     """The decoder layer: attention over ``concat(norm(embeds), norm(hidden))`` (2H wide)."""
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding,
+                 norm_before_residual: bool = False) -> None:
         super().__init__()
         h = cfg.hidden_size
+        self.norm_before_residual = norm_before_residual
         self.self_attn = Attention(cfg, rope, in_features=2 * h)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
@@ -64,8 +68,10 @@ class Eagle3MidLayer(nn.Module):
 
     def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
                 v_cache: Tensor, meta: AttentionMetadata, backend: AttentionBackend) -> Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, cos, sin, k_cache, v_cache, meta, backend)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        residual = normed if self.norm_before_residual else hidden
+        h = residual + self.self_attn(x, cos, sin, k_cache, v_cache, meta, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -73,12 +79,13 @@ class Eagle3Head(nn.Module):
     """Parameter names are the checkpoint's; ``embed`` is the target's module, held outside
     the parameter tree. ``draft_to_target[d]`` is the target id of draft id ``d``."""
 
-    def __init__(self, cfg: ModelConfig, draft_vocab_size: int, embed: nn.Embedding) -> None:
+    def __init__(self, cfg: ModelConfig, draft_vocab_size: int, embed: nn.Embedding,
+                 norm_before_residual: bool = False) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.midlayer = Eagle3MidLayer(cfg, self.rotary_emb)
+        self.midlayer = Eagle3MidLayer(cfg, self.rotary_emb, norm_before_residual)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
         self.vocab_size = cfg.vocab_size
@@ -182,6 +189,10 @@ class Eagle3Drafter(FeatureDrafter):
         if not 0 < self.draft_vocab_size <= hcfg.vocab_size:
             raise CheckpointError(f"draft_vocab_size {self.draft_vocab_size} must be in "
                                   f"[1, vocab_size {hcfg.vocab_size}]")
+        norm_before_residual = raw.get("norm_before_residual", False)
+        if not isinstance(norm_before_residual, bool):
+            raise CheckpointError(f"{cfg_file}: norm_before_residual must be true or false, got "
+                                  f"{norm_before_residual!r}")
         inputs = aux_layer_inputs(raw, target.num_layers)
         self.aux_layers = tuple(sorted(set(inputs)))
         self._aux_index = [self.aux_layers.index(i) for i in inputs]
@@ -190,7 +201,8 @@ class Eagle3Drafter(FeatureDrafter):
         torch.set_default_dtype(ecfg.torch_dtype)
         try:
             with torch.device(engine.device):
-                module = Eagle3Head(hcfg, self.draft_vocab_size, self._embed)
+                module = Eagle3Head(hcfg, self.draft_vocab_size, self._embed,
+                                    norm_before_residual)
         finally:
             torch.set_default_dtype(prev)
         tensors = read_head_checkpoint(path)
