@@ -85,10 +85,22 @@ def load_in_process(engine: SpecEngine, named_tensors: Iterable[tuple[str, torch
     if which == "policy":
         from specengine.model.loader import load_named_tensors
 
+        def mark_torn(names: list[str]) -> None:  # commit clears them once all are in
+            engine._torn_weights.update((which, n) for n in names)
+
         names = load_named_tensors(engine.model, named_tensors, strict=False,
-                                   tied=tied_names(engine.model))
+                                   tied=tied_names(engine.model), before_write=mark_torn)
     else:
-        names = engine.drafter.load_weights(named_tensors)  # type: ignore[union-attr]
+        try:
+            names = engine.drafter.load_weights(named_tensors)  # type: ignore[union-attr]
+        except CheckpointError:
+            raise  # refused before any write
+        except Exception:
+            # Which draft tensors were written before the failure is the drafter's business:
+            # all are torn until a complete draft update.
+            module, _ = update_target(engine, which)
+            engine._torn_weights.update((which, n) for n, _ in module.named_parameters())
+            raise
     return commit(engine, which, names, version)
 
 
@@ -191,9 +203,10 @@ class WeightReceiver:
         self._host_staging: dict[tuple[str, str], torch.Tensor] = {}  # kept until close
 
     def receive(self, engine: SpecEngine, which: str, src_rank: int, staging: str) -> int:
-        """One update from ``src_rank`` (see ``engine.update_weights_from_distributed``)."""
-        if staging not in STAGING:
-            raise ValueError(f"staging must be one of {STAGING}, got {staging!r}")
+        """One update from ``src_rank`` (see ``engine.update_weights_from_distributed``).
+        Every refusal of this receiver's own (bad ``staging`` or ``which``, no drafter,
+        requests running, a manifest that does not fit) is raised only after the handshake,
+        so that the sender and the other receivers, which wait in it, raise too."""
         g = self.group
         header = torch.zeros(2, dtype=torch.int64, device=g.device)
         g.broadcast(header, src_rank)
@@ -210,11 +223,13 @@ class WeightReceiver:
         payload = torch.empty(size, dtype=torch.uint8, device=g.device)
         g.broadcast(payload, src_rank)
         plan, error = None, None
-        try:
+        try:  # any local failure must reach the handshake, or the others wait in vain
+            if staging not in STAGING:
+                raise ValueError(f"staging must be one of {STAGING}, got {staging!r}")
             manifest = Manifest.from_json(payload.cpu().numpy().tobytes())
             plan = plan_update(engine, which, manifest, staging, self._host_staging)
-        except (ValueError, RuntimeError) as e:  # incl. WeightSyncError, out of memory
-            error = str(e)
+        except Exception as e:  # noqa: BLE001 - incl. WeightSyncError, out of memory
+            error = _describe(e)
         errors = g.agree(error)
         if errors or plan is None:
             raise WeightSyncError("weight update refused, nothing changed: " + " | ".join(errors))
@@ -231,12 +246,15 @@ class WeightReceiver:
                 if error is None and direct is None:  # after a local failure keep receiving,
                     try:                              # to stay in step with the group
                         plan.scatter(buf, lo, hi)
-                    except RuntimeError as e:
-                        error = f"copy failed: {e}"
+                    except Exception as e:  # noqa: BLE001 - reported at the commit point
+                        error = f"copy failed: {_describe(e)}"
         errors = g.agree(error)  # the commit point: every receiver holds the whole update
         if errors:
             raise WeightSyncError(f"weight update v{plan.manifest.version} failed: "
                                   + " | ".join(errors))
+        # Torn while the staged copy is written in (commit clears it): should a copy fail
+        # midway, generate refuses instead of running on a mix.
+        engine._torn_weights.update((which, n) for n in plan.accepted)
         plan.apply_staged()
         version = commit(engine, which, plan.accepted, plan.manifest.version)
         logger.info("applied weight update v%d (%s): %d tensors", version, which,
@@ -261,6 +279,18 @@ def apply_shared(engine: SpecEngine, handles: SharedWeights, which: str) -> int:
         raise WeightSyncError(f"shared buckets of {sizes} bytes do not match the manifest's "
                               f"{[hi - lo for lo, hi in chunks]}")
     plan = plan_update(engine, which, manifest, "none")
+    # Torn until the last bucket is in (commit clears it): a copy that fails midway (storage
+    # the sender freed, a device error) leaves generate refusing, not running on a mix.
+    engine._torn_weights.update((which, n) for n in plan.accepted)
     for (lo, hi), bucket in zip(chunks, handles.buckets):
         plan.scatter(bucket, lo, hi)
+    for device in {b.device for b in handles.buckets if b.device.type == "cuda"}:
+        # The copies are queued on this process's stream: finish them before returning, as
+        # the caller then tells the sender, which frees and reuses the shared buckets.
+        torch.cuda.current_stream(device).synchronize()
     return commit(engine, which, plan.accepted, manifest.version)
+
+
+def _describe(e: BaseException) -> str:
+    """Never empty (an empty error would read as "fine" in the handshake)."""
+    return f"{type(e).__name__}: {e}"

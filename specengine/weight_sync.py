@@ -133,20 +133,26 @@ class WeightSender:
             raise WeightSyncError(f"receivers refused weight update v{manifest.version} "
                                   f"({manifest.which}): " + " | ".join(errors))
         chunks = manifest.chunks()
+        error = None
         if chunks:
             buf = torch.empty(max(hi - lo for lo, hi in chunks), dtype=torch.uint8,
                               device=group.device)
             for lo, hi in chunks:
                 sole = manifest.sole_piece(lo, hi)
                 src = tensors[sole[0]] if sole is not None else None
-                if src is not None and src.is_contiguous() and src.device == group.device:
+                if error is None and src is not None and src.is_contiguous() and \
+                        src.device == group.device:
                     group.broadcast(byte_view(src)[sole[2]: sole[3]], 0)  # type: ignore
-                else:
-                    pack(manifest, tensors, lo, hi, buf)
-                    group.broadcast(buf[: hi - lo], 0)
-        errors = group.agree(None)
+                    continue
+                if error is None:  # after a local failure keep sending (whatever buf holds)
+                    try:           # to stay in step; the commit point tells the receivers
+                        pack(manifest, tensors, lo, hi, buf)
+                    except Exception as e:  # noqa: BLE001 - reported at the commit point
+                        error = f"sender copy failed: {type(e).__name__}: {e}"
+                group.broadcast(buf[: hi - lo], 0)
+        errors = group.agree(error)
         if errors:
-            raise WeightSyncError(f"weight update v{manifest.version} failed on receivers: "
+            raise WeightSyncError(f"weight update v{manifest.version} failed: "
                                   + " | ".join(errors))
         logger.info("sent weight update v%d (%s): %d tensors, %.3f GB in %d buckets",
                     manifest.version, manifest.which, len(manifest.entries),

@@ -61,3 +61,32 @@ def test_bad_update_changes_nothing(tiny_checkpoint: Path, bad: str) -> None:
         engine.load_weights([], version=0)
     with pytest.raises(ValueError, match="no weights to update"):
         engine.load_weights([], which="draft")
+
+
+def test_tied_alias_alone_is_refused(tmp_path: Path) -> None:
+    """In a tied model ``lm_head.weight`` is ``embed_tokens.weight``: sent without its twin it
+    must not be dropped silently (the update would claim a version it never applied)."""
+    engine = engine_for(save_checkpoint(make_hf_model("qwen2"), tmp_path / "tied"))
+    before = engine.generate(PROMPTS, sampling=GREEDY)
+    new = make_hf_model("qwen2", seed=4).state_dict()["lm_head.weight"]
+    with pytest.raises(CheckpointError, match="'lm_head.weight' is tied to"):
+        engine.load_weights([("lm_head.weight", new)])
+    assert engine.weight_version == 0
+    assert [o.token_ids for o in engine.generate(PROMPTS, sampling=GREEDY)] == \
+        [o.token_ids for o in before]
+
+
+def test_copy_failing_midway_fails_closed(tiny_checkpoint: Path) -> None:
+    """A tensor whose copy fails after others were written (here a meta tensor: it has a
+    shape and dtype but no data) leaves a mix: generate must refuse until it is mended."""
+    engine = engine_for(tiny_checkpoint)
+    sd = {n: t + 1.0 for n, t in make_hf_model("qwen3", seed=3).state_dict().items()}
+    items = list(sd.items())
+    name, t = items[1]
+    with pytest.raises(NotImplementedError, match="meta"):
+        engine.load_weights([items[0], (name, torch.empty_like(t, device="meta"))])
+    assert engine.weight_version == 0
+    with pytest.raises(RuntimeError, match="incomplete"):
+        engine.generate(PROMPTS, sampling=GREEDY)
+    assert engine.load_weights(items[:2]) == 1  # the failed update's tensors, whole again
+    assert engine.generate(PROMPTS, sampling=GREEDY)[0].weight_version == 1

@@ -23,7 +23,7 @@ from checkpoints import make_hf_model, save_checkpoint
 
 from specengine import SamplingParams, SpecEngine
 from specengine.model.config import CheckpointError
-from specengine.weight_sync import WeightSender, WeightSyncError
+from specengine.weight_sync import SharedWeights, WeightSender, WeightSyncError
 
 CTX = mp.get_context("spawn")
 WAIT_S = 90.0  # bound on any reply from a child (engine start-up included)
@@ -97,7 +97,8 @@ def _engine_worker(rank: int, world_size: int, port: int, ckpt: str, conn: Conne
         cmd, *args = conn.recv()
         if cmd == "update":
             try:
-                conn.send(("ok", engine.update_weights_from_distributed(which=args[0])))
+                conn.send(("ok", engine.update_weights_from_distributed(which=args[0],
+                                                                        staging=args[1])))
             except WeightSyncError as e:
                 conn.send(("error", str(e)))
         elif cmd == "generate":
@@ -135,12 +136,13 @@ class Engines:
             c.send(cmd)
         return [reply(c) for c in self.conns]
 
-    def update(self, sd: dict[str, torch.Tensor], which: str = "policy", **kwargs: object
+    def update(self, sd: dict[str, torch.Tensor], which: str = "policy",
+               staging: tuple[str, str] = ("auto", "auto"), **kwargs: object
                ) -> tuple[WeightSyncError | None, list[object]]:
-        """Send ``sd`` while both engines receive; the sender's error (or None) and the
-        engines' replies."""
-        for c in self.conns:
-            c.send(("update", which))
+        """Send ``sd`` while both engines receive (with their ``staging``); the sender's
+        error (or None) and the engines' replies."""
+        for c, st in zip(self.conns, staging):
+            c.send(("update", which, st))
         error = None
         try:
             self.sender.send(sd, self.version + 1, which=which, **kwargs)
@@ -205,7 +207,7 @@ def test_bad_manifest_refused_on_both_sides(engines: Engines, bad: str) -> None:
 
 def test_sender_refusing_its_input_makes_receivers_raise(engines: Engines) -> None:
     for c in engines.conns:
-        c.send(("update", "policy"))
+        c.send(("update", "policy", "auto"))
     twice = [("model.norm.weight", torch.ones(64))] * 2
     with pytest.raises(ValueError, match="names must be unique"):
         engines.sender.send(twice, engines.version + 1)
@@ -213,6 +215,40 @@ def test_sender_refusing_its_input_makes_receivers_raise(engines: Engines) -> No
         assert status == "error" and "sender refused its own update" in message
     error, replies = engines.update({"model.norm.weight": torch.ones(64)})
     assert error is None and replies == [("ok", engines.version)] * 2
+
+
+def test_receiver_local_refusals_reach_every_rank(engines: Engines) -> None:
+    """A receiver that refuses for a reason of its own (here a bad ``staging``) takes part in
+    the handshake, so the sender and the other receiver raise naming it at once instead of
+    waiting in a broadcast for the timeout; nothing changes and the group stays usable."""
+    before = engines.ask("generate", 0)
+    version = engines.version
+    error, replies = engines.update({"model.norm.weight": torch.full((64,), 2.0)},
+                                    staging=("bogus", "none"))
+    assert error is not None and "rank 1" in str(error) and "staging" in str(error)
+    for status, message in replies:
+        assert status == "error" and "staging" in message and "nothing changed" in message
+    assert engines.ask("generate", 0) == before
+    error, replies = engines.update({"model.norm.weight": torch.full((64,), 1.25)},
+                                    staging=("host", "none"))
+    assert error is None and replies == [("ok", version + 1)] * 2
+
+
+def test_sender_copy_failing_midway_reaches_receivers(engines: Engines) -> None:
+    """The sender fails while packing a bucket after the handshake (a meta tensor: shape and
+    dtype but no data): it keeps the stream in step and every rank raises at the commit
+    point, not at the timeout; the staged receiver keeps its old weights, whole."""
+    before = engines.ask("generate", 0)
+    version = engines.version
+    sd = {"model.norm.weight": torch.full((64,), 3.0),
+          "model.layers.0.mlp.up_proj.weight": torch.empty(128, 64, device="meta")}
+    error, replies = engines.update(sd, staging=("auto", "auto"))
+    assert error is not None and "rank 0" in str(error) and "meta" in str(error)
+    for status, message in replies:
+        assert status == "error" and "rank 0" in message and "meta" in message
+    assert engines.ask("generate", 0) == before
+    error, replies = engines.update({"model.norm.weight": torch.full((64,), 1.0)})
+    assert error is None and replies == [("ok", version + 1)] * 2
 
 
 def test_draft_update_keeps_speculation_lossless(engines: Engines) -> None:
@@ -337,6 +373,24 @@ def test_tied_lm_head_may_be_sent_or_omitted(tmp_path: Path, send_lm_head: bool)
     handles = WeightSender(transport="shared").send(sd, 1, bucket_bytes=SMALL_BUCKET, full=True)
     assert engine.update_weights_from_shared(handles) == 1
     assert run(engine) == run(make_engine(save_checkpoint(new, tmp_path / "new")))
+
+
+def test_shared_copy_failing_midway_fails_closed(tiny_checkpoint: Path, tmp_path: Path
+                                                  ) -> None:
+    """A shared update whose later bucket cannot be read (a meta tensor stands for storage
+    that failed) after earlier ones were copied: generate refuses until a whole update."""
+    engine = make_engine(tiny_checkpoint)
+    sender = WeightSender(transport="shared")
+    good = sender.send(new_weights(seed=6), 1, bucket_bytes=SMALL_BUCKET, full=True)
+    broken = SharedWeights(good.manifest, good.buckets[:1] + tuple(
+        torch.empty_like(b, device="meta") for b in good.buckets[1:]))
+    with pytest.raises(NotImplementedError, match="meta"):
+        engine.update_weights_from_shared(broken)
+    assert engine.weight_version == 0
+    with pytest.raises(RuntimeError, match="incomplete"):
+        run(engine)
+    assert engine.update_weights_from_shared(good) == 1
+    assert run(engine) == run(make_engine(checkpoint_of(new_weights(6), tmp_path / "new")))
 
 
 def test_colocated_shared_transport(tiny_checkpoint: Path, tmp_path: Path) -> None:

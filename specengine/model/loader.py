@@ -10,7 +10,7 @@ manifest); :func:`build_model` makes a model from a checkpoint dir.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -82,15 +82,23 @@ def check_entries(
     ``entries`` are ``(checkpoint name, shape, dtype)``. Returns ``(accepted, errors)``: the
     names to write (in order) and, per bad entry, what is wrong (unknown name, given twice,
     shape differs, dtype not castable, and with ``strict`` every parameter not given). A name
-    in ``tied`` (an alias of another parameter, e.g. a tied ``lm_head.weight``) or ending in
+    in ``tied`` (an alias of another parameter, e.g. a tied ``lm_head.weight``) is accepted
+    and not written when its twin is given too, and an error otherwise; one ending in
     :data:`IGNORED_SUFFIXES` is accepted silently and not written.
     """
     tied = tied or {}
     params = dict(module.named_parameters(remove_duplicate=False))
+    entries = list(entries)
+    given = {name for name, _, _ in entries}
     accepted: list[str] = []
     seen: set[str] = set()
     errors: list[str] = []
     for name, shape, dtype in entries:
+        if name in tied and tied[name] not in given:
+            # Skipping it would drop the update silently (a learner with untied weights).
+            errors.append(f"{name!r} is tied to {tied[name]!r} in this model (one tensor): "
+                          f"send {tied[name]!r}")
+            continue
         if name.endswith(IGNORED_SUFFIXES) or name in tied:
             # A tied weight is the same storage as its twin: load the twin, skip this copy.
             continue
@@ -129,6 +137,7 @@ def load_named_tensors(
     *,
     strict: bool = True,
     tied: dict[str, str] | None = None,
+    before_write: Callable[[list[str]], None] | None = None,
 ) -> list[str]:
     """Copy tensors into ``module``'s parameters by checkpoint name, all or nothing.
 
@@ -136,13 +145,17 @@ def load_named_tensors(
     shares storage with, e.g. ``{"lm_head.weight": "model.embed_tokens.weight"}``. With
     ``strict`` every parameter must be given (a full load); otherwise a subset may be. Raises
     :class:`CheckpointError` naming the first bad entries (:func:`check_entries`) before
-    anything is written. Returns the names of the parameters written.
+    anything is written. ``before_write`` is called with the names about to be written once
+    the check passed (a copy may still fail midway: the caller can mark them torn). Returns
+    the names of the parameters written.
     """
     items = list(named_tensors)
     accepted, errors = check_entries(
         module, ((n, tuple(t.shape), t.dtype) for n, t in items), strict=strict, tied=tied)
     if errors:
         raise CheckpointError(format_errors(errors))
+    if before_write is not None:
+        before_write(accepted)
     params = dict(module.named_parameters(remove_duplicate=False))
     tensors = dict(items)
     with torch.no_grad():
