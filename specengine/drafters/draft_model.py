@@ -116,15 +116,17 @@ class DraftModelDrafter(Drafter):
     def _state(self, seq: Sequence) -> _State:
         return self._states.setdefault(seq.seq_id, _State())
 
-    def _forward(self, states: list[_State], ctx: list[int], tokens: list[list[int]],
+    @torch.inference_mode()
+    def _forward(self, states: list[_State], ctx: list[int], ids: Tensor,
                  positions: list[np.ndarray], tree_mask: Tensor | None = None) -> Tensor:
-        """One draft pass; sequence b feeds ``tokens[b]`` into slots ``ctx[b]..`` at
-        ``positions[b]``. Returns the final hidden states ``[T, H]``."""
-        q_lens = [len(t) for t in tokens]
+        """One draft pass; sequence b feeds its ``len(positions[b])`` tokens of ``ids [T]``
+        (on the device, back to back) into slots ``ctx[b]..`` at ``positions[b]``. Returns the
+        final hidden states ``[T, H]``."""
+        q_lens = [len(p) for p in positions]
         slots = [c + np.arange(n, dtype=np.int64) for c, n in zip(ctx, q_lens)]
         meta = self.runner._metadata(states, ctx, q_lens, slots, tree_mask)  # type: ignore
-        hidden, _ = self.runner._run([t for ts in tokens for t in ts], np.concatenate(positions),
-                                     meta)
+        pos = torch.from_numpy(np.concatenate(positions)).to(self.device)
+        hidden, _ = self.module(ids, pos, self.kv_cache.kv, meta, self.runner.backend)
         return hidden
 
     def _catch_up(self, seqs: list[Sequence], states: list[_State], upto_last: bool,
@@ -140,7 +142,9 @@ class DraftModelDrafter(Drafter):
             tokens.append(seq.token_ids[start:end])
             positions.append(np.arange(start, end, dtype=np.int64))
             st.num_cached, st.pending = end, []
-        hidden = self._forward(states, ctx, tokens, positions)
+        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64,
+                           device=self.device)
+        hidden = self._forward(states, ctx, ids, positions)
         last = torch.tensor(np.cumsum([len(t) for t in tokens]) - 1, device=self.device)
         return self.module.compute_logits(hidden[last])
 
@@ -157,16 +161,16 @@ class DraftModelDrafter(Drafter):
         logits = self._catch_up(act_seqs, [self._state(s) for s in act_seqs], upto_last=True,
                                 extra=[num_drafts[b] - 1 for b in active])
 
-        def advance(keep: list[int], rows: list[int], fed: list[int], j: int) -> Tensor:
+        def advance(keep: list[int], rows: list[int], fed: Tensor, j: int) -> Tensor:
             pos = [len(seqs[b]) - 1 + j for b in rows]  # feed draft j - 1
             hidden = self._forward([self._states[seqs[b].seq_id] for b in rows], pos,
-                                   [[t] for t in fed],
-                                   [np.array([p], dtype=np.int64) for p in pos])
+                                   fed, [np.array([p], dtype=np.int64) for p in pos])
             return self.module.compute_logits(hidden)
 
         ids, probs = run_chain(seqs, num_drafts, logits, advance, self.sample, self.device)
+        host = ids.tolist()  # one copy for the batch
         for b in active:
-            self._states[seqs[b].seq_id].pending = ids[b, : num_drafts[b] - 1].tolist()
+            self._states[seqs[b].seq_id].pending = host[b][: num_drafts[b] - 1]
         return DraftProposal(ids, counts, probs)
 
     def _propose_tree(self, seqs: tuple[Sequence, ...], tree: DraftTree) -> Tensor:
@@ -179,7 +183,7 @@ class DraftModelDrafter(Drafter):
 
         def run_level(n: int, node_ids: Tensor) -> Tensor:
             positions = [c - 1 + tree.depths[1:n].astype(np.int64) for c in ctx]
-            hidden = self._forward(states, ctx, node_ids.tolist(), positions,
+            hidden = self._forward(states, ctx, node_ids.reshape(-1), positions,
                                    tree_level_mask(tree, n, len(seqs), self.device))
             return hidden.view(len(seqs), n - 1, -1)
 

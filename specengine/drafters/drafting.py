@@ -99,29 +99,28 @@ def tree_level_mask(tree: DraftTree, n: int, batch: int, device: torch.device) -
 
 
 def run_chain(seqs: tuple[Sequence, ...], num_drafts: list[int], logits: Tensor,
-              advance: Callable[[list[int], list[int], list[int], int], Tensor], sample: bool,
+              advance: Callable[[list[int], list[int], Tensor, int], Tensor], sample: bool,
               device: torch.device) -> tuple[Tensor, Tensor | None]:
     """The chain loop: draft ``j`` of row ``b`` is chosen from the logits after draft ``j - 1``.
 
     ``logits [R, V]`` are those of the rows ``b`` with ``num_drafts[b] > 0`` (in order) for
     draft 0. ``advance(keep, rows, fed, j)`` runs one draft pass for the rows that want a
     draft ``j`` (``keep`` indexes them in the previous ``rows``; ``fed`` are their drafts
-    ``j - 1``) and returns their logits. Returns ``ids [B, max k]`` and, when sampling, the
-    draft distributions ``[B, max k, V]``."""
+    ``j - 1``, on the device: no host sync between draft steps) and returns their logits.
+    Returns ``ids [B, max k]`` and, when sampling, the draft distributions ``[B, max k, V]``."""
     width = max(num_drafts)
     ids = torch.zeros(len(seqs), width, dtype=torch.int64, device=device)
     probs = None
     rows = [b for b, n in enumerate(num_drafts) if n > 0]
-    fed: list[int] = []
+    tokens = ids[:0, 0]
     for j in range(width):
         if j > 0:
             keep = [i for i, b in enumerate(rows) if num_drafts[b] > j]
             rows = [rows[i] for i in keep]
-            logits = advance(keep, rows, [fed[i] for i in keep], j)
+            fed = tokens if len(keep) == len(tokens) else tokens[torch.tensor(keep, device=device)]
+            logits = advance(keep, rows, fed, j)
         tokens, q = choose_tokens(logits, [seqs[b] for b in rows],
                                   [len(seqs[b]) + j for b in rows], sample)
-        if j + 1 < width:  # one host sync per draft step
-            fed = tokens.tolist()
         sel = torch.tensor(rows, device=device)
         ids[sel, j] = tokens
         if q is not None:

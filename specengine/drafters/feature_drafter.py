@@ -79,16 +79,15 @@ class FeatureDrafter(Drafter):
             self.kv_cache.free(st)  # type: ignore[arg-type]
 
     @torch.inference_mode()
-    def _forward(self, states: list[FeatureState], ctx: list[int], tokens: list[list[int]],
+    def _forward(self, states: list[FeatureState], ctx: list[int], ids: Tensor,
                  hidden: Tensor, positions: list[np.ndarray],
                  tree_mask: Tensor | None = None) -> Tensor:
-        """One pass: entry j of sequence b (slot ``ctx[b] + j``) reads ``tokens[b][j]`` and its
-        row of ``hidden``; returns the output hidden states ``g [T, H]``."""
-        q_lens = [len(t) for t in tokens]
+        """One pass: entry j of sequence b (slot ``ctx[b] + j``, ``len(positions[b])`` entries
+        each, back to back) reads its token of ``ids [T]`` (on the device) and its row of
+        ``hidden``; returns the output hidden states ``g [T, H]``."""
+        q_lens = [len(p) for p in positions]
         slots = [c + np.arange(n, dtype=np.int64) for c, n in zip(ctx, q_lens)]
         meta = self.runner._metadata(states, ctx, q_lens, slots, tree_mask)  # type: ignore
-        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64,
-                           device=self.device)
         pos = torch.from_numpy(np.concatenate(positions)).to(self.device)
         out, _ = self.module(ids, hidden, pos, self.kv_cache.kv, meta, self.runner.backend)
         return out
@@ -115,7 +114,9 @@ class FeatureDrafter(Drafter):
             positions.append(np.arange(start, len(seq) - 1, dtype=np.int64))
             rows.extend(target.qo_indptr[b] + r for r in acc)
         feats = self.features(target, torch.tensor(rows, device=target.hidden.device))
-        out = self._forward(states, ctx, tokens, feats.to(self.device), positions)
+        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64,
+                           device=self.device)
+        out = self._forward(states, ctx, ids, feats.to(self.device), positions)
         ends = torch.tensor(np.cumsum([len(t) for t in tokens]) - 1, device=self.device)
         last = out[ends]  # a copy: the states must not keep the whole pass alive
         for i, (st, b) in enumerate(zip(states, live)):
@@ -136,11 +137,11 @@ class FeatureDrafter(Drafter):
             ids[:, : tree.num_nodes - 1] = self._propose_tree(seqs, tree, hidden, logits)
             return DraftProposal(ids, counts, None)
 
-        def advance(keep: list[int], rows: list[int], fed: list[int], j: int) -> Tensor:
+        def advance(keep: list[int], rows: list[int], fed: Tensor, j: int) -> Tensor:
             nonlocal hidden  # entry at position len - 2 + j: (g of the previous one, draft j-1)
             pos = [len(seqs[b]) - 2 + j for b in rows]
             hidden = self._forward([self._states[seqs[b].seq_id] for b in rows], pos,
-                                   [[t] for t in fed], hidden[keep],
+                                   fed, hidden[keep],
                                    [np.array([p], dtype=np.int64) for p in pos])
             return self.module.compute_logits(hidden)
 
@@ -159,7 +160,7 @@ class FeatureDrafter(Drafter):
         def run_level(n: int, node_ids: Tensor) -> Tensor:
             parent_g = torch.stack([g[int(tree.parents[i])] for i in range(1, n)], dim=1)
             positions = [c - 1 + tree.depths[1:n].astype(np.int64) for c in ctx]
-            out = self._forward(states, ctx, node_ids.tolist(),
+            out = self._forward(states, ctx, node_ids.reshape(-1),
                                 parent_g.reshape(batch * (n - 1), parent_g.shape[-1]), positions,
                                 tree_level_mask(tree, n, batch, self.device))
             out = out.view(batch, n - 1, -1)
