@@ -64,6 +64,7 @@ class WeightGroup:
             # One collective so that every rank has joined when the constructor returns.
             self.allreduce(torch.zeros(1, dtype=torch.int32, device=self.device))
         except (RuntimeError, dist.DistError) as e:  # DistStoreError, timeouts, refused
+            self.close()  # a store that came up would hold its port until collected
             raise WeightSyncError(f"weight-sync rendezvous at {master_address}:{master_port} "
                                   f"(rank {rank} of {world_size}, {backend}) failed within "
                                   f"{timeout_s:g} s: {e}") from e

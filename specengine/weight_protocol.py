@@ -71,8 +71,9 @@ class Manifest:
             raise WeightSyncError(f"manifest version must be an int, got {self.version!r}")
         if self.which not in WHICH:
             raise WeightSyncError(f"manifest which must be one of {WHICH}, got {self.which!r}")
-        if self.bucket_bytes < MIN_BUCKET_BYTES or self.bucket_bytes % ALIGN:
-            raise WeightSyncError(f"bucket_bytes must be a multiple of {ALIGN} and >= "
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or \
+                self.bucket_bytes < MIN_BUCKET_BYTES or self.bucket_bytes % ALIGN:
+            raise WeightSyncError(f"bucket_bytes must be an int, a multiple of {ALIGN} and >= "
                                   f"{MIN_BUCKET_BYTES}, got {self.bucket_bytes}")
 
     @classmethod
@@ -89,7 +90,9 @@ class Manifest:
             entry = ManifestEntry(name, dtype, tuple(int(s) for s in shape), offset)
             entries.append(entry)
             offset = _align(offset + entry.nbytes)
-        return cls(version, which, bool(full), bucket_bytes // ALIGN * ALIGN, tuple(entries))
+        if isinstance(bucket_bytes, int):  # anything else is refused by __post_init__
+            bucket_bytes = bucket_bytes // ALIGN * ALIGN
+        return cls(version, which, bool(full), bucket_bytes, tuple(entries))
 
     @property
     def total_bytes(self) -> int:

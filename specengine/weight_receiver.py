@@ -208,6 +208,12 @@ class WeightReceiver:
         requests running, a manifest that does not fit) is raised only after the handshake,
         so that the sender and the other receivers, which wait in it, raise too."""
         g = self.group
+        if isinstance(src_rank, bool) or not isinstance(src_rank, int) or \
+                not 0 <= src_rank < g.world_size or src_rank == g.rank:
+            # No collective can be joined with it: refuse here, leaving the group usable (a
+            # collective with a bad root would break it) so a call with the right one works.
+            raise ValueError(f"src_rank must be the sender's rank (0 for a WeightSender), "
+                             f"got {src_rank!r}")
         header = torch.zeros(2, dtype=torch.int64, device=g.device)
         g.broadcast(header, src_rank)
         magic, size = header.tolist()

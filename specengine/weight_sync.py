@@ -61,8 +61,8 @@ class SharedWeights:
         if not isinstance(self.manifest, bytes):
             raise TypeError("SharedWeights.manifest must be bytes")
         if not all(isinstance(b, torch.Tensor) and b.dtype == torch.uint8 and b.dim() == 1
-                   for b in self.buckets):
-            raise TypeError("SharedWeights.buckets must be flat uint8 tensors")
+                   and b.is_contiguous() for b in self.buckets):
+            raise TypeError("SharedWeights.buckets must be flat contiguous uint8 tensors")
 
 
 class WeightSender:

@@ -97,9 +97,9 @@ def _engine_worker(rank: int, world_size: int, port: int, ckpt: str, conn: Conne
         cmd, *args = conn.recv()
         if cmd == "update":
             try:
-                conn.send(("ok", engine.update_weights_from_distributed(which=args[0],
-                                                                        staging=args[1])))
-            except WeightSyncError as e:
+                conn.send(("ok", engine.update_weights_from_distributed(
+                    which=args[0], staging=args[1], src_rank=args[2] if args[2:] else 0)))
+            except (WeightSyncError, ValueError) as e:
                 conn.send(("error", str(e)))
         elif cmd == "generate":
             outs = run(engine, k=args[0])
@@ -229,6 +229,11 @@ def test_receiver_local_refusals_reach_every_rank(engines: Engines) -> None:
     for status, message in replies:
         assert status == "error" and "staging" in message and "nothing changed" in message
     assert engines.ask("generate", 0) == before
+    # A src_rank that is no sender's is refused before any collective (which it would
+    # break), so that the call with the right one goes through.
+    engines.conns[0].send(("update", "policy", "auto", 5))
+    status, message = reply(engines.conns[0])
+    assert status == "error" and "src_rank" in message
     error, replies = engines.update({"model.norm.weight": torch.full((64,), 1.25)},
                                     staging=("host", "none"))
     assert error is None and replies == [("ok", version + 1)] * 2
@@ -391,6 +396,13 @@ def test_shared_copy_failing_midway_fails_closed(tiny_checkpoint: Path, tmp_path
         run(engine)
     assert engine.update_weights_from_shared(good) == 1
     assert run(engine) == run(make_engine(checkpoint_of(new_weights(6), tmp_path / "new")))
+
+
+@pytest.mark.parametrize("bucket_bytes", [4096.0, 1000])
+def test_bad_bucket_size_is_refused(bucket_bytes: float) -> None:
+    with pytest.raises(WeightSyncError, match="bucket_bytes must be an int"):
+        WeightSender(transport="shared").send({"model.norm.weight": torch.ones(64)}, 1,
+                                              bucket_bytes=bucket_bytes)  # type: ignore
 
 
 def test_colocated_shared_transport(tiny_checkpoint: Path, tmp_path: Path) -> None:
