@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,26 @@ def test_longest_suffix_wins_and_most_recent_first() -> None:
     assert continuations(tokens, 1, 4, 2) == [[7, 5], [9, 2]]
     assert continuations([1, 2, 3], 1, 4, 3) == []
     assert continuations([4, 4], 1, 1, 3) == [[4]]
+
+
+def plain_scan(tokens: list[int], min_n: int, max_n: int, limit: int) -> list[list[int]]:
+    """The definition, one window at a time."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        runs = [tokens[s + n: s + n + limit] for s in range(len(tokens) - n - 1, -1, -1)
+                if tokens[s: s + n] == tokens[len(tokens) - n:]]
+        if runs:
+            return runs
+    return []
+
+
+def test_vectorised_matching_equals_the_plain_scan() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        vocab = rng.choice((2, 3, 8))
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        min_n = rng.randrange(1, 4)
+        max_n = rng.randrange(min_n, 6)
+        assert continuations(tokens, min_n, max_n, 3) == plain_scan(tokens, min_n, max_n, 3)
 
 
 def test_chain_and_tree_proposals() -> None:

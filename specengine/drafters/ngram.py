@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import torch
 
 from specengine.drafters.base import Drafter, DraftProposal
@@ -12,19 +13,30 @@ from specengine.sequence import Sequence
 from specengine.tree import DraftTree
 
 
+def suffix_matches(tokens: np.ndarray, min_n: int, max_n: int) -> tuple[int, np.ndarray]:
+    """``(n, starts)``: the longest suffix (``max_n`` down to ``min_n`` tokens) that also
+    occurs earlier (overlaps allowed), and where its earlier occurrences start, most recent
+    first; ``(0, [])`` when none does. One vectorised pass finds the earlier copies of the
+    last token; each longer suffix only filters those candidates."""
+    length = len(tokens)
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # occurrence ends
+    best_n, best = 0, np.zeros(0, dtype=np.int64)
+    for n in range(1, min(max_n, length - 1) + 1):
+        if n > 1:
+            ends = ends[ends >= n - 1]
+            ends = ends[tokens[ends - (n - 1)] == tokens[length - n]]
+        if not ends.size:
+            break
+        if n >= min_n:
+            best_n, best = n, ends
+    return best_n, best[::-1] - (best_n - 1)
+
+
 def continuations(tokens: list[int], min_n: int, max_n: int, limit: int) -> list[list[int]]:
     """For the longest suffix (``max_n`` down to ``min_n`` tokens) that also occurs earlier, the
     token runs (up to ``limit`` long) that followed its occurrences, most recent first."""
-    length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n:]
-        runs = []
-        for start in range(length - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                runs.append(tokens[start + n:start + n + limit])
-        if runs:
-            return runs
-    return []
+    n, starts = suffix_matches(np.asarray(tokens, dtype=np.int64), min_n, max_n)
+    return [tokens[s + n: s + n + limit] for s in starts.tolist()]
 
 
 class NgramDrafter(Drafter):
@@ -44,8 +56,10 @@ class NgramDrafter(Drafter):
         counts = []
         for b, (seq, n) in enumerate(zip(seqs, num_drafts)):
             if tree is None:
-                runs = continuations(seq.token_ids, self.min_n, self.max_n, n)
-                run = runs[0] if runs else []
+                m, starts = suffix_matches(np.asarray(seq.token_ids, dtype=np.int64),
+                                           self.min_n, self.max_n)
+                first = int(starts[0]) + m if starts.size else len(seq)
+                run = seq.token_ids[first: first + n]
                 ids[b, : len(run)] = torch.tensor(run, dtype=torch.int64)
                 counts.append(len(run))
             else:
@@ -60,8 +74,9 @@ class NgramDrafter(Drafter):
         for i in range(1, tree.num_nodes):
             parent = int(tree.parents[i])
             path = paths[parent]
-            runs = continuations(tokens + path, self.min_n, self.max_n, 1)
-            ranked = [t for t, _ in Counter(r[0] for r in runs if r).most_common()]
+            ctx = np.asarray(tokens + path, dtype=np.int64)
+            m, starts = suffix_matches(ctx, self.min_n, self.max_n)
+            ranked = [t for t, _ in Counter(ctx[starts + m].tolist()).most_common()]
             rank = int(tree.ranks[i])
             token = ranked[rank] if rank < len(ranked) else (ranked[0] if ranked else tokens[-1])
             node_tokens.append(token)
