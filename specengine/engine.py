@@ -6,7 +6,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -215,13 +215,16 @@ class SpecEngine:
         return [self._output(s) for s in seqs]
 
     # ---- weights (DESIGN §3-4; the logic lives in specengine.weight_receiver) -------------
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | str | Path, *,
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                     | Mapping[str, torch.Tensor] | str | Path, *,
                      which: str = "policy", version: int | None = None) -> int:
-        """Copy new weights (HF checkpoint names; a subset is fine; a directory path loads its
-        safetensors) into the parameters in place (``data_ptr()`` unchanged), all or
-        nothing: a bad name, shape or dtype raises ``CheckpointError`` and changes nothing.
-        The version becomes ``version`` (greater than the current one) or the current one
-        + 1, and is stamped on every later output. Returns the new version."""
+        """Copy new weights (HF checkpoint names; ``(name, tensor)`` pairs or a mapping such
+        as a state dict; a subset is fine; a directory path loads its safetensors) into the
+        parameters in place (``data_ptr()`` unchanged), all or nothing: a bad name, shape or
+        dtype raises ``CheckpointError`` and changes nothing (a copy that fails midway
+        leaves ``generate`` refusing until those tensors are loaded again). The version
+        becomes ``version`` (greater than the current one) or the current one + 1, and is
+        stamped on every later output. Returns the new version."""
         return load_in_process(self, named_tensors, which, version)
 
     def init_weight_update_group(self, master_address: str, master_port: int, rank: int,

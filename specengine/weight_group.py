@@ -9,6 +9,7 @@ of a refused update are exchanged as UTF-8 bytes in a uint8 tensor.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -60,7 +61,7 @@ class WeightGroup:
             else:
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = self.timeout
-                self._pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+                self._pg = _nccl_group(store, rank, world_size, opts)
             # One collective so that every rank has joined when the constructor returns.
             self.allreduce(torch.zeros(1, dtype=torch.int32, device=self.device))
         except (RuntimeError, dist.DistError) as e:  # DistStoreError, timeouts, refused
@@ -122,3 +123,21 @@ class WeightGroup:
                 logger.debug("weight-sync group shutdown: %s", e)
         self._pg = None
         self._store = None
+
+
+def _nccl_group(store: dist.Store, rank: int, world_size: int,
+                opts: dist.ProcessGroupNCCL.Options) -> dist.ProcessGroup:
+    """A ``ProcessGroupNCCL`` whose watchdog, on a timed-out or failed collective, aborts the
+    communicator but does not take the process down (its default, 3, does): the dead peer
+    must surface as this group's error in ``wait``, with the engine still serving on its
+    old weights. The mode is read in the constructor, so it is set for this group only."""
+    key = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    prev = os.environ.get(key)
+    os.environ[key] = "2"  # CleanUpOnly
+    try:
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    finally:
+        if prev is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = prev

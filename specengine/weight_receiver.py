@@ -21,7 +21,7 @@ Atomicity over the network, where the sender may die mid-transfer (``staging``):
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -76,12 +76,16 @@ def commit(engine: SpecEngine, which: str, names: Iterable[str], version: int | 
 
 
 def load_in_process(engine: SpecEngine, named_tensors: Iterable[tuple[str, torch.Tensor]]
-                    | str | Path, which: str, version: int | None) -> int:
-    """``engine.load_weights``: named tensors or a safetensors dir, all or nothing."""
+                    | Mapping[str, torch.Tensor] | str | Path, which: str,
+                    version: int | None) -> int:
+    """``engine.load_weights``: named tensors (pairs or a mapping such as a state dict, as
+    the sender takes) or a safetensors dir, all or nothing."""
     update_target(engine, which)
     check_allowed(engine, version)
     if isinstance(named_tensors, (str, Path)):
         named_tensors = iter_checkpoint(named_tensors)
+    elif isinstance(named_tensors, Mapping):  # iterating it would give the names alone
+        named_tensors = named_tensors.items()
     if which == "policy":
         from specengine.model.loader import load_named_tensors
 

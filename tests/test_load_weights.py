@@ -88,5 +88,5 @@ def test_copy_failing_midway_fails_closed(tiny_checkpoint: Path) -> None:
     assert engine.weight_version == 0
     with pytest.raises(RuntimeError, match="incomplete"):
         engine.generate(PROMPTS, sampling=GREEDY)
-    assert engine.load_weights(items[:2]) == 1  # the failed update's tensors, whole again
+    assert engine.load_weights(dict(items[:2])) == 1  # the failed update's tensors again
     assert engine.generate(PROMPTS, sampling=GREEDY)[0].weight_version == 1
