@@ -208,7 +208,7 @@ def main() -> None:
     start = time.time()
     for step in range(args.steps):
         frac = max(0, step - args.warmup) / max(1, args.steps - args.warmup)
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.05 + 0.95 * 0.5 * (
+        lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup)) * (0.05 + 0.95 * 0.5 * (
             1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = lr
