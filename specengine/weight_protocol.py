@@ -171,6 +171,14 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
+def bucket_buffer(manifest: Manifest, device: torch.device) -> torch.Tensor:
+    """The buffer one side packs or receives each chunk in (the largest chunk's size). Both
+    sides allocate it before the handshake, where a failure (out of memory) is reported to
+    every rank instead of leaving them waiting in a broadcast."""
+    sizes = [hi - lo for lo, hi in manifest.chunks()]
+    return torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device)
+
+
 def pack(manifest: Manifest, tensors: list[torch.Tensor], lo: int, hi: int,
          out: torch.Tensor) -> None:
     """Fill ``out[:hi-lo]`` with stream bytes ``[lo, hi)`` (padding left as is)."""

@@ -32,7 +32,7 @@ from torch import nn
 from specengine.model.config import CheckpointError
 from specengine.model.loader import check_entries, format_errors, iter_checkpoint, tied_names
 from specengine.weight_group import MAX_ERROR_BYTES, WeightGroup
-from specengine.weight_protocol import MAX_MANIFEST_BYTES, Manifest, WeightSyncError
+from specengine.weight_protocol import MAX_MANIFEST_BYTES, Manifest, WeightSyncError, bucket_buffer
 from specengine.weight_sync import MAGIC, SharedWeights
 
 if TYPE_CHECKING:
@@ -238,26 +238,23 @@ class WeightReceiver:
                 raise ValueError(f"staging must be one of {STAGING}, got {staging!r}")
             manifest = Manifest.from_json(payload.cpu().numpy().tobytes())
             plan = plan_update(engine, which, manifest, staging, self._host_staging)
+            buf = bucket_buffer(manifest, g.device)
         except Exception as e:  # noqa: BLE001 - incl. WeightSyncError, out of memory
-            error = _describe(e)
+            plan, error = None, _describe(e)
         errors = g.agree(error)
         if errors or plan is None:
             raise WeightSyncError("weight update refused, nothing changed: " + " | ".join(errors))
         chunks = plan.manifest.chunks()
-        error = None
-        if chunks:
-            buf = torch.empty(max(hi - lo for lo, hi in chunks), dtype=torch.uint8,
-                              device=g.device)
-            if plan.staged is None:  # in place from the first byte on: torn until complete
-                engine._torn_weights.update((which, n) for n in plan.accepted)
-            for lo, hi in chunks:
-                direct = plan.direct(lo, hi, g.device) if error is None else None
-                g.broadcast(buf[: hi - lo] if direct is None else direct, src_rank)
-                if error is None and direct is None:  # after a local failure keep receiving,
-                    try:                              # to stay in step with the group
-                        plan.scatter(buf, lo, hi)
-                    except Exception as e:  # noqa: BLE001 - reported at the commit point
-                        error = f"copy failed: {_describe(e)}"
+        if chunks and plan.staged is None:  # in place from the first byte on: torn until done
+            engine._torn_weights.update((which, n) for n in plan.accepted)
+        for lo, hi in chunks:
+            direct = plan.direct(lo, hi, g.device) if error is None else None
+            g.broadcast(buf[: hi - lo] if direct is None else direct, src_rank)
+            if error is None and direct is None:  # after a local failure keep receiving, to
+                try:                              # stay in step with the group
+                    plan.scatter(buf, lo, hi)
+                except Exception as e:  # noqa: BLE001 - reported at the commit point
+                    error = f"copy failed: {_describe(e)}"
         errors = g.agree(error)  # the commit point: every receiver holds the whole update
         if errors:
             raise WeightSyncError(f"weight update v{plan.manifest.version} failed: "

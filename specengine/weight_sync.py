@@ -34,6 +34,7 @@ from specengine.weight_protocol import (
     WHICH,
     Manifest,
     WeightSyncError,
+    bucket_buffer,
     byte_view,
     manifest_for,
     pack,
@@ -128,28 +129,29 @@ class WeightSender:
         header = torch.tensor([MAGIC, len(payload)], dtype=torch.int64, device=group.device)
         group.broadcast(header, 0)
         group.broadcast(_bytes_tensor(payload, group.device), 0)
-        errors = group.agree(None)
-        if errors:
-            raise WeightSyncError(f"receivers refused weight update v{manifest.version} "
-                                  f"({manifest.which}): " + " | ".join(errors))
-        chunks = manifest.chunks()
         error = None
-        if chunks:
-            buf = torch.empty(max(hi - lo for lo, hi in chunks), dtype=torch.uint8,
-                              device=group.device)
-            for lo, hi in chunks:
-                sole = manifest.sole_piece(lo, hi)
-                src = tensors[sole[0]] if sole is not None else None
-                if error is None and src is not None and src.is_contiguous() and \
-                        src.device == group.device:
-                    group.broadcast(byte_view(src)[sole[2]: sole[3]], 0)  # type: ignore
-                    continue
-                if error is None:  # after a local failure keep sending (whatever buf holds)
-                    try:           # to stay in step; the commit point tells the receivers
-                        pack(manifest, tensors, lo, hi, buf)
-                    except Exception as e:  # noqa: BLE001 - reported at the commit point
-                        error = f"sender copy failed: {type(e).__name__}: {e}"
-                group.broadcast(buf[: hi - lo], 0)
+        try:
+            buf = bucket_buffer(manifest, group.device)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: refused in the handshake
+            error = f"sender: {type(e).__name__}: {e}"
+        errors = group.agree(error)
+        if errors:
+            raise WeightSyncError(f"weight update v{manifest.version} ({manifest.which}) "
+                                  f"refused: " + " | ".join(errors))
+        chunks = manifest.chunks()
+        for lo, hi in chunks:
+            sole = manifest.sole_piece(lo, hi)
+            src = tensors[sole[0]] if sole is not None else None
+            if error is None and src is not None and src.is_contiguous() and \
+                    src.device == group.device:
+                group.broadcast(byte_view(src)[sole[2]: sole[3]], 0)  # type: ignore
+                continue
+            if error is None:  # after a local failure keep sending (whatever buf holds) to
+                try:           # stay in step; the commit point tells the receivers
+                    pack(manifest, tensors, lo, hi, buf)
+                except Exception as e:  # noqa: BLE001 - reported at the commit point
+                    error = f"sender copy failed: {type(e).__name__}: {e}"
+            group.broadcast(buf[: hi - lo], 0)
         errors = group.agree(error)
         if errors:
             raise WeightSyncError(f"weight update v{manifest.version} failed: "
