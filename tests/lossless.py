@@ -99,8 +99,9 @@ def assert_proposals_ranked(seen: list[Proposal],
                             logits_after: Callable[[list[int], list[int]], torch.Tensor],
                             every: int = 3) -> None:
     """Each proposed chain / tree node is the rank-``r`` choice (``r`` = its tree rank, 0 for
-    chains) of ``logits_after(tokens, path)``, a from-scratch recomputation after the
-    sequence's tokens and the node's drafted ancestors."""
+    chains; 0 too where rank ``r`` is past the draft's finite logits) of
+    ``logits_after(tokens, path)``, a from-scratch recomputation after the sequence's tokens
+    and the node's drafted ancestors."""
     assert len(seen) > 20
     for tokens, drafts, tree in seen[::every]:
         if not drafts:
@@ -110,6 +111,8 @@ def assert_proposals_ranked(seen: list[Proposal],
         for i in range(1, tree.num_nodes):
             path = paths[int(tree.parents[i])]
             logits = logits_after(tokens, path)
-            rth = logits.sort(descending=True).values[int(tree.ranks[i])]
+            ranked = logits.sort(descending=True).values
+            rank = int(tree.ranks[i])  # a rank the draft cannot fill repeats rank 0
+            rth = ranked[rank] if rank < len(ranked) and ranked[rank] > -math.inf else ranked[0]
             assert abs(logits[drafts[i - 1]] - rth) <= 1e-4
             paths.append(path + [drafts[i - 1]])
