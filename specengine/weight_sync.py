@@ -6,7 +6,8 @@ Two transports:
   sender is rank 0 and every engine (data-parallel rollout workers) a receiver, ranks
   ``1 .. world_size-1``. ``send`` broadcasts the manifest, the receivers check it and the
   group agrees (both sides raise on a mismatch, nothing changed), then the tensors travel in
-  flat byte buckets and the receivers confirm they applied the update.
+  flat byte buckets and the receivers confirm they hold all of it (the commit point;
+  each then copies it in and bumps its version).
 - ``"shared"``: learner and engine on one host (one GPU, where NCCL refuses two ranks).
   ``send`` packs the update into buckets whose storage ``torch.multiprocessing`` shares (CUDA
   IPC on GPU, shared memory on CPU) and returns a :class:`SharedWeights` to pass to the engine
@@ -17,7 +18,7 @@ Two transports:
 Example (learner, rank 0)::
 
     sender = WeightSender("127.0.0.1", port, world_size=2, backend="gloo")
-    sender.send(model.state_dict(), version=1)   # returns once every engine applied it
+    sender.send(model.state_dict(), version=1)   # returns once every engine has it all
     sender.close()
 """
 
@@ -101,7 +102,8 @@ class WeightSender:
         out). ``version`` must exceed every receiver's current version. ``full=True`` says
         the update is every parameter, so a receiver missing one refuses it.
 
-        Distributed: returns None once every receiver applied the update; raises
+        Distributed: returns None once every receiver holds the whole update (each then
+        copies it in, a local step that can only fail closed); raises
         :class:`WeightSyncError` (naming the receivers' first bad entries) when any refused
         it or the transfer failed. Shared: returns the :class:`SharedWeights` to hand over.
         """
