@@ -148,17 +148,25 @@ def expand_tree(tree: DraftTree, root_logits: Tensor,
     ``d``, ancestor mask) and returns their output hidden states ``[B, n-1, H]``, whose logits
     (``compute_logits``) rank the children of the depth-``d`` nodes. Returns the node tokens
     ``[B, N-1]`` (root excluded)."""
-    batch = root_logits.shape[0]
-    top = {0: top_children(root_logits, tree.max_rank + 1)}
-    node_ids = torch.zeros(batch, tree.num_nodes, dtype=torch.int64, device=root_logits.device)
+    batch, width, dev = root_logits.shape[0], tree.max_rank + 1, root_logits.device
+    # top[:, i, r]: the rank-r child of node i. One LM-head pass per level (the nodes of the
+    # level that have children, batched) and one gather per level, not one per node.
+    top = torch.zeros(batch, tree.num_nodes, width, dtype=torch.int64, device=dev)
+    top[:, 0] = top_children(root_logits, width)
+    node_ids = torch.zeros(batch, tree.num_nodes, dtype=torch.int64, device=dev)
+    has_children = np.zeros(tree.num_nodes, dtype=bool)
+    has_children[tree.parents[1:]] = True
     for d in range(1, tree.max_depth + 1):
-        for i in np.flatnonzero(tree.depths == d):
-            node_ids[:, i] = top[int(tree.parents[i])][:, int(tree.ranks[i])]
+        level = np.flatnonzero(tree.depths == d)
+        parents = torch.from_numpy(tree.parents[level].astype(np.int64)).to(dev)
+        ranks = torch.from_numpy(tree.ranks[level].astype(np.int64)).to(dev)
+        node_ids[:, torch.from_numpy(level).to(dev)] = top[:, parents, ranks]
         if d == tree.max_depth:
             break
         n = int((tree.depths <= d).sum())
         out = run_level(n, node_ids[:, 1:n])
-        for i in np.flatnonzero(tree.depths == d):
-            if (tree.parents == i).any():
-                top[int(i)] = top_children(compute_logits(out[:, i - 1]), tree.max_rank + 1)
+        inner = level[has_children[level]]
+        h = out[:, torch.from_numpy(inner - 1).to(dev)]  # [B, m, H]
+        ranked = top_children(compute_logits(h.reshape(-1, h.shape[-1])), width)
+        top[:, torch.from_numpy(inner).to(dev)] = ranked.view(batch, len(inner), width)
     return node_ids[:, 1:]
