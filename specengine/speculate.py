@@ -85,11 +85,13 @@ def speculative_step(
         draft_ids = torch.zeros(len(seqs), 0, dtype=torch.int64, device=dev)
         draft_probs = None
     num_draft_tokens = torch.tensor(num_drafts, dtype=torch.int32, device=dev)
+    # The drafts reach the host in one copy (the drafters never sync), so this is where the
+    # draft's device time ends.
+    all_drafts = draft_ids.tolist()
+    drafts = [all_drafts[b][:n] for b, n in enumerate(num_drafts)]
     t1 = time.perf_counter()
 
     # 2. Verify: one target pass over [newest token, drafts...] of every sequence.
-    all_drafts = draft_ids.tolist()  # one device-to-host copy, not one per sequence
-    drafts = [all_drafts[b][:n] for b, n in enumerate(num_drafts)]
     logits, target_out = runner.verify(seqs, drafts, tree)  # [B, N, V]
     t2 = time.perf_counter()
 
