@@ -185,6 +185,21 @@ def test_proposals_equal_a_dense_recomputation(engine: SpecEngine) -> None:
     assert proposed and not proposed & set(DROPPED)
 
 
+def test_proposals_stay_exact_under_preemption_and_at_max_model_len(target_dir: Path,
+                                                                    head_dir: Path) -> None:
+    """The head's own KV survives preemption (release, then a fresh prefill) and the last
+    positions before ``max_model_len``: every proposal still equals the dense recomputation."""
+    engine = SpecEngine(target_dir, draft=str(head_dir), device="cpu", dtype="float32",
+                        max_model_len=32, max_batch_size=16, kv_cache_tokens=128)
+    prompts, params = ragged_requests(128, n=8, seed=2, stop_pool=STOPS)
+    seen = record_proposals(engine, [dict(k=4), dict(tree=[(0,), (1,), (0, 0), (0, 1)])],
+                            prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    assert max(len(tokens) + len(drafts) for tokens, drafts, _ in seen) == 32
+    assert_proposals_ranked(seen, lambda tokens, path: eagle_logits(engine, tokens, path))
+    assert engine.drafter.kv_cache.num_free_blocks == engine.drafter.kv_cache.num_blocks
+
+
 def test_sampled_drafts_carry_their_distributions(engine: SpecEngine, head_dir: Path) -> None:
     drafter = Eagle3Drafter(head_dir, engine, sample=True)
     assert not drafter.point_mass
