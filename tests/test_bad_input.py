@@ -88,11 +88,24 @@ def test_request_that_can_never_fit(engine: SpecEngine, reference: list[tuple[in
         (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
         (dict(temperature=float("nan")), "temperature"),
         (dict(top_k=2.5), "top_k must be an int"),
+        (dict(seed=1 << 63), r"seed must be an int in \[0, 2\*\*63\)"),
+        (dict(seed=-1), "seed must be an int in"),
+        (dict(seed=True), "seed must be an int in"),
     ],
 )
 def test_bad_sampling_params(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_draft_options_the_drafter_does_not_take(tiny_checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match=r"draft_options \['sample'\] are not options of the "
+                       r"NgramDrafter drafter \(it takes: \['min_n', 'max_n'\]\)"):
+        SpecEngine(tiny_checkpoint, draft="ngram", device="cpu", kv_cache_tokens=256,
+                   draft_options={"sample": True})
+    engine = SpecEngine(tiny_checkpoint, draft="ngram", device="cpu", kv_cache_tokens=256,
+                        draft_options={"max_n": 2})
+    assert engine.drafter.max_n == 2  # type: ignore[union-attr]
 
 
 def test_unknown_drafter(tiny_checkpoint: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,11 +26,11 @@ def make_drafter(draft: str | None, engine: SpecEngine) -> Drafter | None:
     if draft == "ngram":
         from specengine.drafters.ngram import NgramDrafter
 
-        return NgramDrafter(**opts)
+        return _construct(NgramDrafter, opts)
     if draft == "mtp":
         from specengine.drafters.mtp import MTPDrafter
 
-        return MTPDrafter(engine, **opts)
+        return _construct(MTPDrafter, opts, engine)
     path = Path(draft)
     if not path.is_dir():
         raise ValueError(f"unknown drafter {draft!r}: expected None, 'ngram', 'mtp' or a "
@@ -42,7 +43,20 @@ def make_drafter(draft: str | None, engine: SpecEngine) -> Drafter | None:
     if "draft_vocab_size" in cfg or any("eagle" in a.lower() for a in archs):
         from specengine.drafters.eagle3 import Eagle3Drafter
 
-        return Eagle3Drafter(path, engine, **opts)
+        return _construct(Eagle3Drafter, opts, path, engine)
     from specengine.drafters.draft_model import DraftModelDrafter
 
-    return DraftModelDrafter(path, engine, **opts)
+    return _construct(DraftModelDrafter, opts, path, engine)
+
+
+def _construct(cls: type[Drafter], opts: dict[str, object], *args: object) -> Drafter:
+    """``cls(*args, **opts)``, refusing options the drafter does not take with a clear error
+    (instead of a ``TypeError`` from inside the constructor)."""
+    params = inspect.signature(cls.__init__).parameters
+    known = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY or
+             (p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.default is not p.empty)]
+    unknown = sorted(set(opts) - set(known))
+    if unknown:
+        raise ValueError(f"draft_options {unknown} are not options of the {cls.__name__} "
+                         f"drafter (it takes: {known or 'none'})")
+    return cls(*args, **opts)
