@@ -23,8 +23,8 @@ STOPS = (3, 17, 64, 99)
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_checkpoint(make_hf_model("qwen3"), tmp_path_factory.mktemp("target"))
+def target_dir(tiny_checkpoint: Path) -> Path:
+    return tiny_checkpoint  # conftest's random Qwen3, written once per session
 
 
 @pytest.fixture(scope="module")

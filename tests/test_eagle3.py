@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import make_hf_model, save_checkpoint
 from eagle_heads import DROPPED, Edit, write_head
 from eagle_heads import fit_head as fit_head  # imported from here by other test files
 from lossless import (
@@ -32,8 +31,8 @@ STOPS = (3, 17, 64, 99)
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_checkpoint(make_hf_model("qwen3"), tmp_path_factory.mktemp("target"))
+def target_dir(tiny_checkpoint: Path) -> Path:
+    return tiny_checkpoint  # conftest's random Qwen3, written once per session
 
 
 @pytest.fixture(scope="module")
