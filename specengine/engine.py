@@ -182,8 +182,7 @@ class SpecEngine:
                     self._prefill(scheduled.seqs, observe=k > 0)
                     prefill_s += time.perf_counter() - t0
                 else:
-                    speculative_step(scheduled.seqs, k, draft_tree, self.drafter, self.runner,
-                                     self.sampler, self.kv_cache, max_len, times)
+                    self._decode_step(scheduled.seqs, k, draft_tree, times)
                 num_forwards += 1
                 for seq in scheduled.seqs:
                     if seq.status is SeqStatus.FINISHED:
@@ -279,6 +278,13 @@ class SpecEngine:
             seq.append([token], [logprob], self.config.max_model_len)
         if observe and self.drafter is not None:
             self.drafter.observe(seqs, target_out, rows)
+
+    def _decode_step(self, seqs: tuple[Sequence, ...], k: int, tree: DraftTree | None,
+                     times: StepTimes) -> None:
+        """One decode / verify step of the running ``seqs`` (the unit the host-overhead
+        benchmark times)."""
+        speculative_step(seqs, k, tree, self.drafter, self.runner, self.sampler, self.kv_cache,
+                         self.config.max_model_len, times)
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
