@@ -20,8 +20,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .attention_checks import as_count, check_inputs
+from .attention_checks import as_count, check_inputs, query_run_bounds
 from .attention_combine import combine_splits, default_num_splits
+from .debug import value_checks_enabled
 
 _LOG2E = 1.4426950408889634
 
@@ -156,6 +157,10 @@ def _paged_attention_kernel(
             tl.store(lse_ptr + split * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _tiles(max_q_len: int, group: int, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_M rows, QT queries per tile, BLOCK_N keys per tile)."""
     # Rows = queries x group heads. tl.dot needs >= 16 rows; beyond 64 rows (32 at D=256) the
@@ -182,8 +187,10 @@ def paged_attention(
 ) -> Tensor:  # [T, Hq, D], dtype of q
     """Ragged paged attention with the semantics of ``reference.paged_attention``.
 
-    ``max_q_len`` (an upper bound on every sequence's query count) avoids the device->host sync
-    that computing it needs, so a call that passes it can be captured in a CUDA graph.
+    ``max_q_len`` is an upper bound on every sequence's query count. Given, the call reads no
+    device value (it can be captured in a CUDA graph) unless ``debug.value_checks`` are on,
+    which then validate ``qo_indptr`` and the bound (skipped under graph capture). None makes
+    the launcher compute it from ``qo_indptr``: one blocking device->host copy per call.
     ``num_splits`` forces the split-KV factor (default: a heuristic from shapes). A query row
     that may see no key at all (only possible with a tree row without bits and no context)
     yields 0 where the reference yields NaN. Output rows of tokens past ``qo_indptr[-1]`` are
@@ -196,16 +203,11 @@ def paged_attention(
     group = hq // hkv
     max_q_len = as_count("max_q_len", max_q_len, minimum=0)
     num_splits = as_count("num_splits", num_splits, minimum=1)
-    if max_q_len is None or not q.is_cuda:
-        # Off CUDA the check below is free, so it also guards a caller-given max_q_len.
-        q_lens = qo_indptr[1:] - qo_indptr[:-1]  # [B]
-        true_max = int(q_lens.max()) if num_seqs else 0
-        if num_seqs and (int(q_lens.min()) < 0 or int(qo_indptr[0]) < 0
-                         or int(qo_indptr[-1]) > num_tokens):
-            raise ValueError(f"qo_indptr must be non-decreasing from >= 0 to <= T={num_tokens}")
-        if max_q_len is not None and max_q_len < true_max:
-            raise ValueError(f"max_q_len={max_q_len} is below the longest query run {true_max}")
-        max_q_len = true_max if max_q_len is None else max_q_len
+    if max_q_len is None:
+        # The caller asked us to find it: one device->host copy, which also checks qo_indptr.
+        max_q_len = query_run_bounds(qo_indptr, num_tokens, None)
+    elif value_checks_enabled() and not _capturing():
+        query_run_bounds(qo_indptr, num_tokens, max_q_len)
     if tree_mask is not None and tree_mask.shape[1] < (max_q_len + 31) // 32:
         raise ValueError(f"tree_mask needs >= {(max_q_len + 31) // 32} words per row for "
                          f"max_q_len={max_q_len}, got {tree_mask.shape[1]}")

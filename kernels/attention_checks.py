@@ -1,7 +1,9 @@
 """Input checks of the Triton paged attention launcher (``attention.paged_attention``).
 
-Only metadata is read here (shapes, dtypes, strides, devices): no device→host sync, so a checked
-call can still be captured in a CUDA graph.
+``check_inputs`` reads only metadata (shapes, dtypes, strides, devices): no device→host sync, so
+a checked call can still be captured in a CUDA graph. ``query_run_bounds`` reads ``qo_indptr``
+values (one sync); the launcher calls it only when it must know ``max_q_len`` or when value
+checks are on (``debug.value_checks``).
 """
 
 from __future__ import annotations
@@ -91,3 +93,22 @@ def check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
                         "tree_mask"), tensors):
         if t is not None and t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+def query_run_bounds(qo_indptr: Tensor, num_tokens: int, max_q_len: int | None) -> int:
+    """The longest query run of ``qo_indptr`` [B+1], read with one device→host copy.
+
+    Raises ValueError unless ``qo_indptr`` is non-decreasing from >= 0 to <= ``num_tokens``
+    and, when given, ``max_q_len`` bounds every run.
+    """
+    if qo_indptr.shape[0] < 2:
+        return 0
+    q_lens = qo_indptr[1:] - qo_indptr[:-1]  # [B]
+    # One copy for all four numbers: the first/last entry, the shortest and longest run.
+    first, last, shortest, longest = torch.stack(
+        [qo_indptr[0], qo_indptr[-1], q_lens.min(), q_lens.max()]).tolist()
+    if shortest < 0 or first < 0 or last > num_tokens:
+        raise ValueError(f"qo_indptr must be non-decreasing from >= 0 to <= T={num_tokens}")
+    if max_q_len is not None and max_q_len < longest:
+        raise ValueError(f"max_q_len={max_q_len} is below the longest query run {longest}")
+    return longest

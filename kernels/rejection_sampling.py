@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .debug import value_checks_enabled
 from .sampling_checks import validate_inputs
 from .sampling_pass import (
     NEG_INF,
@@ -229,11 +230,13 @@ def rejection_sample(
     """Same contract and results as ``reference.rejection_sample``; returns (output_ids [B, N]
     int64, num_accepted [B] int32, logprobs [B, N] float32, row_ids [B, N] int32).
 
-    ``check_values`` (default: on unless a CUDA graph is being captured) also validates values
-    (draft ids, lengths, parents, ranges), which costs one device→host sync.
+    ``check_values`` also validates values (draft ids, lengths, parents, ranges), which costs one
+    device→host sync. Default (None): on only when ``debug.value_checks_enabled()`` and no CUDA
+    graph is being captured; an explicit True / False wins.
     """
     if check_values is None:
-        check_values = not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        check_values = value_checks_enabled() and not (
+            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
     validate_inputs(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temperature,
                     top_k, top_p, seeds, offsets, tree_parents, check_values)
     bsz, n_rows, vocab = target_logits.shape

@@ -2,7 +2,8 @@
 
 The kernels index raw pointers with the strides they are given and trust ids, lengths and
 parents, so every shape, dtype, device and stride is checked before a launch; value checks
-(ids in range, valid trees) read device memory and are skipped under CUDA-graph capture.
+(ids in range, valid trees) read device memory (one sync), so they run only when asked for
+(``debug.value_checks``) and never under CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def validate_inputs(logits: Tensor, drafts: Tensor, num_draft: Tensor, q: Tensor
                "tree_parents must be contiguous on the device of target_logits")
     if not check_values:
         return
-    # Value checks read device memory (one sync), so they are skipped under graph capture.
+    # Value checks read device memory: one device→host copy for all of them.
     n = num_draft.long()
     c = torch.arange(n_rows - 1, device=dev)
     used = (n[:, None] > 0) if parents is not None else (c[None] < n[:, None])

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+os.environ.setdefault("SPECENGINE_DEBUG_CHECKS", "1")  # kernels validate values in tests
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
