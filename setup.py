@@ -53,12 +53,14 @@ class CMakeBuild(build_ext):
 setup(
     packages=[
         "specengine",
+        "specengine.assets",
         "specengine.model",
         "specengine.drafters",
         "specengine.kernels",
     ],
     package_dir={"specengine.kernels": "kernels"},
-    package_data={"specengine": ["assets/**/*"]},
+    # The bundled model pair: weights, configs and tokenizer, not Python files.
+    package_data={"specengine.assets": ["*/*"]},
     ext_modules=[CMakeExtension("specengine._C", ROOT)],
     cmdclass={"build_ext": CMakeBuild},
     zip_safe=False,
