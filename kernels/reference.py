@@ -7,6 +7,8 @@ import X`` is the one import path for all of them:
 
 * ``reference_attention``: paged attention and the packed tree-mask format;
 * ``reference_kv``: KV-cache writes (slot mapping, ``reshape_and_cache``) and ``compact_kv``;
+* ``reference_layer``: the fused decoder-layer ops (RMSNorm with residual add, SiLU·mul,
+  q/k norm + rope + KV write over a merged QKV output);
 * ``reference_sampling``: Philox randomness, top-k / top-p thresholds, ``rejection_sample``.
 """
 
@@ -20,6 +22,14 @@ from .reference_attention import (
     tree_mask_to_dense,
 )
 from .reference_kv import compact_kv, reshape_and_cache, slot_mapping
+from .reference_layer import (
+    add_rms_norm,
+    rms_norm,
+    rope_and_cache,
+    rotate,
+    silu_mul,
+    split_qkv_rope,
+)
 from .reference_sampling import (
     RNG_GROUP,
     exponential_from_bits,
@@ -32,6 +42,7 @@ from .reference_sampling import (
 
 __all__ = [
     "RNG_GROUP",
+    "add_rms_norm",
     "compact_kv",
     "exponential_from_bits",
     "gather_kv",
@@ -43,7 +54,12 @@ __all__ = [
     "random_tree_mask",
     "rejection_sample",
     "reshape_and_cache",
+    "rms_norm",
+    "rope_and_cache",
+    "rotate",
+    "silu_mul",
     "slot_mapping",
+    "split_qkv_rope",
     "tree_mask_to_dense",
     "uniform_from_bits",
 ]
