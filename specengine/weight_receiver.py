@@ -30,7 +30,13 @@ import torch
 from torch import nn
 
 from specengine.model.config import CheckpointError
-from specengine.model.loader import check_entries, format_errors, iter_checkpoint, tied_names
+from specengine.model.loader import (
+    check_entries,
+    format_errors,
+    hf_named_tensors,
+    iter_checkpoint,
+    tied_names,
+)
 from specengine.weight_group import MAX_ERROR_BYTES, WeightGroup
 from specengine.weight_protocol import MAX_MANIFEST_BYTES, Manifest, WeightSyncError, bucket_buffer
 from specengine.weight_sync import MAGIC, SharedWeights
@@ -103,7 +109,7 @@ def load_in_process(engine: SpecEngine, named_tensors: Iterable[tuple[str, torch
             # Which draft tensors were written before the failure is the drafter's business:
             # all are torn until a complete draft update.
             module, _ = update_target(engine, which)
-            engine._torn_weights.update((which, n) for n, _ in module.named_parameters())
+            engine._torn_weights.update((which, n) for n in hf_named_tensors(module))
             raise
     return commit(engine, which, names, version)
 
@@ -166,7 +172,8 @@ def plan_update(engine: SpecEngine, which: str, manifest: Manifest, staging: str
         strict=manifest.full, tied=tied)
     if errors:
         raise CheckpointError(format_errors(errors))
-    params = {n: p.data for n, p in module.named_parameters(remove_duplicate=False)}
+    # By HF name; a merged projection's parts are views of its storage, written in place.
+    params = {n: t.detach() for n, t in hf_named_tensors(module, remove_duplicate=False).items()}
     staged = None
     where = _staging_device(engine.device, sum(params[n].nbytes for n in accepted), staging)
     if where is not None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from specengine.drafters.eagle3 import Eagle3Head
 from specengine.model.config import ModelConfig
+from specengine.model.loader import hf_named_tensors
 
 DROPPED = (0, 7, 100)  # target ids without a draft id
 Edit = Callable[[dict, dict], None]
@@ -35,7 +36,7 @@ def head_tensors(target: Path, *, seed: int = 0, aux_ids: tuple[int, ...] = (0, 
     torch.manual_seed(seed)
     head = Eagle3Head(head_model_config(cfg), cfg["draft_vocab_size"], nn.Embedding(vocab, h))
     tensors = {}
-    for name, p in head.named_parameters():
+    for name, p in hf_named_tensors(head).items():  # checkpoint (HF) names
         noise = torch.randn(p.shape)
         tensors[name] = 1 + 0.1 * noise if name.endswith("norm.weight") else 0.08 * noise
     kept = torch.tensor([t for t in range(vocab) if t not in dropped])

@@ -68,11 +68,15 @@ class Eagle3MidLayer(nn.Module):
 
     def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
                 v_cache: Tensor, meta: AttentionMetadata, backend: AttentionBackend) -> Tensor:
-        normed = self.hidden_norm(hidden)
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        h = embeds.shape[-1]
+        # The two input norms write the halves of q/k/v's 2H-wide input: no cat.
+        x = embeds.new_empty(embeds.shape[0], 2 * h)
+        self.input_layernorm(embeds, backend, out=x[:, :h])
+        normed = self.hidden_norm(hidden, backend, out=x[:, h:])
         residual = normed if self.norm_before_residual else hidden
-        h = residual + self.self_attn(x, cos, sin, k_cache, v_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(x, cos, sin, k_cache, v_cache, meta, backend)
+        x, residual = self.post_attention_layernorm.add_forward(attn, residual, backend)
+        return residual + self.mlp(x, backend)
 
 
 class Eagle3Head(nn.Module):

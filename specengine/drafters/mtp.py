@@ -25,9 +25,9 @@ import torch
 from torch import Tensor, nn
 
 from specengine.drafters.feature_drafter import FeatureDrafter
-from specengine.model.attention import AttentionMetadata
+from specengine.model.attention import AttentionBackend, AttentionMetadata
 from specengine.model.config import ModelConfig
-from specengine.model.llama import DecoderLayer, RMSNorm
+from specengine.model.llama import DecoderLayer, RMSNorm, run_layers
 from specengine.model_runner import ForwardOutput
 
 if TYPE_CHECKING:
@@ -59,17 +59,19 @@ class MTPModule(nn.Module):
         self._shared = (target.model.embed_tokens, target.lm_head, target.model.rotary_emb)
 
     def forward(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, kv_cache: Tensor,
-                meta: AttentionMetadata, backend: object,
+                meta: AttentionMetadata, backend: AttentionBackend,
                 aux_layers: tuple[int, ...] = ()) -> tuple[Tensor, list[Tensor]]:
         embed, _, rope = self._shared
         m = self.mtp
-        x = torch.cat([m.pre_fc_norm_embedding(embed(input_ids)),
-                       m.pre_fc_norm_hidden(hidden.to(m.fc.weight.dtype))], dim=-1)
-        h = m.fc(x)
-        cos, sin = rope.cos_sin(positions, h.dtype)
-        for i, layer in enumerate(m.layers):
-            h = layer(h, cos, sin, kv_cache[0, i], kv_cache[1, i], meta, backend)
-        return m.norm(h), []
+        e = embed(input_ids)
+        h = e.shape[-1]
+        # The two pre-fc norms write the halves of fc's 2H-wide input: no cat.
+        x = e.new_empty(e.shape[0], 2 * h)
+        m.pre_fc_norm_embedding(e, backend, out=x[:, :h])
+        m.pre_fc_norm_hidden(hidden.to(m.fc.weight.dtype), backend, out=x[:, h:])
+        g = m.fc(x)
+        cos, sin = rope.cos_sin(positions, g.dtype)
+        return run_layers(m.layers, m.norm, g, cos, sin, kv_cache, meta, backend)[0], []
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self._shared[1](hidden).float()

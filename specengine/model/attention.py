@@ -50,6 +50,46 @@ class AttentionBackend(ABC):
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
                scale: float) -> Tensor: ...
 
+    # The fused layer ops below default to the plain-PyTorch references (the ``torch``
+    # backend, and test / training backends that only define write_kv and attend);
+    # KernelAttentionBackend runs them as Triton kernels, one launch each.
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float,
+                 out: Tensor | None = None) -> Tensor:
+        """RMSNorm of ``x [N, H]``; written into ``out`` (e.g. half of a wider buffer) when
+        given."""
+        from specengine.kernels import reference
+
+        y = reference.rms_norm(x, weight, eps)
+        return y if out is None else out.copy_(y)
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor]:
+        """``(rms_norm(x + residual), x + residual)``, both new tensors."""
+        from specengine.kernels import reference
+
+        return reference.add_rms_norm(x, residual, weight, eps)
+
+    def silu_mul(self, x: Tensor) -> Tensor:
+        """``silu(gate) * up`` of a merged gate-up output ``[N, 2I]``."""
+        from specengine.kernels import reference
+
+        return reference.silu_mul(x)
+
+    def rope_and_write_kv(self, qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
+                          v_cache: Tensor, meta: AttentionMetadata, num_heads: int,
+                          num_kv_heads: int, q_norm_weight: Tensor | None = None,
+                          k_norm_weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+        """From a merged QKV output ``[T, (Hq+2Hkv)·D]``: q/k per-head norm (Qwen3, when
+        given), rope with ``cos`` / ``sin`` ``[T, D/2]``, k and v written by ``write_kv``;
+        returns q ``[T, Hq, D]``."""
+        from specengine.kernels import reference
+
+        q, k, v = reference.split_qkv_rope(qkv, cos, sin, num_heads, num_kv_heads,
+                                           q_norm_weight, k_norm_weight, eps)
+        self.write_kv(k, v, k_cache, v_cache, meta)
+        return q
+
 
 class TorchAttentionBackend(AttentionBackend):
     """Plain PyTorch (the CPU default): the reference KV write and a batched, padded form of
@@ -88,6 +128,33 @@ class KernelAttentionBackend(AttentionBackend):
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.qo_indptr,
             meta.tree_mask, scale, max_q_len=meta.max_q_len,
         )
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float,
+                 out: Tensor | None = None) -> Tensor:
+        from specengine.kernels import rms_norm
+
+        return rms_norm.rms_norm(x, weight, eps, out)
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor]:
+        from specengine.kernels import rms_norm
+
+        return rms_norm.add_rms_norm(x, residual, weight, eps)
+
+    def silu_mul(self, x: Tensor) -> Tensor:
+        from specengine.kernels import activation
+
+        return activation.silu_mul(x)
+
+    def rope_and_write_kv(self, qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
+                          v_cache: Tensor, meta: AttentionMetadata, num_heads: int,
+                          num_kv_heads: int, q_norm_weight: Tensor | None = None,
+                          k_norm_weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+        from specengine.kernels import rope_kv
+
+        return rope_kv.rope_and_cache(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                                      num_heads, num_kv_heads, q_norm_weight, k_norm_weight,
+                                      eps)
 
 
 def make_attention_backend(kernel_backend: str) -> AttentionBackend:

@@ -1,17 +1,30 @@
 """One decoder for Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm) causal LMs.
 
-Module names equal the Hugging Face checkpoint names (``model.layers.3.self_attn.q_proj``), so
-``state_dict()`` keys are the checkpoint's keys and loading is a validated ``param.copy_``.
+A decoder layer is a handful of launches (DESIGN §6): a fused residual-add + RMSNorm, one
+merged QKV matmul, one q/k-norm + rope + KV-write kernel, attention, ``o_proj``, a second
+add + RMSNorm, one merged gate-up matmul, SiLU·mul and ``down_proj``. The backend picks the
+implementation of the fused ops (``AttentionBackend``: plain PyTorch or Triton).
+
+Checkpoint names: every module is named as in the Hugging Face checkpoint, except the merged
+projections ``qkv_proj`` (rows: q, k, v) and ``gate_up_proj`` (rows: gate, up), whose HF
+tensors (``q_proj.weight`` ...) are row slices of the merged parameter.
+:func:`specengine.model.loader.hf_named_tensors` lists every tensor under its HF name (views
+sharing storage), ``state_dict()`` uses HF names and ``load_state_dict`` takes them.
 All sequences of a step are packed into one ragged ``[T, ...]`` batch; the paged KV cache is
 shared by all layers as ``kv_cache[2, num_layers, num_blocks, block_size, Hkv, D]``.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specengine.kernels import reference
 from specengine.model.attention import AttentionBackend, AttentionMetadata
 from specengine.model.config import ModelConfig
 from specengine.model.rope import RotaryEmbedding
@@ -23,11 +36,84 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def forward(self, x: Tensor, backend: AttentionBackend | None = None,
+                out: Tensor | None = None) -> Tensor:
+        """``x [N, H]`` normed (transformers' numerics); into ``out`` when given."""
+        if backend is None:
+            y = reference.rms_norm(x, self.weight, self.eps)
+            return y if out is None else out.copy_(y)
+        return backend.rms_norm(x, self.weight, self.eps, out)
+
+    def add_forward(self, x: Tensor, residual: Tensor,
+                    backend: AttentionBackend | None = None) -> tuple[Tensor, Tensor]:
+        """``(norm(x + residual), x + residual)`` in one fused op."""
+        if backend is None:
+            return reference.add_rms_norm(x, residual, self.weight, self.eps)
+        return backend.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class MergedLinear(nn.Module):
+    """Several HF projections of one input as one matmul: the parts' weight rows (and biases)
+    stacked in order. ``parts`` are ``(hf_name, out_features)``."""
+
+    def __init__(self, in_features: int, parts: Sequence[tuple[str, int]], bias: bool) -> None:
+        super().__init__()
+        if not parts or any(n <= 0 for _, n in parts):
+            raise ValueError(f"MergedLinear needs parts with positive sizes, got {parts}")
+        self.parts = tuple(parts)
+        out_features = sum(n for _, n in parts)
+        self.in_features = in_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # nn.Linear's initialisation, so an unloaded model behaves like the unmerged one did.
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0.0
+            nn.init.uniform_(self.bias, -bound, bound)
+        self.register_state_dict_post_hook(_state_dict_hf_names)
+
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in float32, scale in the activation dtype (transformers' numerics).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+    def hf_tensors(self) -> dict[str, Tensor]:
+        """``{"q_proj.weight": rows of weight, ...}`` (names relative to the parent module):
+        views sharing this module's storage, so writing them writes the merged parameter."""
+        out: dict[str, Tensor] = {}
+        lo = 0
+        for name, n in self.parts:  # per part weight then bias: nn.Linear's order
+            out[f"{name}.weight"] = self.weight.detach()[lo: lo + n]
+            if self.bias is not None:
+                out[f"{name}.bias"] = self.bias.detach()[lo: lo + n]
+            lo += n
+        return out
+
+    def merge_hf_entries(self, state_dict: dict[str, Any], parent_prefix: str,
+                         attr: str) -> None:
+        """Replace the parts' HF entries of a state dict by this module's merged ones (when
+        all parts are there; otherwise load_state_dict reports them)."""
+        for suffix, p in (("weight", self.weight), ("bias", self.bias)):
+            keys = [f"{parent_prefix}{name}.{suffix}" for name, _ in self.parts]
+            if p is not None and all(k in state_dict for k in keys):
+                state_dict[f"{parent_prefix}{attr}.{suffix}"] = torch.cat(
+                    [state_dict.pop(k) for k in keys])
+
+
+def _state_dict_hf_names(module: MergedLinear, state_dict: dict[str, Any], prefix: str,
+                         local_metadata: Any) -> None:
+    """``state_dict()`` lists a merged projection under its HF names (checkpoint keys)."""
+    parent = prefix[: prefix.rstrip(".").rfind(".") + 1]  # drop this module's own name
+    for suffix in ("weight", "bias"):
+        state_dict.pop(prefix + suffix, None)
+    for name, t in module.hf_tensors().items():
+        state_dict[parent + name] = t
+
+
+def _load_hf_names(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                   *args: Any) -> None:
+    """``load_state_dict`` takes HF names: merge the parts of every merged child."""
+    for attr, child in module.named_children():
+        if isinstance(child, MergedLinear):
+            child.merge_hf_entries(state_dict, prefix, attr)
 
 
 class Attention(nn.Module):
@@ -40,10 +126,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
-        x = in_features or h
-        self.q_proj = nn.Linear(x, cfg.num_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(x, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(x, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.qkv_proj = MergedLinear(
+            in_features or h, (("q_proj", cfg.num_heads * d), ("k_proj", cfg.num_kv_heads * d),
+                               ("v_proj", cfg.num_kv_heads * d)), bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -51,17 +136,17 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.rope = rope
         self.scale = d**-0.5
+        self.register_load_state_dict_pre_hook(_load_hf_names)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> Tensor:
+        """``x [T, in]`` → ``o_proj(attention) [T, H]``; ``cos`` / ``sin`` ``[T, D/2]``
+        (``RotaryEmbedding.cos_sin``). Writes this step's K/V into the cache."""
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        backend.write_kv(k, v, k_cache, v_cache, meta)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm \
+            else (None, None, 1e-6)
+        q = backend.rope_and_write_kv(self.qkv_proj(x), cos, sin, k_cache, v_cache, meta,
+                                      self.num_heads, self.num_kv_heads, *norms)
         o = backend.attend(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(num_tokens, -1))
 
@@ -70,12 +155,15 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.gate_up_proj = MergedLinear(h, (("gate_proj", i), ("up_proj", i)),
+                                         bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        self.register_load_state_dict_pre_hook(_load_hf_names)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: Tensor, backend: AttentionBackend | None = None) -> Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        act = reference.silu_mul(gate_up) if backend is None else backend.silu_mul(gate_up)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -86,10 +174,43 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: Tensor, residual: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
+                v_cache: Tensor, meta: AttentionMetadata, backend: AttentionBackend
+                ) -> tuple[Tensor, Tensor]:
+        """``x`` is ``input_layernorm(residual)`` (the caller fuses it with the previous
+        layer's add, see :func:`run_layers`). Returns ``(mlp output, residual)``: the layer's
+        output is their sum, left to the next fused add + norm."""
+        attn = self.self_attn(x, cos, sin, k_cache, v_cache, meta, backend)
+        x, residual = self.post_attention_layernorm.add_forward(attn, residual, backend)
+        return self.mlp(x, backend), residual
+
+
+def run_layers(layers: nn.ModuleList, final_norm: RMSNorm, h: Tensor, cos: Tensor,
+               sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
+               backend: AttentionBackend, aux_layers: tuple[int, ...] = ()
+               ) -> tuple[Tensor, list[Tensor]]:
+    """``final_norm(layers(h))`` with every residual add fused into the next norm, and the
+    residual stream entering each layer of ``aux_layers`` (index ``len(layers)``: the last
+    layer's output before the final norm), in layer order."""
+    aux: list[Tensor] = []
+    delta: Tensor | None = None
+    residual = h
+    for i, layer in enumerate(layers):
+        if delta is None:
+            x = layer.input_layernorm(residual, backend)
+        else:
+            x, residual = layer.input_layernorm.add_forward(delta, residual, backend)
+        if i in aux_layers:
+            aux.append(residual)
+        delta, residual = layer(x, residual, cos, sin, kv_cache[0, i], kv_cache[1, i], meta,
+                                backend)
+    if delta is None:
+        out = final_norm(residual, backend)
+    else:
+        out, residual = final_norm.add_forward(delta, residual, backend)
+    if len(layers) in aux_layers:
+        aux.append(residual)
+    return out, aux
 
 
 class DecoderModel(nn.Module):
@@ -128,14 +249,8 @@ class CausalLM(nn.Module):
         ``num_layers`` is the last layer's output before the final norm."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb.cos_sin(positions, h.dtype)
-        aux: list[Tensor] = []
-        for i, layer in enumerate(self.model.layers):
-            if i in aux_layers:
-                aux.append(h)
-            h = layer(h, cos, sin, kv_cache[0, i], kv_cache[1, i], meta, backend)
-        if len(self.model.layers) in aux_layers:
-            aux.append(h)
-        return self.model.norm(h), aux
+        return run_layers(self.model.layers, self.model.norm, h, cos, sin, kv_cache, meta,
+                          backend, aux_layers)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """``[N, H]`` → float32 logits ``[N, V]`` (the sampler works in float32)."""

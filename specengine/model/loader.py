@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from specengine.model.config import CheckpointError, ModelConfig
-from specengine.model.llama import CausalLM
+from specengine.model.llama import CausalLM, MergedLinear
 
 # Checkpoint keys that carry no parameter of ours.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -64,6 +64,31 @@ def iter_checkpoint(path: str | Path,
             raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from e
 
 
+def hf_named_tensors(module: nn.Module, remove_duplicate: bool = True) -> dict[str, Tensor]:
+    """Every parameter of ``module`` under its Hugging Face checkpoint name, in module order.
+
+    A merged projection (``qkv_proj``, ``gate_up_proj``) appears as its HF parts
+    (``q_proj.weight`` ...), row slices sharing its storage: copying into them writes the
+    merged parameter in place. Every path that updates weights by name (checkpoint load,
+    ``load_weights``, weight sync) goes through this. With ``remove_duplicate`` a tied
+    parameter is listed once, under its first name (as ``named_parameters()``).
+    """
+    out: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        if isinstance(mod, MergedLinear):
+            parent = prefix[: prefix.rstrip(".").rfind(".") + 1]
+            out.update((parent + n, t) for n, t in mod.hf_tensors().items())
+            continue
+        for name, p in mod.named_parameters(prefix=mod_name, recurse=False):
+            if remove_duplicate and id(p) in seen:
+                continue
+            seen.add(id(p))
+            out[name] = p
+    return out
+
+
 def _check_castable(name: str, src: torch.dtype, dst: torch.dtype) -> str | None:
     if src.is_floating_point != dst.is_floating_point or src.is_complex or src == torch.bool:
         return f"{name}: dtype {src} cannot be cast to the parameter's {dst}"
@@ -87,7 +112,7 @@ def check_entries(
     :data:`IGNORED_SUFFIXES` is accepted silently and not written.
     """
     tied = tied or {}
-    params = dict(module.named_parameters(remove_duplicate=False))
+    params = hf_named_tensors(module, remove_duplicate=False)
     entries = list(entries)
     given = {name for name, _, _ in entries}
     accepted: list[str] = []
@@ -156,19 +181,19 @@ def load_named_tensors(
         raise CheckpointError(format_errors(errors))
     if before_write is not None:
         before_write(accepted)
-    params = dict(module.named_parameters(remove_duplicate=False))
+    params = hf_named_tensors(module, remove_duplicate=False)
     tensors = dict(items)
     with torch.no_grad():
         for name in accepted:
-            params[name].data.copy_(tensors[name].to(params[name].device))
+            params[name].copy_(tensors[name].to(params[name].device))
     return accepted
 
 
 def tied_names(module: nn.Module) -> dict[str, str]:
-    """Parameter names that alias another parameter (e.g. a tied ``lm_head.weight``)."""
+    """HF names that alias another parameter (e.g. a tied ``lm_head.weight``)."""
     seen: dict[int, str] = {}
     tied: dict[str, str] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
+    for name, p in hf_named_tensors(module, remove_duplicate=False).items():
         if id(p) in seen:
             tied[name] = seen[id(p)]
         else:
@@ -193,7 +218,8 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     if load_format == "dummy":
         gen = torch.Generator(device=device).manual_seed(0)
         with torch.no_grad():
-            for name, param in model.named_parameters():
+            # By HF tensor, so the values are those an unmerged model drew.
+            for name, param in hf_named_tensors(model).items():
                 if name.endswith("norm.weight"):
                     param.fill_(1.0)
                 else:

@@ -81,15 +81,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``cos`` / ``sin`` ``[T, D/2]`` at ``positions``, in float32 then cast to ``dtype``
+        (HF's ``cat([freqs, freqs])`` repeats these halves). Computed once per forward pass
+        and read by every layer's rope kernel (see ``kernels/rope_kv.py`` for why here)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
-        cos = (emb.cos() * self.attention_factor).to(dtype)
-        sin = (emb.sin() * self.attention_factor).to(dtype)
-        return cos[:, None, :], sin[:, None, :]  # [T, 1, D]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
     @staticmethod
     def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """``x [T, H, D]`` rotated: ``x·cos + rotate_half(x)·sin``."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        """``x [T, H, D]`` rotated: ``x·cos + rotate_half(x)·sin`` (``cos_sin``'s tables)."""
+        from specengine.kernels import reference
+
+        return reference.rotate(x, cos, sin)
