@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
+
 from specengine.outputs import EngineStats, GenerationOutput
 from specengine.sampling import SamplingParams
 
-__all__ = ["EngineStats", "GenerationOutput", "SamplingParams", "SpecEngine"]
+__all__ = ["EngineStats", "GenerationOutput", "SamplingParams", "SpecEngine", "__version__"]
+
+try:
+    __version__: str = version("specengine")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 
 def __getattr__(name: str) -> object:

@@ -1,65 +1,181 @@
 """``specengine generate``: speculative rollouts from the command line.
 
 With no ``--model`` it runs the bundled default pair (a small arithmetic Qwen3 target and its
-EAGLE-3 head, shipped in the package) on held-out prompts of its task, then the same run at
-``k=0`` for comparison.
+EAGLE-3 head, shipped in the package as ``specengine.assets``) on held-out prompts of its task,
+then the same run at ``k=0`` for comparison.
+
+The CLI's defaults are a demo's (k=3, greedy, 64 tokens), the Python API's an RL rollout's
+(``generate(k=0)``, ``SamplingParams()``: temperature 1.0, 256 tokens); ``--help`` says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-ASSETS = Path(__file__).resolve().parent / "assets"
-DEFAULT_TARGET = ASSETS / "arith-target"
-DEFAULT_DRAFT = ASSETS / "arith-eagle3"
+from specengine.assets import DEFAULT_DRAFT as _DRAFT
+from specengine.assets import DEFAULT_TARGET as _TARGET
+from specengine.config import DTYPES, KERNEL_BACKENDS, MAX_K
+
+if TYPE_CHECKING:
+    from specengine import EngineStats, GenerationOutput, SamplingParams, SpecEngine
+
+# Module attributes (Paths) so tests can point them elsewhere.
+DEFAULT_TARGET = Path(_TARGET)
+DEFAULT_DRAFT = Path(_DRAFT)
+SHOWN = 4  # completions printed
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to every option that has a real default; options whose default
+    is None describe it in their help instead of showing "None"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not space-separated integer token ids (e.g. \"1 2 3\")") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("empty: give at least one token id")
+    return ids
+
+
+def _int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            span = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
+        return value
+
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
+    from specengine import __version__
+
     p = argparse.ArgumentParser(prog="specengine", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate completions (speculative when --k > 0)")
-    g.add_argument("--model", type=Path, default=None, help="target checkpoint dir (HF layout)")
-    g.add_argument("--draft", default=None,
-                   help="EAGLE-3 head dir, small LM dir, or 'ngram' (default: bundled head "
-                        "with the bundled model, none otherwise)")
-    g.add_argument("--prompt-ids", action="append", default=None,
-                   help='space-separated token ids, e.g. "1 2 3" (repeatable)')
-    g.add_argument("--prompt", action="append", default=None,
+    g = sub.add_parser(
+        "generate", formatter_class=_Formatter,
+        help="generate completions (speculative when --k > 0)",
+        description="Generate completions, speculatively when --k > 0. These defaults are the "
+                    "CLI's (a greedy demo); the Python API's are generate(k=0) and "
+                    "SamplingParams(temperature=1.0, top_k=-1, top_p=1.0, max_tokens=256).")
+    g.add_argument("--model", type=Path, default=None, metavar="DIR",
+                   help="target checkpoint dir, HF layout (default: the bundled arithmetic "
+                        "model, specengine.assets.DEFAULT_TARGET)")
+    g.add_argument("--draft", default=None, metavar="DRAFT",
+                   help="EAGLE-3 head dir, small-LM dir, 'mtp' (the checkpoint's MTP layers) "
+                        "or 'ngram' (default: the bundled EAGLE-3 head with the bundled model, "
+                        "none otherwise)")
+    g.add_argument("--prompt-ids", type=_token_ids, action="append", default=None,
+                   metavar="IDS", help='space-separated token ids, e.g. "1 2 3" (repeatable)')
+    g.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="prompt text (needs a tokenizer.json; repeatable)")
-    g.add_argument("--k", type=int, default=3, help="draft length (0 = plain decoding)")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--num-prompts", type=int, default=16,
-                   help="bundled model: how many held-out task prompts to run")
-    g.add_argument("--device", default=None)
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--kernel-backend", default="auto")
-    g.add_argument("--no-baseline", action="store_true", help="skip the k=0 comparison run")
+    g.add_argument("--num-prompts", type=_int_at_least(1), default=16,
+                   help="bundled model without prompts: how many held-out task prompts")
+    g.add_argument("--batch-size", type=_int_at_least(1), default=None,
+                   help="prompts per generate call (default: all in one call)")
+    g.add_argument("--k", type=_int_at_least(0, MAX_K), default=3,
+                   help=f"draft length, 0 = plain decoding, at most {MAX_K}")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=-1, help="-1 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    g.add_argument("--max-tokens", type=_int_at_least(1), default=64,
+                   help="most tokens generated per prompt")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed of every request")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto = cuda when available")
+    g.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="auto = bfloat16 on CUDA, float32 on CPU")
+    g.add_argument("--kernel-backend", choices=KERNEL_BACKENDS, default="auto",
+                   help="auto = triton on CUDA, the PyTorch references on CPU")
+    g.add_argument("--max-model-len", type=_int_at_least(2), default=None,
+                   help="longest prompt + completion (default: the model's "
+                        "max_position_embeddings)")
+    g.add_argument("--kv-cache-tokens", type=_int_at_least(1), default=None,
+                   help="KV cache capacity in tokens (default: from free GPU memory, 1 GiB "
+                        "on CPU)")
+    g.add_argument("--threads", type=_int_at_least(1), default=None,
+                   help="torch CPU threads (default: 1 on up to 2 cores, else half the cores "
+                        "up to 4, unless OMP_NUM_THREADS is set)")
+    g.add_argument("--no-baseline", action="store_true",
+                   help="skip the k=0 comparison run (default: run it when --k > 0)")
     return p
 
 
-def _run(engine: object, prompts: list, k: int, params: object, label: str) -> list:
-    outs = engine.generate(prompts, k=k, sampling=params, use_tqdm=True)  # type: ignore[attr-defined]
-    st = engine.stats  # type: ignore[attr-defined]
-    # per sequence: one verify (or decode) pass per step, so passes per token = 1 / tau
-    per_token = st.num_seq_steps / max(1, st.num_step_tokens)
-    print(f"[{label}] {st.num_generated_tokens} tokens in {st.wall_time_s:.2f} s "
-          f"({st.tokens_per_second:.1f} tok/s); mean accepted length "
-          f"{st.mean_accepted_length:.2f}; target forward passes per generated token "
-          f"{per_token:.3f}")
-    if k > 0 and st.proposed_per_position:
+def _merge(stats: list[EngineStats]) -> EngineStats:
+    """One ``EngineStats`` for several ``generate`` calls: counters and times summed."""
+    first = stats[0]
+    if len(stats) == 1:
+        return first
+    merged = {}
+    for f in dataclasses.fields(first):
+        vals = [getattr(s, f.name) for s in stats]
+        if isinstance(vals[0], tuple):
+            width = max(len(v) for v in vals)
+            merged[f.name] = tuple(sum(v[i] for v in vals if i < len(v)) for i in range(width))
+        else:
+            merged[f.name] = sum(vals)
+    return type(first)(**merged)
+
+
+def _run(engine: SpecEngine, prompts: list, k: int, params: SamplingParams, label: str,
+         batch_size: int | None) -> list[GenerationOutput]:
+    size = batch_size or len(prompts)
+    outs, stats = [], []
+    for i in range(0, len(prompts), size):
+        outs += engine.generate(prompts[i:i + size], k=k, sampling=params, use_tqdm=True)
+        stats.append(engine.stats)
+    st = _merge(stats)
+    line = (f"[{label}] {st.num_generated_tokens} tokens in {st.wall_time_s:.2f} s "
+            f"({st.tokens_per_second:.1f} tok/s); ")
+    if st.num_seq_steps:
+        # per sequence: one verify (or decode) pass per step, so passes per token = 1 / tau
+        per_token = st.num_seq_steps / max(1, st.num_step_tokens)
+        line += (f"mean accepted length {st.mean_accepted_length:.2f}; target forward "
+                 f"passes per generated token {per_token:.3f}")
+    else:
+        line += ("no decode step ran (every sequence ended with its prefill token), so no "
+                 "accepted length")
+    print(line)
+    if k > 0 and any(st.proposed_per_position):
         rates = ", ".join(f"{r:.2f}" for r in st.acceptance_rate_per_position)
         print(f"[{label}] acceptance rate per draft position: {rates}")
     return outs
 
 
+def _baseline_line(outs: list[GenerationOutput], base: list[GenerationOutput],
+                   temperature: float) -> str:
+    same = sum(a.token_ids == b.token_ids for a, b in zip(outs, base))
+    line = f"[k=0] identical completions: {same}/{len(outs)}"
+    if temperature == 0:
+        return line + " (greedy: must be all)"
+    # Sampled tokens come from different draws at k=0 (a race per position) and k>0
+    # (acceptance tests, then the residual), so only their distribution is the same.
+    return line + (" (sampled: same seeds, but speculation draws differently, so completions "
+                   "may differ; their distribution is the policy's either way)")
+
+
 def generate_main(args: argparse.Namespace) -> int:
+    """Run ``specengine generate`` with parsed ``args``; returns the exit status."""
     from specengine import SamplingParams, SpecEngine
 
     model, draft = args.model, args.draft
@@ -75,37 +191,39 @@ def generate_main(args: argparse.Namespace) -> int:
         if not model.is_dir():
             print(f"bundled model missing at {model}", file=sys.stderr)
             return 2
-    engine = SpecEngine(model, draft=draft, device=args.device, dtype=args.dtype,
-                        kernel_backend=args.kernel_backend, seed=args.seed)
-    prompts: list = []
-    for ids in args.prompt_ids or []:
-        prompts.append([int(t) for t in ids.split()])
-    prompts.extend(args.prompt or [])
+    elif not model.is_dir():
+        print(f"error: --model {model}: no such directory", file=sys.stderr)
+        return 2
+    prompts: list = [*(args.prompt_ids or []), *(args.prompt or [])]
     if not prompts and bundled:
         from specengine.arith_task import heldout_prompts
 
         prompts = heldout_prompts(args.num_prompts)
     if not prompts:
-        print("give --prompt-ids or --prompt", file=sys.stderr)
+        print("error: give --prompt-ids or --prompt (only the bundled model has default "
+              "prompts)", file=sys.stderr)
         return 2
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed)
-    outs = _run(engine, prompts, args.k, params, f"k={args.k}")
-    for i, out in enumerate(outs[:4]):
+    engine = SpecEngine(model, draft=draft, device=None if args.device == "auto" else args.device,
+                        dtype=args.dtype, kernel_backend=args.kernel_backend, seed=args.seed,
+                        max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens,
+                        num_threads=args.threads)
+    outs = _run(engine, prompts, args.k, params, f"k={args.k}", args.batch_size)
+    for i, out in enumerate(outs[:SHOWN]):
         shown = out.text if out.text is not None else " ".join(map(str, out.token_ids))
         prompt = prompts[i] if isinstance(prompts[i], str) else " ".join(map(str, prompts[i]))
         print(f"--- prompt {i}: {prompt!r}\n    completion: {shown!r} ({out.finish_reason})")
-    if len(outs) > 4:
-        print(f"... {len(outs) - 4} more")
+    if len(outs) > SHOWN:
+        print(f"... {len(outs) - SHOWN} more")
     if args.k > 0 and not args.no_baseline:
-        base = _run(engine, prompts, 0, params, "k=0")
-        same = sum(a.token_ids == b.token_ids for a, b in zip(outs, base))
-        print(f"[k=0] identical completions: {same}/{len(outs)}"
-              + (" (greedy: must be all)" if args.temperature == 0 else ""))
+        base = _run(engine, prompts, 0, params, "k=0", args.batch_size)
+        print(_baseline_line(outs, base, args.temperature))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``specengine`` command; returns the exit status."""
     logging.basicConfig(level=logging.WARNING)
     args = _parser().parse_args(argv)
     if args.command == "generate":

@@ -1,21 +1,21 @@
 """Turning a ``generate`` call's arguments into checked requests, before anything is scheduled
-(so bad input raises and changes nothing)."""
+(so bad input raises and changes nothing). Text is encoded by :class:`TextTokenizer`
+(``specengine.tokenizer``), which refuses characters the tokenizer cannot represent."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from specengine.config import MAX_K
 from specengine.kv_cache import KVCache
 from specengine.sampling import SamplingParams
+from specengine.tokenizer import TextTokenizer, load_tokenizer
 from specengine.tree import DraftTree
 
-logger = logging.getLogger(__name__)
+__all__ = ["RequestBatch", "TextTokenizer", "load_tokenizer", "prompt_ids", "validate_requests"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ def prompt_ids(prompt: object, index: int, tokenizer: object | None) -> list[int
         if tokenizer is None:
             raise ValueError(f"prompt {index} is a string but the checkpoint has no "
                              "tokenizer.json: pass token ids")
-        return tokenizer.encode(prompt).ids  # type: ignore[attr-defined]
+        return tokenizer.encode(prompt, what=f"prompt {index}")  # type: ignore[attr-defined]
     if isinstance(prompt, torch.Tensor):
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)) or not all(
@@ -108,16 +108,3 @@ def validate_requests(
             need += draft_tree.num_nodes
         kv_cache.check_fits(need)
     return RequestBatch(tuple(tuple(p) for p in prompts), tuple(params), draft_tree, k)
-
-
-def load_tokenizer(path: str | Path) -> object | None:
-    """The checkpoint's ``tokenizer.json`` (a ``tokenizers.Tokenizer``), or None."""
-    file = Path(path) / "tokenizer.json"
-    if not file.is_file():
-        return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        logger.warning("%s has a tokenizer.json but the tokenizers package is missing", path)
-        return None
-    return Tokenizer.from_file(str(file))

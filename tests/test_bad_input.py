@@ -108,9 +108,13 @@ def test_draft_options_the_drafter_does_not_take(tiny_checkpoint: Path) -> None:
     assert engine.drafter.max_n == 2  # type: ignore[union-attr]
 
 
-def test_unknown_drafter(tiny_checkpoint: Path) -> None:
-    with pytest.raises(ValueError, match="unknown drafter 'eagle-please'"):
+def test_missing_draft_directory(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="draft 'eagle-please': no such directory"):
         SpecEngine(tiny_checkpoint, draft="eagle-please", device="cpu", kv_cache_tokens=256)
+    (tmp_path / "head.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="head.bin' is not a directory"):
+        SpecEngine(tiny_checkpoint, draft=str(tmp_path / "head.bin"), device="cpu",
+                   kv_cache_tokens=256)
 
 
 def test_k_without_drafter(tiny_checkpoint: Path) -> None:
@@ -127,6 +131,8 @@ def test_k_without_drafter(tiny_checkpoint: Path) -> None:
         (dict(block_size=24), "block_size must be a power of two"),
         (dict(max_model_len=0), "max_model_len must be >= 1"),
         (dict(max_model_len=100_000), "exceeds the model's max_position_embeddings"),
+        (dict(num_threads=0), r"num_threads must be an int >= 1 or None, got 0"),
+        (dict(num_threads=2.5), r"num_threads must be an int >= 1 or None, got 2.5"),
     ],
 )
 def test_bad_engine_config(tiny_checkpoint: Path, kwargs: dict, match: str) -> None:

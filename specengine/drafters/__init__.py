@@ -26,15 +26,20 @@ def make_drafter(draft: str | None, engine: SpecEngine) -> Drafter | None:
     if draft == "ngram":
         from specengine.drafters.ngram import NgramDrafter
 
-        return _construct(NgramDrafter, opts)
+        ngram = _construct(NgramDrafter, opts)
+        ngram.device = engine.device  # type: ignore[attr-defined]
+        return ngram
     if draft == "mtp":
         from specengine.drafters.mtp import MTPDrafter
 
         return _construct(MTPDrafter, opts, engine)
     path = Path(draft)
+    if not path.exists():
+        raise ValueError(f"draft {draft!r}: no such directory (a draft is None, 'ngram', "
+                         "'mtp' or a checkpoint dir)")
     if not path.is_dir():
-        raise ValueError(f"unknown drafter {draft!r}: expected None, 'ngram', 'mtp' or a "
-                         "checkpoint dir")
+        raise ValueError(f"draft {draft!r} is not a directory (a draft is None, 'ngram', "
+                         "'mtp' or a checkpoint dir)")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"draft dir {draft} has no config.json")
