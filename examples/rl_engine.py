@@ -33,6 +33,7 @@ def engine_worker(cfg: LoopConfig, draft: str, port: int, conn: Connection) -> N
     """Rank 1: build the engine, join the weight group, then serve commands from the Pipe until
     ``stop``. Any failure is sent back as a traceback so the learner raises instead of hanging."""
     from specengine import SamplingParams, SpecEngine
+    from specengine.model.loader import hf_named_tensors
 
     torch.set_num_threads(1)  # the two processes take turns; the CPU is small
     try:
@@ -65,8 +66,9 @@ def engine_worker(cfg: LoopConfig, draft: str, port: int, conn: Connection) -> N
                 conn.send(("synced", engine.update_weights_from_distributed(
                     which="policy", src_rank=LEARNER_RANK)))
             elif cmd == "params":
+                # By checkpoint (HF) name: merged projections as their HF parts.
                 conn.send(("params", {n: p.detach().cpu().clone()
-                                      for n, p in engine.model.named_parameters()}))
+                                      for n, p in hf_named_tensors(engine.model).items()}))
             elif cmd == "stop":
                 break
             else:

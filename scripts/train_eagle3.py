@@ -40,6 +40,7 @@ from specengine import arith_task as task
 from specengine.drafters.eagle3 import Eagle3Head
 from specengine.model.attention import AttentionBackend
 from specengine.model.config import ModelConfig
+from specengine.model.loader import hf_named_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = REPO / "specengine" / "assets" / "arith-target"
@@ -160,7 +161,8 @@ def ttt_loss(head: Eagle3Head, ids: Tensor, lens: Tensor, plens: Tensor, feats: 
 
 def save_head(head: Eagle3Head, cfg: dict, out: Path, dtype: torch.dtype, vocab: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {n: p.detach().to(dtype).contiguous() for n, p in head.named_parameters()}
+    # Checkpoint (HF) names: the merged qkv / gate-up parameters as their HF parts.
+    tensors = {n: p.detach().to(dtype).contiguous() for n, p in hf_named_tensors(head).items()}
     d2t_ids = head.draft_to_target
     tensors["d2t"] = (d2t_ids - torch.arange(d2t_ids.numel())).to(torch.int64)
     t2d = torch.zeros(vocab, dtype=torch.bool)
