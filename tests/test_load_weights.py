@@ -10,6 +10,7 @@ from checkpoints import make_hf_model, save_checkpoint
 
 from specengine import SamplingParams, SpecEngine
 from specengine.model.config import CheckpointError
+from specengine.weight_sync import WeightSender
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11]]
@@ -90,3 +91,48 @@ def test_copy_failing_midway_fails_closed(tiny_checkpoint: Path) -> None:
         engine.generate(PROMPTS, sampling=GREEDY)
     assert engine.load_weights(dict(items[:2])) == 1  # the failed update's tensors again
     assert engine.generate(PROMPTS, sampling=GREEDY)[0].weight_version == 1
+
+
+def test_one_part_of_a_merged_projection_by_hf_name(tiny_checkpoint: Path,
+                                                     tmp_path: Path) -> None:
+    """``k_proj`` / ``up_proj`` are row slices of the merged ``qkv_proj`` / ``gate_up_proj``:
+    an update naming only them rewrites those rows in place and nothing else, and the engine
+    then equals one built from a checkpoint holding the same change."""
+    hf = make_hf_model("qwen3")
+    engine = engine_for(tiny_checkpoint)
+    before = [o.token_ids for o in engine.generate(PROMPTS, sampling=GREEDY)]
+    attn = engine.model.model.layers[1].self_attn
+    hq = attn.num_heads * attn.head_dim
+    ptr, q_rows = attn.qkv_proj.weight.data_ptr(), attn.qkv_proj.weight[:hq].clone()
+    g = torch.Generator().manual_seed(5)
+    layer = hf.model.layers[1]
+    update = {"model.layers.1.self_attn.k_proj.weight":
+              torch.randn(layer.self_attn.k_proj.weight.shape, generator=g) * 0.1,
+              "model.layers.1.mlp.up_proj.weight":
+              torch.randn(layer.mlp.up_proj.weight.shape, generator=g) * 0.1}
+    assert engine.load_weights(update.items()) == 1
+    assert attn.qkv_proj.weight.data_ptr() == ptr
+    assert torch.equal(attn.qkv_proj.weight[:hq], q_rows)
+    with torch.no_grad():
+        layer.self_attn.k_proj.weight.copy_(update["model.layers.1.self_attn.k_proj.weight"])
+        layer.mlp.up_proj.weight.copy_(update["model.layers.1.mlp.up_proj.weight"])
+    fresh = engine_for(save_checkpoint(hf, tmp_path / "changed"))
+    got = [o.token_ids for o in engine.generate(PROMPTS, sampling=GREEDY)]
+    assert got == [o.token_ids for o in fresh.generate(PROMPTS, sampling=GREEDY)]
+    assert got != before  # the update reached the forward pass
+
+
+def test_errors_name_the_hf_names_of_merged_parts(tiny_checkpoint: Path) -> None:
+    engine = engine_for(tiny_checkpoint)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.v_proj\.weight: "
+                                              "shape"):
+        engine.load_weights([("model.layers.0.self_attn.v_proj.weight", torch.zeros(3, 64))])
+    with pytest.raises(CheckpointError, match="unexpected weight 'model.layers.0.self_attn."
+                                              "qkv_proj.weight'"):  # internal names refused
+        engine.load_weights([("model.layers.0.self_attn.qkv_proj.weight", torch.zeros(3))])
+    sd = make_hf_model("qwen3", seed=2).state_dict()
+    del sd["model.layers.0.mlp.gate_proj.weight"]
+    with pytest.raises(CheckpointError, match="missing weight 'model.layers.0.mlp.gate_proj"):
+        engine.update_weights_from_shared(
+            WeightSender(transport="shared").send(sd, 1, bucket_bytes=4096, full=True))
+    assert engine.weight_version == 0

@@ -65,7 +65,8 @@ def _yarn(dim: int, base: float, s: dict[str, Any]) -> tuple[Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE (rotate-half layout) to q and k at arbitrary positions."""
+    """RoPE tables (rotate-half layout) at arbitrary positions; the rotation itself is fused
+    into the rope + KV-write op (``kernels/reference_layer.rotate`` is its specification)."""
 
     def __init__(self, head_dim: int, base: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
@@ -89,10 +90,3 @@ class RotaryEmbedding(nn.Module):
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
-
-    @staticmethod
-    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """``x [T, H, D]`` rotated: ``x·cos + rotate_half(x)·sin`` (``cos_sin``'s tables)."""
-        from specengine.kernels import reference
-
-        return reference.rotate(x, cos, sin)
