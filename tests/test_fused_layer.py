@@ -217,3 +217,34 @@ def test_hf_names_are_views_of_the_merged_parameters() -> None:
     fresh = CausalLM(cfg)
     fresh.load_state_dict(model.state_dict())
     assert all(torch.equal(t, names[n]) for n, t in hf_named_tensors(fresh).items())
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_eagle3_layer_kernels_equal_references(norm_before_residual: bool,
+                                               counter: LaunchCounter) -> None:
+    """The EAGLE-3 layer (q/k/v read 2H: both input norms write halves of one buffer) with the
+    Triton backend equals its plain-PyTorch run, in at most 12 launches."""
+    from specengine.drafters.eagle3 import Eagle3MidLayer
+    from specengine.model.rope import RotaryEmbedding
+
+    cfg = ModelConfig("llama", 97, 96, 111, 1, 4, 2, 64, 1e-6, 10000.0)
+    torch.manual_seed(0)
+    layer = Eagle3MidLayer(cfg, RotaryEmbedding(64, 10000.0, None), norm_before_residual)
+    layer.requires_grad_(False)
+    for n, t in hf_named_tensors(layer).items():
+        t.copy_(1 + 0.2 * torch.randn(t.shape) if n.endswith("norm.weight")
+                else 0.1 * torch.randn(t.shape))
+    meta, positions, g = ragged_step()
+    embeds, hidden = (torch.randn(9, 96, generator=g) for _ in range(2))
+    cos, sin = layer.self_attn.rope.cos_sin(positions, torch.float32)
+    caches = torch.randn(2, 2, NUM_BLOCKS, BLOCK_SIZE, 2, 64, generator=g)
+    caches[1] = caches[0]  # the same start for both runs
+    with torch.no_grad():
+        want = layer(embeds, hidden, cos, sin, caches[0, 0], caches[0, 1], meta,
+                     TorchAttentionBackend())
+        with value_checks(False), counter:
+            got = layer(embeds, hidden, cos, sin, caches[1, 0], caches[1, 1], meta,
+                        KernelAttentionBackend())
+    assert len(counter.launches) <= MAX_LAUNCHES_PER_LAYER, counter.launches
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(caches[1], caches[0], atol=1e-5, rtol=1e-4)
