@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -99,6 +100,7 @@ def bench_step_cost(args: argparse.Namespace) -> list[dict]:
     if not torch.cuda.is_available():
         raise SystemExit("step-cost mode needs a CUDA device (8B shapes)")
     from specengine import SamplingParams, SpecEngine
+    from specengine.core.verify import VerifyShape
     from specengine.sequence import Sequence
 
     ckpt = Path(tempfile.mkdtemp())
@@ -121,15 +123,22 @@ def bench_step_cost(args: argparse.Namespace) -> list[dict]:
                 engine.kv_cache.ensure(seq, ctx + 16)
                 seq.num_cached_tokens = ctx - 1
                 seqs.append(seq)
-            seqs_t = tuple(seqs)
+            # The decode step's verify pass + rejection sampling on the engine's static
+            # buffers (one CUDA graph replay per step when graphs are on), drafts random.
+            state, graphs = engine.graphs.verifier.state, engine.graphs
+            state.arrange(tuple(seqs))
             base = None
             for k in tqdm(args.ks, desc=f"batch {batch} ctx {ctx}"):
-                drafts = [torch.randint(0, vocab, (k,)).tolist() for _ in seqs]
-                t = _time_cuda(functools.partial(engine.runner.verify, seqs_t, drafts, None), 10)
+                shape = VerifyShape(graphs.padded_rows(batch), k + 1, None, False)
+                state.stage(np.full(batch, k, dtype=np.int64), shape.num_rows)
+                drafts = torch.randint(0, vocab, (batch, k), device="cuda")
+                graphs.verifier.load_drafts(shape, drafts, None)
+                t = _time_cuda(functools.partial(graphs.run, shape), 10)
                 base = t if k == 0 else base
                 rows.append(dict(mode="step-cost", shape=args.model_shape, batch=batch,
                                  context=ctx, k=k, verify_s=t,
                                  cost_vs_decode=t / base if base else None))
+            state.clear()
             for seq in seqs:
                 engine.kv_cache.free(seq)
     return rows

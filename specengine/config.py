@@ -29,6 +29,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 16384
     #: keyword arguments of the drafter's constructor, as sorted (name, value) pairs
     draft_options: tuple[tuple[str, object], ...] = ()
+    #: static padded verify passes per batch-size bucket (captured as CUDA graphs on CUDA)
+    cuda_graphs: bool = False
+    #: batch sizes the static path pads to; larger batches run eagerly
+    graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -41,6 +45,12 @@ class EngineConfig:
         for name in ("max_model_len", "max_batch_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be a bool or None, got {self.cuda_graphs!r}")
+        if not self.graph_buckets or any(not isinstance(b, int) or b < 1
+                                         for b in self.graph_buckets):
+            raise ValueError(f"graph_buckets must be a non-empty tuple of ints >= 1, got "
+                             f"{self.graph_buckets!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens must be >= block_size, got {self.kv_cache_tokens}")
 
@@ -50,9 +60,9 @@ class EngineConfig:
 
     @classmethod
     def resolve(cls, *, device: str | None, dtype: str, kernel_backend: str,
-                **kwargs: object) -> EngineConfig:
+                cuda_graphs: bool | None = None, **kwargs: object) -> EngineConfig:
         """Fill the ``auto`` / None defaults: CUDA when available, bf16 on CUDA and fp32 on CPU,
-        Triton kernels on CUDA and the PyTorch references on CPU."""
+        Triton kernels on CUDA and the PyTorch references on CPU, CUDA graphs on CUDA."""
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -62,4 +72,7 @@ class EngineConfig:
             dtype = "bfloat16" if is_cuda else "float32"
         if kernel_backend == "auto":
             kernel_backend = "triton" if is_cuda else "torch"
-        return cls(device=device, dtype=dtype, kernel_backend=kernel_backend, **kwargs)  # type: ignore[arg-type]
+        if cuda_graphs is None:
+            cuda_graphs = is_cuda
+        return cls(device=device, dtype=dtype, kernel_backend=kernel_backend,
+                   cuda_graphs=cuda_graphs, **kwargs)  # type: ignore[arg-type]

@@ -12,7 +12,11 @@ from pathlib import Path
 
 import torch
 
-from specengine.config import EngineConfig
+from specengine.config import MAX_K, EngineConfig
+from specengine.core.batch import BatchState
+from specengine.core.graphs import DEFAULT_BUCKETS, GraphRunner
+from specengine.core.transfer import to_host
+from specengine.core.verify import StaticVerifier
 from specengine.kv_cache import KVCache, num_kv_blocks
 from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
@@ -20,7 +24,7 @@ from specengine.model.loader import build_model
 from specengine.model_runner import ModelRunner
 from specengine.outputs import EngineStats, GenerationOutput
 from specengine.requests import load_tokenizer, validate_requests
-from specengine.sampler import Sampler
+from specengine.sampler import Sampler, SamplingTensors, StepResult
 from specengine.sampling import SamplingParams
 from specengine.scheduler import Scheduler
 from specengine.sequence import SeqStatus, Sequence
@@ -61,6 +65,12 @@ class SpecEngine:
         num_threads: torch CPU threads (process-wide). None: on CPU, 1 on up to 2 cores, else
             half the cores up to 4, unless ``OMP_NUM_THREADS`` is set or
             ``torch.set_num_threads`` was called (``specengine.threads``).
+        cuda_graphs: run each decode step's verify pass + rejection sampling on static
+            buffers padded to a batch-size bucket, replayed as a CUDA graph per bucket on CUDA
+            (captured at its first use). None: on when the device is CUDA. On the CPU, True
+            runs the same padded static path without capture. Batches larger than the largest
+            bucket run eagerly.
+        graph_buckets: the batch sizes the static path pads to.
 
     Weights are updated in place (``data_ptr()`` never changes) and versioned: in process
     (:meth:`load_weights`), from an RL learner's ``specengine.weight_sync.WeightSender`` over
@@ -86,6 +96,8 @@ class SpecEngine:
         load_format: str = "auto",
         draft_options: dict[str, object] | None = None,
         num_threads: int | None = None,
+        cuda_graphs: bool | None = None,
+        graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
     ) -> None:
         model_config = ModelConfig.from_dir(model)
         if max_model_len is None:  # vLLM's default: the model's own context length
@@ -97,6 +109,7 @@ class SpecEngine:
             kv_cache_tokens=kv_cache_tokens, seed=seed,
             max_num_batched_tokens=max_num_batched_tokens,
             draft_options=tuple(sorted((draft_options or {}).items())),
+            cuda_graphs=cuda_graphs, graph_buckets=tuple(graph_buckets),
         )
         cfg = self.config
         self.device = torch.device(cfg.device)
@@ -126,6 +139,7 @@ class SpecEngine:
         self.backend = make_attention_backend(cfg.kernel_backend)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device, aux)
         self.sampler = Sampler(cfg.kernel_backend, self.device)
+        self.graphs = _graph_runner(cfg, self.runner, self.sampler, mc.vocab_size)
         self.scheduler = Scheduler(
             self.kv_cache, cfg.max_batch_size, cfg.max_num_batched_tokens,
             on_preempt=self.drafter.release if self.drafter is not None else None,
@@ -202,6 +216,7 @@ class SpecEngine:
                     self.drafter.release(seq)
             raise
         finally:
+            self.graphs.verifier.state.clear()  # rows of a finished call hold nothing of use
             if bar is not None:
                 bar.close()
         self.stats = EngineStats(
@@ -275,9 +290,11 @@ class SpecEngine:
         logits, target_out = self.runner.prefill(seqs)  # [B, V]
         empty = torch.zeros(len(seqs), 0, dtype=torch.int64, device=self.device)
         zeros = torch.zeros(len(seqs), dtype=torch.int32, device=self.device)
-        out = self.sampler(seqs, logits[:, None, :], empty, zeros, None, None)
-        tokens = out.output_ids[:, 0].tolist()
-        logprobs = out.logprobs[:, 0].tolist()
+        out = self.sampler(logits[:, None, :], empty, zeros, None, None,
+                           SamplingTensors.from_seqs(seqs, self.device))
+        result = StepResult.unpack(to_host(out.pack()), len(seqs))  # one host sync
+        tokens = result.output_ids[:, 0].tolist()
+        logprobs = result.logprobs[:, 0].tolist()
         rows = []
         for seq, token, logprob in zip(seqs, tokens, logprobs):
             rows.append(list(range(len(seq))))
@@ -290,7 +307,7 @@ class SpecEngine:
                      times: StepTimes) -> None:
         """One decode / verify step of the running ``seqs`` (the unit the host-overhead
         benchmark times)."""
-        speculative_step(seqs, k, tree, self.drafter, self.runner, self.sampler, self.kv_cache,
+        speculative_step(seqs, k, tree, self.drafter, self.graphs, self.kv_cache,
                          self.config.max_model_len, times)
 
     def _release(self, seq: Sequence) -> None:
@@ -313,6 +330,29 @@ class SpecEngine:
             weight_version=self.weight_version,
             text=text,
         )
+
+
+def _graph_runner(cfg: EngineConfig, runner: ModelRunner, sampler: Sampler,
+                  vocab_size: int) -> GraphRunner:
+    """The decode step's persistent batch, static verify pass and per-bucket graphs.
+
+    Rows: enough for ``max_batch_size`` padded to its bucket. Block-table columns: a sequence
+    of ``max_model_len`` tokens plus the largest lookahead (a 64-node tree)."""
+    from specengine.tree import MAX_TREE_NODES
+
+    device = torch.device(cfg.device)
+    larger = [b for b in cfg.graph_buckets if b >= cfg.max_batch_size]
+    capacity = min(larger) if larger else cfg.max_batch_size
+    max_blocks = -(-(cfg.max_model_len + MAX_TREE_NODES) // cfg.block_size)
+    state = BatchState(capacity, max_blocks, device)
+    verifier = StaticVerifier(runner, sampler, state, cfg.block_size, vocab_size,
+                              max(MAX_K + 1, MAX_TREE_NODES))
+    static = cfg.cuda_graphs
+    if static and device.type == "cuda" and cfg.kernel_backend == "torch":
+        # The PyTorch reference attention reads lengths back to the host: it cannot be captured.
+        logger.warning("cuda_graphs needs kernel_backend triton/cuda on CUDA; running eagerly")
+        static = False
+    return GraphRunner(verifier, cfg.graph_buckets, static, device)
 
 
 __all__ = ["SpecEngine", "num_drafts_for"]

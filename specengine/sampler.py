@@ -1,17 +1,47 @@
-"""Batch sampling parameters → the fused rejection sampler (reference or Triton kernel).
+"""Per-row sampling tensors → the fused rejection sampler (reference or Triton kernel).
 
 Plain decoding (k = 0) goes through the same sampler with zero drafts: one code path, so the
 k = 0 baseline and speculative steps sample with the same rules and the same random streams.
+The four outputs travel to the host as one packed tensor (:func:`pack` / :class:`StepResult`):
+the decode step's only device→host copy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from specengine.core.transfer import to_device
 from specengine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Each row's sampling parameters on the device, all ``[B]``."""
+
+    temperature: Tensor  # float32, 0 = greedy
+    top_k: Tensor  # int, <= 0 = off
+    top_p: Tensor  # float32
+    seeds: Tensor  # int64
+    # Random numbers are keyed by (seed, position of the first token this step emits), so a
+    # request's draws never depend on its batch, on padding, on preemption or on earlier steps.
+    offsets: Tensor  # int64
+
+    @classmethod
+    def from_seqs(cls, seqs: tuple[Sequence, ...], device: torch.device) -> SamplingTensors:
+        """Built from the sequences with non-blocking copies (prefill; the decode step reads
+        the persistent batch state instead)."""
+        p = [s.params for s in seqs]
+        return cls(
+            temperature=to_device(np.array([x.temperature for x in p], np.float32), device),
+            top_k=to_device(np.array([x.top_k for x in p], np.int64), device),
+            top_p=to_device(np.array([x.top_p for x in p], np.float32), device),
+            seeds=to_device(np.array([s.seed for s in seqs], np.int64), device),
+            offsets=to_device(np.array([len(s) for s in seqs], np.int64), device),
+        )
 
 
 @dataclass(frozen=True)
@@ -21,6 +51,28 @@ class SamplerOutput:
     logprobs: Tensor  # [B, N] float32
     row_ids: Tensor  # [B, N] int32: logits row (tree node) each emitted token was judged at
 
+    def pack(self) -> Tensor:
+        """``[B, 3N + 1]`` float64 (ids and logprobs are exact in float64): one copy."""
+        return torch.cat([self.output_ids.double(), self.logprobs.double(),
+                          self.row_ids.double(), self.num_accepted.double()[:, None]], dim=1)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A packed :class:`SamplerOutput` on the host, rows ``0 .. B-1``."""
+
+    output_ids: np.ndarray  # [B, N] int64
+    logprobs: np.ndarray  # [B, N] float64
+    row_ids: np.ndarray  # [B, N] int64
+    num_accepted: np.ndarray  # [B] int64
+
+    @classmethod
+    def unpack(cls, host: np.ndarray, num_rows: int) -> StepResult:
+        n = (host.shape[1] - 1) // 3
+        h = host[:num_rows]
+        return cls(h[:, :n].astype(np.int64), h[:, n:2 * n], h[:, 2 * n:3 * n].astype(np.int64),
+                   h[:, 3 * n].astype(np.int64))
+
 
 class Sampler:
     def __init__(self, kernel_backend: str, device: torch.device) -> None:
@@ -29,26 +81,18 @@ class Sampler:
 
     def __call__(
         self,
-        seqs: tuple[Sequence, ...],
-        target_logits: Tensor,  # [B, N, V] float32
+        target_logits: Tensor,  # [B, N, V]
         draft_token_ids: Tensor,  # [B, N-1] int64
-        num_draft_tokens: Tensor,  # [B] int32
+        num_draft_tokens: Tensor,  # [B] int
         draft_probs: Tensor | None,  # [B, N-1, V] or None (point-mass drafts)
         tree_parents: Tensor | None,  # [N] int32 or None (chains)
+        params: SamplingTensors,
     ) -> SamplerOutput:
-        dev = self.device
-        temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32,
-                                   device=dev)
-        top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.int32, device=dev)
-        top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=dev)
-        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
-        # Random numbers are keyed by (seed, position of the first token this step emits), so
-        # a request's draws never depend on its batch, on preemption or on earlier steps.
-        offsets = torch.tensor([len(s) for s in seqs], dtype=torch.int64, device=dev)
         if self.kernel_backend == "torch":
             from specengine.kernels.reference import rejection_sample
         else:
             from specengine.kernels.rejection_sampling import rejection_sample
         out = rejection_sample(target_logits, draft_token_ids, num_draft_tokens, draft_probs,
-                               temperature, top_k, top_p, seeds, offsets, tree_parents)
+                               params.temperature, params.top_k, params.top_p, params.seeds,
+                               params.offsets, tree_parents)
         return SamplerOutput(*out)

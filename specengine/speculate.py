@@ -2,6 +2,12 @@
 
 With k = 0 (or no drafter) the same function is a plain decode step: one fed token per
 sequence, one sampled token, so the k = 0 baseline runs through exactly this code.
+
+The step talks to the device through the persistent batch state (``core.batch``: what changed
+since the last step goes over in non-blocking copies) and reads back exactly one packed tensor
+after rejection sampling (``core.transfer.to_host``): drafts stay on the device from the
+drafter to the verify pass, and the verify pass + sampler run on static buffers
+(``core.verify``), as one CUDA graph replay per step on CUDA (``core.graphs``).
 """
 
 from __future__ import annotations
@@ -9,19 +15,25 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
+from specengine.core.graphs import GraphRunner
+from specengine.core.transfer import to_device, to_host
+from specengine.core.verify import VerifyShape, forward_output
 from specengine.drafters.base import Drafter
 from specengine.kv_cache import KVCache
-from specengine.model_runner import ModelRunner
-from specengine.sampler import Sampler
+from specengine.sampler import StepResult
 from specengine.sequence import Sequence
 from specengine.tree import DraftTree
 
 
 @dataclass
 class StepTimes:
-    """Mutable accumulators of one ``generate`` call (turned into frozen EngineStats after)."""
+    """Mutable accumulators of one ``generate`` call (turned into frozen EngineStats after).
+
+    Host-side times: on CUDA nothing waits for the device before the step's one sync, so
+    ``draft`` is the drafter's host time and ``verify`` runs until the sampled tokens are on
+    the host (device time of drafting, verifying and sampling)."""
 
     draft: float = 0.0
     verify: float = 0.0
@@ -33,12 +45,15 @@ class StepTimes:
     accepted_per_position: list[int] = field(default_factory=list)
     proposed_per_position: list[int] = field(default_factory=list)
 
-    def count(self, position: int, proposed: int, accepted: int) -> None:
-        while len(self.proposed_per_position) <= position:
-            self.proposed_per_position.append(0)
-            self.accepted_per_position.append(0)
-        self.proposed_per_position[position] += proposed
-        self.accepted_per_position[position] += accepted
+    def count(self, depths: np.ndarray, num_accepted: np.ndarray) -> None:
+        """Per draft position j: rows that proposed one (``depths > j``) and rows whose draft
+        there was accepted (``num_accepted > j``)."""
+        for j in range(int(depths.max(initial=0))):
+            if j == len(self.proposed_per_position):
+                self.proposed_per_position.append(0)
+                self.accepted_per_position.append(0)
+            self.proposed_per_position[j] += int((depths > j).sum())
+            self.accepted_per_position[j] += int((num_accepted > j).sum())
 
 
 def num_drafts_for(seq: Sequence, k: int, max_model_len: int) -> int:
@@ -53,91 +68,85 @@ def speculative_step(
     k: int,
     tree: DraftTree | None,
     drafter: Drafter | None,
-    runner: ModelRunner,
-    sampler: Sampler,
+    graphs: GraphRunner,
     kv_cache: KVCache,
     max_model_len: int,
     times: StepTimes,
 ) -> None:
     """Advance every sequence of ``seqs`` by one verified step (1 .. k+1 new tokens each)."""
-    dev = runner.device
     t0 = time.perf_counter()
+    state = graphs.verifier.state
+    seqs = state.arrange(seqs)  # row order: every buffer of the step uses it
+    batch = len(seqs)
 
     # 1. Draft. A tree is verified whole: its nodes need slots up to len + N - 1 <= max_model_len
     #    (tokens past max_tokens are cut by seq.append). Near the context limit the batch falls
     #    back to plain decoding for this step.
-    if drafter is None or k == 0:
-        num_drafts = [0] * len(seqs)
+    drafting = drafter is not None and k > 0
+    if drafting and tree is not None and any(len(s) + tree.num_nodes - 1 > max_model_len
+                                             for s in seqs):
+        drafting = False
+    if not drafting:
         tree = None
+        num_drafts = np.zeros(batch, dtype=np.int64)
     elif tree is not None:
-        fits = all(len(s) + tree.num_nodes - 1 <= max_model_len for s in seqs)
-        num_drafts = [tree.num_nodes - 1] * len(seqs) if fits else [0] * len(seqs)
-        tree = tree if fits else None
+        num_drafts = np.full(batch, tree.num_nodes - 1, dtype=np.int64)
     else:
-        num_drafts = [num_drafts_for(s, k, max_model_len) for s in seqs]
-    if any(num_drafts):
-        proposal = drafter.propose(seqs, num_drafts, tree)  # type: ignore[union-attr]
-        draft_ids = proposal.token_ids.to(dev)
+        num_drafts = np.array([num_drafts_for(s, k, max_model_len) for s in seqs], np.int64)
+    proposal = None
+    if num_drafts.any():
+        proposal = drafter.propose(seqs, num_drafts.tolist(), tree)  # type: ignore[union-attr]
         # A chain drafter may propose fewer tokens than asked (an n-gram without a match).
-        num_drafts = proposal.num_draft_tokens.tolist()
-        draft_probs = proposal.probs
-    else:
-        draft_ids = torch.zeros(len(seqs), 0, dtype=torch.int64, device=dev)
-        draft_probs = None
-    num_draft_tokens = torch.tensor(num_drafts, dtype=torch.int32, device=dev)
-    # The drafts reach the host in one copy (the drafters never sync), so this is where the
-    # draft's device time ends.
-    all_drafts = draft_ids.tolist()
-    drafts = [all_drafts[b][:n] for b, n in enumerate(num_drafts)]
+        num_drafts = np.asarray(proposal.num_draft_tokens, dtype=np.int64)
+    if not num_drafts.any():
+        tree, proposal = None, None
+    if tree is not None:
+        num_tokens = tree.num_nodes
+    elif proposal is None:
+        num_tokens = 1
+    else:  # graphs keep one shape per k; eagerly, feed no more than the longest chain needs
+        num_tokens = k + 1 if graphs.static else int(num_drafts.max()) + 1
+    shape = VerifyShape(graphs.padded_rows(batch), num_tokens, tree,
+                        proposal is not None and proposal.probs is not None)
+    state.stage(num_drafts, shape.num_rows)
+    if proposal is not None:
+        graphs.verifier.load_drafts(shape, proposal.token_ids, proposal.probs)
     t1 = time.perf_counter()
 
-    # 2. Verify: one target pass over [newest token, drafts...] of every sequence.
-    logits, target_out = runner.verify(seqs, drafts, tree)  # [B, N, V]
+    # 2-3. Verify every fed token in one target pass, then rejection sampling keeps exactly the
+    #      policy's distribution (docs/design.md §6). The packed result is the one host sync.
+    out = graphs.run(shape)
+    result = StepResult.unpack(to_host(out.packed), batch)
     t2 = time.perf_counter()
-
-    # 3. Rejection sampling keeps exactly the policy's distribution (DESIGN §6).
-    n_rows = logits.shape[1]
-    draft_ids = draft_ids[:, : n_rows - 1]
-    if draft_probs is not None:
-        draft_probs = draft_probs[:, : n_rows - 1]
-    parents = None if tree is None else torch.from_numpy(tree.parents).to(dev)
-    out = sampler(seqs, logits, draft_ids, num_draft_tokens, draft_probs, parents)
-    output_ids = out.output_ids.tolist()  # the step's one host sync
-    num_accepted = out.num_accepted.tolist()
-    logprobs = out.logprobs.tolist()
-    row_ids = out.row_ids.tolist()
-    t3 = time.perf_counter()
 
     # 4. Keep the accepted path: tree nodes move to contiguous slots (chains are already
     #    contiguous); rejected slots are simply reused by the next step.
     if tree is not None:
-        _compact_tree_path(seqs, num_accepted, row_ids, kv_cache, runner)
+        _compact_tree_path(seqs, result, kv_cache)
+    depths = num_drafts if tree is None else np.where(num_drafts > 0, tree.max_depth, 0)
+    times.count(depths, result.num_accepted)
     accepted_rows: list[list[int]] = []
     for b, seq in enumerate(seqs):
-        n = num_accepted[b]
-        accepted_rows.append(row_ids[b][: n + 1])
+        n = int(result.num_accepted[b])
+        accepted_rows.append(result.row_ids[b, : n + 1].tolist())
         seq.num_steps += 1
-        seq.num_draft_tokens += num_drafts[b]
+        seq.num_draft_tokens += int(num_drafts[b])
         seq.num_accepted_tokens += n
-        depth = num_drafts[b] if tree is None else tree.max_depth
-        for j in range(depth if num_drafts[b] else 0):
-            times.count(j, 1, int(n > j))
         seq.num_cached_tokens = len(seq) + n  # root + accepted drafts are cached
         before = len(seq)
-        seq.append(output_ids[b][: n + 1], logprobs[b][: n + 1], max_model_len)
-        times.num_seq_steps += 1
+        seq.append(result.output_ids[b, : n + 1].tolist(), result.logprobs[b, : n + 1].tolist(),
+                   max_model_len)
         times.num_step_tokens += len(seq) - before
-    if drafter is not None and k > 0:
-        drafter.observe(seqs, target_out, accepted_rows)
+    times.num_seq_steps += batch
+    if drafter is not None and k > 0:  # also after a fallback step: the drafter catches up
+        drafter.observe(seqs, forward_output(out, batch, num_tokens), accepted_rows)
     times.num_steps += 1
     times.draft += t1 - t0
     times.verify += t2 - t1
-    times.sample += t3 - t2
-    times.bookkeeping += time.perf_counter() - t3
+    times.bookkeeping += time.perf_counter() - t2
 
 
-def _compact_tree_path(seqs: tuple[Sequence, ...], num_accepted: list[int],
-                       row_ids: list[list[int]], kv_cache: KVCache, runner: ModelRunner) -> None:
+def _compact_tree_path(seqs: tuple[Sequence, ...], result: StepResult, kv_cache: KVCache) -> None:
     """Move the accepted nodes' K/V (root excluded: it is already in place) from slot
     ``ctx + node`` to ``ctx + depth``, in every layer, with one kernel launch."""
     from specengine.kernels.kv_cache import compact_kv
@@ -147,19 +156,19 @@ def _compact_tree_path(seqs: tuple[Sequence, ...], num_accepted: list[int],
     dst: list[int] = []
     for b, seq in enumerate(seqs):
         ctx = len(seq) - 1
-        for depth in range(1, num_accepted[b] + 1):
-            node = row_ids[b][depth]
+        for depth in range(1, int(result.num_accepted[b]) + 1):
+            node = int(result.row_ids[b, depth])
             if node == depth:
                 continue
             for pos, out in ((ctx + node, src), (ctx + depth, dst)):
                 out.append(seq.block_table[pos // bs] * bs + pos % bs)
     if not src:
         return
-    dev = runner.device
+    dev = kv_cache.kv.device
     layers = kv_cache.kv.shape[1]
     compact_kv(
         [kv_cache.kv[0, i] for i in range(layers)],
         [kv_cache.kv[1, i] for i in range(layers)],
-        torch.tensor(src, dtype=torch.int64, device=dev),
-        torch.tensor(dst, dtype=torch.int64, device=dev),
+        to_device(np.array(src, dtype=np.int64), dev),
+        to_device(np.array(dst, dtype=np.int64), dev),
     )

@@ -50,7 +50,7 @@ def test_chain_and_tree_proposals() -> None:
     chain = drafter.propose((seq,), [3], None)
     # the longest suffix that occurred before is (7, 5, 6), at 2..4, followed by 8, 5, 6
     assert chain.token_ids[0].tolist() == [8, 5, 6]
-    assert chain.num_draft_tokens.tolist() == [3]
+    assert chain.num_draft_tokens.tolist() == [3]  # host data (numpy)
     tree = DraftTree([(0,), (1,), (0, 0)])
     t = NgramDrafter(min_n=1, max_n=2).propose((seq,), [3], tree).token_ids[0].tolist()
     # after the 2-gram (5, 6): 7 twice, 8 once → rank 0 is 7, rank 1 is 8

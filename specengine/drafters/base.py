@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 from torch import Tensor
 
 from specengine.model_runner import ForwardOutput
@@ -17,8 +18,8 @@ class DraftProposal:
     """Drafts for one step. Chains: ``token_ids[b, :num_draft_tokens[b]]`` are sequence b's
     drafts. Trees: ``token_ids[b, i-1]`` is the token of tree node i (every node filled)."""
 
-    token_ids: Tensor  # [B, N-1] int64
-    num_draft_tokens: Tensor  # [B] int32
+    token_ids: Tensor  # [B, N-1] int64, on the engine's device
+    num_draft_tokens: np.ndarray  # [B] int: host data (the step plans with it, no sync)
     probs: Tensor | None  # [B, N-1, V] float32 draft distributions, or None for point masses
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specengine.core.transfer import to_device
 from specengine.drafters.base import Drafter, DraftProposal
 from specengine.drafters.drafting import (
     draft_kv_cache,
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 class _State:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
-    pending: list[int] = field(default_factory=list)
+    num_pending: int = 0  # drafts fed after num_cached (their K/V is in the draft cache)
 
 
 class DraftModelDrafter(Drafter):
@@ -85,7 +86,7 @@ class DraftModelDrafter(Drafter):
         names = load_named_tensors(self.module, named_tensors,  # type: ignore[arg-type]
                                    strict=False, tied=tied_names(self.module))
         for st in self._states.values():
-            st.num_cached, st.pending = 0, []
+            st.num_cached, st.num_pending = 0, 0
         return names
 
     def release(self, seq: Sequence) -> None:
@@ -97,18 +98,18 @@ class DraftModelDrafter(Drafter):
                 accepted_rows: list[list[int]]) -> None:
         """Keep the accepted speculative K/V; prefill the draft on new sequences' prompts."""
         new = []
-        for seq in seqs:
+        for seq, acc in zip(seqs, accepted_rows):
             st = self._states.get(seq.seq_id)
             if st is None:
                 if seq.status is not SeqStatus.FINISHED:
                     new.append(seq)
                 continue
-            m = 0
-            tail = seq.token_ids[st.num_cached:]
-            while m < min(len(st.pending), len(tail)) and st.pending[m] == tail[m]:
-                m += 1
-            st.num_cached += m
-            st.pending = []
+            # The pending drafts are the chain's drafts 0 .. num_pending-1. The target kept the
+            # first len(acc) - 1 of this step's drafts and never re-emits a rejected draft at
+            # its position (its residual gives that token probability 0), so exactly
+            # min(num_pending, len(acc) - 1) pending entries hold the sequence's tokens.
+            st.num_cached += min(st.num_pending, len(acc) - 1)
+            st.num_pending = 0
         if new:
             self._catch_up(new, [self._state(s) for s in new], upto_last=False)
 
@@ -125,7 +126,7 @@ class DraftModelDrafter(Drafter):
         q_lens = [len(p) for p in positions]
         slots = [c + np.arange(n, dtype=np.int64) for c, n in zip(ctx, q_lens)]
         meta = self.runner._metadata(states, ctx, q_lens, slots, tree_mask)  # type: ignore
-        pos = torch.from_numpy(np.concatenate(positions)).to(self.device)
+        pos = to_device(np.concatenate(positions), self.device)
         hidden, _ = self.module(ids, pos, self.kv_cache.kv, meta, self.runner.backend)
         return hidden
 
@@ -141,17 +142,16 @@ class DraftModelDrafter(Drafter):
             ctx.append(start)
             tokens.append(seq.token_ids[start:end])
             positions.append(np.arange(start, end, dtype=np.int64))
-            st.num_cached, st.pending = end, []
-        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64,
-                           device=self.device)
+            st.num_cached, st.num_pending = end, 0
+        ids = to_device(np.array([t for ts in tokens for t in ts], np.int64), self.device)
         hidden = self._forward(states, ctx, ids, positions)
-        last = torch.tensor(np.cumsum([len(t) for t in tokens]) - 1, device=self.device)
+        last = to_device(np.cumsum([len(t) for t in tokens]) - 1, self.device)
         return self.module.compute_logits(hidden[last])
 
     # ---------------------------------------------------------------------------------------
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int],
                 tree: DraftTree | None) -> DraftProposal:
-        counts = torch.tensor(num_drafts, dtype=torch.int32)
+        counts = np.asarray(num_drafts, dtype=np.int64)
         if tree is not None:
             ids = torch.zeros(len(seqs), max(num_drafts), dtype=torch.int64, device=self.device)
             ids[:, : tree.num_nodes - 1] = self._propose_tree(seqs, tree)
@@ -168,9 +168,8 @@ class DraftModelDrafter(Drafter):
             return self.module.compute_logits(hidden)
 
         ids, probs = run_chain(seqs, num_drafts, logits, advance, self.sample, self.device)
-        host = ids.tolist()  # one copy for the batch
-        for b in active:
-            self._states[seqs[b].seq_id].pending = host[b][: num_drafts[b] - 1]
+        for b in active:  # drafts 0 .. k-2 were fed; their tokens stay on the device
+            self._states[seqs[b].seq_id].num_pending = num_drafts[b] - 1
         return DraftProposal(ids, counts, probs)
 
     def _propose_tree(self, seqs: tuple[Sequence, ...], tree: DraftTree) -> Tensor:
@@ -189,7 +188,7 @@ class DraftModelDrafter(Drafter):
 
         node_ids = expand_tree(tree, root_logits, run_level, self.module.compute_logits)
         for st, c in zip(states, ctx):
-            st.num_cached, st.pending = c, []  # tree slots are not linear positions
+            st.num_cached, st.num_pending = c, 0  # tree slots are not linear positions
         return node_ids
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specengine.core.transfer import to_device
 from specengine.kv_cache import KVCache, kv_bytes_per_token, num_kv_blocks
 from specengine.sequence import Sequence
 from specengine.tree import DraftTree
@@ -67,15 +68,15 @@ def choose_tokens(logits: Tensor, seqs: list[Sequence], positions: list[int],
         return tokens, None
     dev = logits.device
     params = [s.params for s in seqs]
-    temperature = torch.tensor([p.temperature for p in params], device=dev)
+    temperature = to_device(np.array([p.temperature for p in params], np.float32), dev)
     greedy = temperature == 0
     q = processed_probs(logits, torch.where(greedy, 1.0, temperature),
-                        torch.tensor([p.top_k for p in params], device=dev),
-                        torch.tensor([p.top_p for p in params], device=dev))
+                        to_device(np.array([p.top_k for p in params], np.int64), dev),
+                        to_device(np.array([p.top_p for p in params], np.float32), dev))
     one_hot = torch.zeros_like(logits).scatter_(-1, tokens[:, None], 1.0)
     q = torch.where(greedy[:, None], one_hot, q)
-    seeds = torch.tensor([_signed(s.seed) for s in seqs], dtype=torch.int64, device=dev)
-    pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+    seeds = to_device(np.array([_signed(s.seed) for s in seqs], np.int64), dev)
+    pos = to_device(np.array(positions, np.int64), dev)
     drawn = (q / -torch.log(draft_uniforms(seeds, pos, logits.shape[-1]))).argmax(-1)
     return torch.where(greedy, tokens, drawn), q
 
@@ -95,7 +96,7 @@ def tree_level_mask(tree: DraftTree, n: int, batch: int, device: torch.device) -
     """Packed mask of tree nodes ``1 .. n-1`` (the root sits in the context), per sequence."""
     from specengine.kernels.reference import pack_tree_mask
 
-    return pack_tree_mask(tree.dense_mask[1:n, 1:n]).to(device).repeat(batch, 1)
+    return to_device(pack_tree_mask(tree.dense_mask[1:n, 1:n]).numpy(), device).repeat(batch, 1)
 
 
 def run_chain(seqs: tuple[Sequence, ...], num_drafts: list[int], logits: Tensor,
@@ -117,11 +118,11 @@ def run_chain(seqs: tuple[Sequence, ...], num_drafts: list[int], logits: Tensor,
         if j > 0:
             keep = [i for i, b in enumerate(rows) if num_drafts[b] > j]
             rows = [rows[i] for i in keep]
-            fed = tokens if len(keep) == len(tokens) else tokens[torch.tensor(keep, device=device)]
+            fed = tokens if len(keep) == len(tokens) else tokens[_index(keep, device)]
             logits = advance(keep, rows, fed, j)
         tokens, q = choose_tokens(logits, [seqs[b] for b in rows],
                                   [len(seqs[b]) + j for b in rows], sample)
-        sel = torch.tensor(rows, device=device)
+        sel = _index(rows, device)
         ids[sel, j] = tokens
         if q is not None:
             if probs is None:
@@ -158,15 +159,20 @@ def expand_tree(tree: DraftTree, root_logits: Tensor,
     has_children[tree.parents[1:]] = True
     for d in range(1, tree.max_depth + 1):
         level = np.flatnonzero(tree.depths == d)
-        parents = torch.from_numpy(tree.parents[level].astype(np.int64)).to(dev)
-        ranks = torch.from_numpy(tree.ranks[level].astype(np.int64)).to(dev)
-        node_ids[:, torch.from_numpy(level).to(dev)] = top[:, parents, ranks]
+        parents = _index(tree.parents[level], dev)
+        ranks = _index(tree.ranks[level], dev)
+        node_ids[:, _index(level, dev)] = top[:, parents, ranks]
         if d == tree.max_depth:
             break
         n = int((tree.depths <= d).sum())
         out = run_level(n, node_ids[:, 1:n])
         inner = level[has_children[level]]
-        h = out[:, torch.from_numpy(inner - 1).to(dev)]  # [B, m, H]
+        h = out[:, _index(inner - 1, dev)]  # [B, m, H]
         ranked = top_children(compute_logits(h.reshape(-1, h.shape[-1])), width)
-        top[:, torch.from_numpy(inner).to(dev)] = ranked.view(batch, len(inner), width)
+        top[:, _index(inner, dev)] = ranked.view(batch, len(inner), width)
     return node_ids[:, 1:]
+
+
+def _index(rows: list[int] | np.ndarray, device: torch.device) -> Tensor:
+    """An int64 index tensor on ``device`` from host data (a non-blocking copy)."""
+    return to_device(np.asarray(rows, dtype=np.int64), device)

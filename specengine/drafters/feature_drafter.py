@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from specengine.core.transfer import to_device
 from specengine.drafters.base import Drafter, DraftProposal
 from specengine.drafters.drafting import draft_kv_cache, expand_tree, run_chain, tree_level_mask
 from specengine.model.attention import make_attention_backend
@@ -88,7 +89,7 @@ class FeatureDrafter(Drafter):
         q_lens = [len(p) for p in positions]
         slots = [c + np.arange(n, dtype=np.int64) for c, n in zip(ctx, q_lens)]
         meta = self.runner._metadata(states, ctx, q_lens, slots, tree_mask)  # type: ignore
-        pos = torch.from_numpy(np.concatenate(positions)).to(self.device)
+        pos = to_device(np.concatenate(positions), self.device)
         out, _ = self.module(ids, hidden, pos, self.kv_cache.kv, meta, self.runner.backend)
         return out
 
@@ -113,11 +114,10 @@ class FeatureDrafter(Drafter):
             tokens.append(seq.token_ids[start + 1: len(seq)])
             positions.append(np.arange(start, len(seq) - 1, dtype=np.int64))
             rows.extend(target.qo_indptr[b] + r for r in acc)
-        feats = self.features(target, torch.tensor(rows, device=target.hidden.device))
-        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64,
-                           device=self.device)
+        feats = self.features(target, to_device(np.array(rows, np.int64), target.hidden.device))
+        ids = to_device(np.array([t for ts in tokens for t in ts], np.int64), self.device)
         out = self._forward(states, ctx, ids, feats.to(self.device), positions)
-        ends = torch.tensor(np.cumsum([len(t) for t in tokens]) - 1, device=self.device)
+        ends = to_device(np.cumsum([len(t) for t in tokens]) - 1, self.device)
         last = out[ends]  # a copy: the states must not keep the whole pass alive
         for i, (st, b) in enumerate(zip(states, live)):
             st.num_cached = len(seqs[b]) - 1
@@ -125,7 +125,7 @@ class FeatureDrafter(Drafter):
 
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int],
                 tree: DraftTree | None) -> DraftProposal:
-        counts = torch.tensor(num_drafts, dtype=torch.int32)
+        counts = np.asarray(num_drafts, dtype=np.int64)
         rows = [b for b, n in enumerate(num_drafts) if n > 0]
         for b in rows:  # the last proposals' entries sit after num_cached; room for k - 1 more
             st = self._states[seqs[b].seq_id]

@@ -8,6 +8,7 @@ from collections import Counter
 import numpy as np
 import torch
 
+from specengine.core.transfer import to_device
 from specengine.drafters.base import Drafter, DraftProposal
 from specengine.sequence import Sequence
 from specengine.tree import DraftTree
@@ -48,11 +49,13 @@ class NgramDrafter(Drafter):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"ngram drafter needs 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
+        #: where proposals go (set by ``make_drafter`` to the engine's device)
+        self.device = torch.device("cpu")
 
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int],
                 tree: DraftTree | None) -> DraftProposal:
         width = max(num_drafts)
-        ids = torch.zeros(len(seqs), width, dtype=torch.int64)
+        ids = np.zeros((len(seqs), width), dtype=np.int64)
         counts = []
         for b, (seq, n) in enumerate(zip(seqs, num_drafts)):
             if tree is None:
@@ -60,13 +63,13 @@ class NgramDrafter(Drafter):
                                            self.min_n, self.max_n)
                 first = int(starts[0]) + m if starts.size else len(seq)
                 run = seq.token_ids[first: first + n]
-                ids[b, : len(run)] = torch.tensor(run, dtype=torch.int64)
+                ids[b, : len(run)] = run
                 counts.append(len(run))
             else:
                 node_tokens = self._tree_tokens(seq.token_ids, tree)
-                ids[b, : tree.num_nodes - 1] = torch.tensor(node_tokens, dtype=torch.int64)
+                ids[b, : tree.num_nodes - 1] = node_tokens
                 counts.append(tree.num_nodes - 1)
-        return DraftProposal(ids, torch.tensor(counts, dtype=torch.int32), None)
+        return DraftProposal(to_device(ids, self.device), np.asarray(counts, np.int64), None)
 
     def _tree_tokens(self, tokens: list[int], tree: DraftTree) -> list[int]:
         node_tokens = [tokens[-1]]  # node 0 is the root

@@ -1,0 +1,167 @@
+"""The running batch as persistent device tensors, updated incrementally.
+
+Every running sequence owns a row ``0 .. num_rows-1``. Per row the device holds its block
+table, its step fields (tokens cached, newest token, the position its next emitted token
+takes, drafts this step, active flag) and its sampling parameters. A step changes only what
+moved: a sequence that joins gets its whole row written, one that grows gets its new block
+ids, one that leaves is replaced by the last row (rows stay dense, so a step's batch is always
+rows ``0 .. B-1`` and padding to a bucket is rows ``B ..``). Rows past ``num_rows`` are kept
+neutral (inactive, greedy, zero blocks), so a padded row writes no KV and costs nothing in the
+output.
+
+Host mirrors are written in place and sent with non-blocking copies (page-locked on CUDA), at
+most three per step: the step fields, the sampling fields, and the block-table rows that
+changed. The host writes a mirror again only after the step's one blocking device→host copy,
+so a copy is always done before its source changes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specengine.core.transfer import to_device
+from specengine.sequence import Sequence
+
+# Rows of the int64 step-field array (one copy per step).
+CTX, LAST, OFFSET, NUM_DRAFT, ACTIVE, TOP_K, SEED = range(7)
+NUM_INT_FIELDS = 7
+# Rows of the float32 sampling-field array.
+TEMPERATURE, TOP_P = range(2)
+
+
+def _pinned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    pin = device.type == "cuda"
+    return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+
+class BatchState:
+    """Row ``r`` of every field belongs to ``self.seqs[r]``; see the module docstring."""
+
+    def __init__(self, capacity: int, max_blocks: int, device: torch.device) -> None:
+        if capacity < 1 or max_blocks < 1:
+            raise ValueError(f"BatchState needs capacity and max_blocks >= 1, got {capacity}, "
+                             f"{max_blocks}")
+        self.capacity, self.max_blocks, self.device = capacity, max_blocks, device
+        self._host_ints_t = _pinned((NUM_INT_FIELDS, capacity), torch.int64, device)
+        self._host_floats_t = _pinned((2, capacity), torch.float32, device)
+        self.host_ints = self._host_ints_t.numpy()
+        self.host_floats = self._host_floats_t.numpy()
+        self.host_blocks = np.zeros((capacity, max_blocks), dtype=np.int32)
+        # Device copies: ints [7, R] int64, floats [2, R] float32, block_tables [R, max_blocks].
+        self.ints = torch.zeros(NUM_INT_FIELDS, capacity, dtype=torch.int64, device=device)
+        self.floats = torch.zeros(2, capacity, dtype=torch.float32, device=device)
+        self.block_tables = torch.zeros(capacity, max_blocks, dtype=torch.int32, device=device)
+        self.seqs: list[Sequence] = []
+        self._rows: dict[int, int] = {}  # seq_id -> row
+        self._tables: list[list[int]] = []  # per row: the block_table list last sent
+        self._num_sent: list[int] = []  # per row: how many of its block ids the device has
+        self._dirty: set[int] = set()  # rows whose block-table row must be sent again
+        for r in range(capacity):
+            self._neutral(r)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seqs)
+
+    # ---- membership ------------------------------------------------------------------------
+    def arrange(self, seqs: tuple[Sequence, ...]) -> tuple[Sequence, ...]:
+        """Make ``seqs`` the batch: drop rows of sequences not in it, add the new ones, and
+        return ``seqs`` in row order (the order every buffer of the step uses)."""
+        if len(seqs) > self.capacity:
+            raise ValueError(f"{len(seqs)} sequences exceed the batch capacity {self.capacity}")
+        live = {s.seq_id for s in seqs}
+        for sid in [sid for sid in self._rows if sid not in live]:
+            self._remove(sid)
+        for seq in seqs:
+            if seq.seq_id not in self._rows:
+                self._add(seq)
+        return tuple(self.seqs)
+
+    def clear(self) -> None:
+        """Forget every row (after an aborted generate)."""
+        for sid in list(self._rows):
+            self._remove(sid)
+
+    def _add(self, seq: Sequence) -> None:
+        r = len(self.seqs)
+        self.seqs.append(seq)
+        self._rows[seq.seq_id] = r
+        self._tables.append([])
+        self._num_sent.append(0)
+        p = seq.params
+        self.host_ints[TOP_K, r] = p.top_k
+        self.host_ints[SEED, r] = seq.seed
+        self.host_ints[ACTIVE, r] = 1
+        self.host_floats[TEMPERATURE, r] = p.temperature
+        self.host_floats[TOP_P, r] = p.top_p
+
+    def _remove(self, seq_id: int) -> None:
+        r = self._rows.pop(seq_id)
+        last = len(self.seqs) - 1
+        if r != last:  # the last row fills the hole: rows stay dense
+            moved = self.seqs[last]
+            self.seqs[r] = moved
+            self._rows[moved.seq_id] = r
+            self.host_ints[:, r] = self.host_ints[:, last]
+            self.host_floats[:, r] = self.host_floats[:, last]
+            self.host_blocks[r] = self.host_blocks[last]
+            self._tables[r], self._num_sent[r] = self._tables[last], self._num_sent[last]
+            self._dirty.add(r)
+        self.seqs.pop()
+        self._tables.pop()
+        self._num_sent.pop()
+        self._neutral(last)
+        self._dirty.add(last)
+
+    def _neutral(self, r: int) -> None:
+        self.host_ints[:, r] = 0
+        self.host_ints[TOP_K, r] = -1
+        self.host_floats[TEMPERATURE, r] = 0.0  # greedy: the cheapest row for the sampler
+        self.host_floats[TOP_P, r] = 1.0
+        self.host_blocks[r] = 0
+
+    # ---- per step ----------------------------------------------------------------------------
+    def stage(self, num_drafts: np.ndarray, padded_rows: int) -> None:
+        """Write the step fields of rows ``0 .. B-1`` (in row order, after :meth:`arrange`)
+        and send rows ``0 .. padded_rows-1`` to the device."""
+        seqs = self.seqs
+        n = len(seqs)
+        if num_drafts.shape != (n,):
+            raise ValueError(f"num_drafts has shape {num_drafts.shape}, expected ({n},)")
+        lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
+        self.host_ints[CTX, :n] = lens - 1
+        self.host_ints[OFFSET, :n] = lens
+        self.host_ints[LAST, :n] = np.fromiter((s.last_token for s in seqs), np.int64, count=n)
+        self.host_ints[NUM_DRAFT, :n] = num_drafts
+        for r, seq in enumerate(seqs):
+            self._grow(r, seq)
+        self._send(padded_rows)
+
+    def _grow(self, r: int, seq: Sequence) -> None:
+        """Record block ids ``seq`` gained since the last step (or its whole new table after a
+        preemption gave it a new one)."""
+        table = seq.block_table
+        if table is not self._tables[r]:
+            self._tables[r], self._num_sent[r] = table, 0
+            self.host_blocks[r] = 0
+        sent = self._num_sent[r]
+        if len(table) > sent:
+            if len(table) > self.max_blocks:
+                raise ValueError(f"sequence {seq.seq_id} holds {len(table)} KV blocks, more "
+                                 f"than the {self.max_blocks} a block-table row has")
+            self.host_blocks[r, sent:len(table)] = table[sent:]
+            self._num_sent[r] = len(table)
+            self._dirty.add(r)
+
+    def _send(self, padded_rows: int) -> None:
+        nb = non_blocking = self.device.type == "cuda"
+        self.ints[:, :padded_rows].copy_(self._host_ints_t[:, :padded_rows], non_blocking=nb)
+        self.floats[:, :padded_rows].copy_(self._host_floats_t[:, :padded_rows],
+                                           non_blocking=non_blocking)
+        if self._dirty:
+            rows = np.fromiter(sorted(self._dirty), dtype=np.int64)
+            self._dirty.clear()
+            self.block_tables[to_device(rows, self.device)] = to_device(self.host_blocks[rows],
+                                                                        self.device)

@@ -1,0 +1,68 @@
+"""Verify passes per batch-size bucket, captured as CUDA graphs on CUDA.
+
+With ``cuda_graphs=True`` a batch of ``B`` rows runs as the smallest bucket ``>= B`` (padded
+rows are inactive: no KV write, ignored outputs). On CUDA the first pass of each shape runs
+eagerly (it compiles the kernels and serves that step), then is captured; every later pass of
+that shape is one graph replay. On the CPU the very same padded, static-buffer pass runs
+without capture, so the CPU tests prove the graph path's inputs and outputs. Batches above the
+largest bucket run eagerly, unpadded. Graphs read only static buffers (batch state, draft
+buffers, KV cache, weights), so in-place weight updates keep them valid.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specengine.core.verify import StaticVerifier, VerifyOutput, VerifyShape
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class GraphRunner:
+    """Pads to buckets when ``static``; captures and replays CUDA graphs when also on CUDA."""
+
+    def __init__(self, verifier: StaticVerifier, buckets: tuple[int, ...], static: bool,
+                 device: torch.device) -> None:
+        if not buckets or any(b < 1 for b in buckets):
+            raise ValueError(f"graph buckets must be a non-empty tuple of ints >= 1: {buckets}")
+        self.verifier = verifier
+        self.buckets = tuple(sorted(set(buckets)))
+        self.static = static
+        self.capture = static and device.type == "cuda"
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, VerifyOutput]] = {}
+        self._pool: tuple[int, int] | None = None
+        self.num_replays = 0
+        self.num_captures = 0
+
+    def padded_rows(self, num_rows: int) -> int:
+        """Rows a batch of ``num_rows`` runs as: its bucket, or itself (eager / too large)."""
+        if self.static:
+            for b in self.buckets:
+                if b >= num_rows:
+                    return b
+        return num_rows
+
+    def run(self, shape: VerifyShape) -> VerifyOutput:
+        if not self.capture or shape.num_rows not in self.buckets:
+            return self.verifier.run(shape)
+        entry = self._graphs.get(shape.key)
+        if entry is not None:
+            graph, out = entry
+            graph.replay()
+            self.num_replays += 1
+            return out
+        out = self.verifier.run(shape)  # warm-up: compiles kernels, serves this step
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            static_out = self.verifier.run(shape)
+        self._pool = graph.pool()
+        self._graphs[shape.key] = (graph, static_out)
+        self.num_captures += 1
+        logger.info("captured a verify graph: %d rows x %d tokens%s", shape.num_rows,
+                    shape.num_tokens, " (tree)" if shape.tree is not None else "")
+        return out

@@ -1,0 +1,170 @@
+"""The verify pass on static buffers: metadata built on the device from the persistent batch,
+the target forward over ``N`` fed tokens per row, rejection sampling, one packed output.
+
+Every row feeds exactly ``N`` tokens (a chain's ``k + 1`` or a tree's nodes): its newest token,
+then its drafts. A row with fewer drafts (an n-gram without a match, a chain cut near
+``max_tokens``) still feeds ``N`` tokens; the extra ones get slot ``-1`` (no KV write) and the
+sampler never looks past ``num_draft``. So the logits are ``[rows, N, V]`` as they come out of
+the LM head (no scatter), and the same shapes repeat step after step: a CUDA graph per shape
+(:mod:`specengine.core.graphs`) replays the whole pass.
+
+Padded queries (drafts a row does not have, rows past the batch) may read keys through block
+table entries the row does not own: the table is zero-filled, so they read block 0, never out
+of bounds, and their outputs are ignored. A real query only reads keys its own row wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specengine.core.batch import (
+    ACTIVE,
+    CTX,
+    LAST,
+    NUM_DRAFT,
+    OFFSET,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    BatchState,
+)
+from specengine.core.transfer import to_device
+from specengine.model.attention import AttentionMetadata
+from specengine.model_runner import ForwardOutput, ModelRunner
+from specengine.sampler import Sampler, SamplingTensors
+from specengine.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class VerifyShape:
+    """What a verify pass's buffers and graph depend on."""
+
+    num_rows: int  # padded batch (a bucket) or the exact batch
+    num_tokens: int  # N fed per row
+    tree: DraftTree | None
+    has_probs: bool  # sampled drafts carry their distributions
+
+    def __post_init__(self) -> None:
+        if self.num_rows < 1 or self.num_tokens < 1:
+            raise ValueError(f"VerifyShape needs rows and tokens >= 1, got {self}")
+        if self.tree is not None and self.tree.num_nodes != self.num_tokens:
+            raise ValueError(f"a tree of {self.tree.num_nodes} nodes feeds {self.tree.num_nodes}"
+                             f" tokens, not {self.num_tokens}")
+
+    @property
+    def key(self) -> tuple[int, int, tuple | None, bool]:
+        return (self.num_rows, self.num_tokens,
+                None if self.tree is None else self.tree.paths, self.has_probs)
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    packed: Tensor  # [rows, 3N + 1] float64: see SamplerOutput.pack
+    hidden: Tensor  # [rows * N, H] final-norm hidden of every fed token
+    aux_hidden: list[Tensor]  # [rows * N, H] each: the drafter's target features
+
+
+class StaticVerifier:
+    """Runs the verify pass of a :class:`VerifyShape` reading only static buffers: the batch
+    state, ``draft_ids`` and (per shape) ``draft_probs``. Drafts are copied into those
+    buffers device-to-device (:meth:`load_drafts`); nothing in :meth:`run` touches the host."""
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler, state: BatchState,
+                 block_size: int, vocab_size: int, max_tokens: int) -> None:
+        self.runner, self.sampler, self.state = runner, sampler, state
+        self.block_size, self.vocab_size = block_size, vocab_size
+        dev = state.device
+        # [R, max N - 1]: row b's drafts (chain) or its tree nodes 1..N-1.
+        self.draft_ids = torch.zeros(state.capacity, max_tokens - 1, dtype=torch.int64,
+                                     device=dev)
+        self._probs: dict[tuple[int, int], Tensor] = {}
+        self._consts: dict[tuple, tuple[Tensor, Tensor, Tensor | None, Tensor | None]] = {}
+
+    def load_drafts(self, shape: VerifyShape, token_ids: Tensor, probs: Tensor | None) -> None:
+        """Copy the drafter's proposal (``[B, W]`` ids on the device, ``[B, W, V]`` probs)
+        into the static buffers of ``shape``."""
+        b, w = token_ids.shape
+        if b > shape.num_rows:
+            raise ValueError(f"{b} rows of drafts do not fit a pass of {shape.num_rows} rows")
+        if shape.has_probs and (probs is None or tuple(probs.shape) != (b, w, self.vocab_size)):
+            raise ValueError(f"draft probs must be [{b}, {w}, {self.vocab_size}]")
+        # Columns past N - 1 are past every row's draft count (the caller sized N from them).
+        w = min(w, shape.num_tokens - 1)
+        if w:
+            self.draft_ids[:b, :w].copy_(token_ids[:, :w])
+            if shape.has_probs:
+                self.probs_buffer(shape)[:b, :w].copy_(probs[:, :w])  # type: ignore[index]
+
+    def probs_buffer(self, shape: VerifyShape) -> Tensor:
+        """``[rows, N-1, V]`` float32, allocated once per shape."""
+        key = (shape.num_rows, shape.num_tokens)
+        if key not in self._probs:
+            self._probs[key] = torch.zeros(*key[:1], key[1] - 1, self.vocab_size,
+                                           dtype=torch.float32, device=self.state.device)
+        return self._probs[key]
+
+    def _constants(self, shape: VerifyShape) -> tuple[Tensor, Tensor, Tensor | None,
+                                                       Tensor | None]:
+        """(qo_indptr [rows+1] int32, depth [N] int64, tree mask [rows*N, words], parents)."""
+        if shape.key not in self._consts:
+            dev, rows, n, tree = self.state.device, shape.num_rows, shape.num_tokens, shape.tree
+            indptr = to_device(np.arange(rows + 1, dtype=np.int32) * n, dev)
+            if tree is None:
+                depth = to_device(np.arange(n, dtype=np.int64), dev)
+                mask = parents = None
+            else:
+                depth = to_device(tree.depths.astype(np.int64), dev)
+                mask = to_device(tree.packed_mask.numpy(), dev).repeat(rows, 1)
+                parents = to_device(tree.parents.astype(np.int32), dev)
+            self._consts[shape.key] = (indptr, depth, mask, parents)
+        return self._consts[shape.key]
+
+    @torch.inference_mode()
+    def run(self, shape: VerifyShape) -> VerifyOutput:
+        """The pass itself (captured whole into a CUDA graph by ``graphs.GraphRunner``)."""
+        rows, n = shape.num_rows, shape.num_tokens
+        indptr, depth, tree_mask, parents = self._constants(shape)
+        st = self.state
+        ints = st.ints[:, :rows]
+        ctx, num_draft, active = ints[CTX], ints[NUM_DRAFT], ints[ACTIVE] > 0
+        j = torch.arange(n, device=ctx.device)
+        if shape.tree is None:
+            fed = j[None, :] <= num_draft[:, None]  # [rows, N]: the newest token + own drafts
+        else:
+            fed = (j[None, :] == 0) | (num_draft[:, None] > 0)
+        fed &= active[:, None]
+        # Node j is stored in slot ctx + j and sits at position ctx + depth(j).
+        slot_pos = ctx[:, None] + j[None, :]  # [rows, N]
+        block_idx = (slot_pos // self.block_size).clamp_max(st.max_blocks - 1)
+        blocks = st.block_tables[:rows].gather(1, block_idx).long()
+        slots = torch.where(fed, blocks * self.block_size + slot_pos % self.block_size, -1)
+        drafts = self.draft_ids[:rows, : n - 1]  # [rows, N-1]
+        input_ids = torch.cat([ints[LAST][:, None], drafts], dim=1)  # [rows, N]
+        positions = ctx[:, None] + depth[None, :]
+        meta = AttentionMetadata(
+            slot_mapping=slots.reshape(-1), block_tables=st.block_tables[:rows],
+            context_lens=ctx.to(torch.int32), qo_indptr=indptr, max_q_len=n,
+            tree_mask=tree_mask,
+        )
+        model = self.runner.model
+        hidden, aux = model(input_ids.reshape(-1), positions.reshape(-1), self.runner.kv_cache.kv,
+                            meta, self.runner.backend, self.runner.aux_layers)
+        logits = model.compute_logits(hidden).view(rows, n, -1)  # [rows, N, V]
+        params = SamplingTensors(
+            temperature=st.floats[TEMPERATURE, :rows], top_k=ints[TOP_K],
+            top_p=st.floats[TOP_P, :rows], seeds=ints[SEED], offsets=ints[OFFSET],
+        )
+        probs = self.probs_buffer(shape) if shape.has_probs else None
+        out = self.sampler(logits, drafts, num_draft, probs, parents, params)
+        return VerifyOutput(out.pack(), hidden, aux)
+
+
+def forward_output(out: VerifyOutput, num_rows: int, num_tokens: int) -> ForwardOutput:
+    """What a drafter's ``observe`` reads: row ``b``'s fed tokens are ``b*N .. b*N + N-1``."""
+    return ForwardOutput(out.hidden, out.aux_hidden,
+                         list(range(0, (num_rows + 1) * num_tokens, num_tokens)))
