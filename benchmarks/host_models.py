@@ -43,6 +43,7 @@ def write_eagle3_head(root: Path, target_config: dict, seed: int = 0) -> Path:
 
     from specengine.drafters.eagle3 import Eagle3Head
     from specengine.model.config import ModelConfig
+    from specengine.model.loader import hf_named_tensors
 
     h, vocab = target_config["hidden_size"], target_config["vocab_size"]
     n = target_config["num_hidden_layers"]
@@ -63,7 +64,7 @@ def write_eagle3_head(root: Path, target_config: dict, seed: int = 0) -> Path:
         head = Eagle3Head(mc, vocab, torch.nn.Embedding(vocab, h))
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, p in head.named_parameters():
+    for name, p in hf_named_tensors(head).items():  # checkpoint names (q_proj, not qkv_proj)
         if name.endswith("norm.weight"):
             tensors[name] = torch.ones(p.shape, dtype=torch.bfloat16)
         else:
