@@ -53,6 +53,14 @@ class DraftTree:
         from specengine.kernels.reference import pack_tree_mask
 
         self.packed_mask = pack_tree_mask(self.dense_mask)  # [N, num_words] int32
+        # Host copies for the decode step (nothing there converts a tensor): the whole mask,
+        # and per level-by-level drafting pass the mask of nodes 1 .. n-1 for each n that a
+        # pass feeds (every node down to depth d).
+        self.packed_mask_host: np.ndarray = self.packed_mask.numpy().copy()
+        self.prefix_masks_host: dict[int, np.ndarray] = {
+            n: pack_tree_mask(self.dense_mask[1:n, 1:n]).numpy().copy()
+            for n in {int((self.depths <= d).sum()) for d in range(1, self.max_depth + 1)}
+        }
 
     def __repr__(self) -> str:
         return f"DraftTree({list(self.paths)})"

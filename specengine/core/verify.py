@@ -119,7 +119,7 @@ class StaticVerifier:
                 mask = parents = None
             else:
                 depth = to_device(tree.depths.astype(np.int64), dev)
-                mask = to_device(tree.packed_mask.numpy(), dev).repeat(rows, 1)
+                mask = to_device(tree.packed_mask_host, dev).repeat(rows, 1)
                 parents = to_device(tree.parents.astype(np.int32), dev)
             self._consts[shape.key] = (indptr, depth, mask, parents)
         return self._consts[shape.key]

@@ -94,9 +94,8 @@ def draft_kv_cache(engine: SpecEngine, num_layers: int, num_kv_heads: int,
 
 def tree_level_mask(tree: DraftTree, n: int, batch: int, device: torch.device) -> Tensor:
     """Packed mask of tree nodes ``1 .. n-1`` (the root sits in the context), per sequence."""
-    from specengine.kernels.reference import pack_tree_mask
 
-    return to_device(pack_tree_mask(tree.dense_mask[1:n, 1:n]).numpy(), device).repeat(batch, 1)
+    return to_device(tree.prefix_masks_host[n], device).repeat(batch, 1)
 
 
 def run_chain(seqs: tuple[Sequence, ...], num_drafts: list[int], logits: Tensor,

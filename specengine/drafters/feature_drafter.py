@@ -116,7 +116,7 @@ class FeatureDrafter(Drafter):
             rows.extend(target.qo_indptr[b] + r for r in acc)
         feats = self.features(target, to_device(np.array(rows, np.int64), target.hidden.device))
         ids = to_device(np.array([t for ts in tokens for t in ts], np.int64), self.device)
-        out = self._forward(states, ctx, ids, feats.to(self.device), positions)
+        out = self._forward(states, ctx, ids, feats, positions)  # feats: on the engine device
         ends = to_device(np.cumsum([len(t) for t in tokens]) - 1, self.device)
         last = out[ends]  # a copy: the states must not keep the whole pass alive
         for i, (st, b) in enumerate(zip(states, live)):
