@@ -8,10 +8,13 @@ For every configuration (kernel backend × CUDA graphs × batch × k × chain/tr
   launches, graph replays; ``step_profiler.py``). On CUDA the host time of a step is its wall
   time minus the time blocked in the device→host syncs it makes (the GPU works
   asynchronously; ``torch.cuda.synchronize`` after the step, CUDA events for the device span).
-  On CPU the device work runs inline, so the host time is the wall time minus the time inside
-  compute regions: module calls (target, drafter head or LM), the rejection sampler, Triton and
-  ``_C`` kernels. Tensor ops the engine issues outside modules count as host time (on a GPU
-  each is a launch the host pays for).
+  On CPU the device work runs inline, so the host time is the step's time minus the time
+  inside compute regions: module calls (target, drafter head or LM), the rejection sampler,
+  Triton and ``_C`` kernels. Both are taken as this thread's CPU time (``time.thread_time``;
+  run with ``OMP_NUM_THREADS=1`` so the ops run on it), so time slices lost to other jobs on a
+  shared machine are not counted; the wall-clock version is reported as ``host_wall_us``.
+  Tensor ops the engine issues outside modules count as host time (on a GPU each is a launch
+  the host pays for).
 * pass 2 (counting, same prompts, same steps): a dispatch mode counts every aten operator
   that would launch a kernel, plus Triton and ``_C`` kernel calls, per step and per target
   decoder layer. Its own cost makes this pass slow, so it gives counts, never times.
@@ -147,11 +150,11 @@ def run_pass(engine, prompts: list, k: int, tree, steps: int, counting: bool) ->
             start.record()
         prof.reset()
         prof.layers.launches = prof.layers.calls = 0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         orig(seqs, k_, tree_, times)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         c = prof.reset()
-        rec = dict(batch=len(seqs), wall_s=wall, counts=c, layer_calls=prof.layers.calls,
+        rec = dict(batch=len(seqs), wall_s=wall, cpu_s=cpu, counts=c, layer_calls=prof.layers.calls,
                    layer_launches=prof.layers.launches)
         if cuda:
             end.record()
@@ -185,16 +188,21 @@ def measure(engine, args: argparse.Namespace, batch: int, k: int, kind: str,
     if n == 0:
         return dict(error="no decode step ran")
     cuda = engine.device.type == "cuda"
-    host = []
+    host, host_wall = [], []
     for a in timed[:n]:
         c = a["counts"]
-        host.append(a["wall_s"] - (c.sync_s if cuda else c.compute_s))
+        host_wall.append(a["wall_s"] - (c.sync_s if cuda else c.compute_s))
+        # CPU: this thread's CPU time outside compute regions, so time slices lost to other
+        # jobs on a shared machine do not count as host work (OMP_NUM_THREADS=1: the ops run
+        # on this thread too).
+        host.append(host_wall[-1] if cuda else a["cpu_s"] - c.compute_cpu_s)
     med = statistics.median
     cs = [b["counts"] for b in counted[:n]]
     calls = sum(b["layer_calls"] for b in counted[:n])
     row = dict(
         steps=n, batch_seen=min(a["batch"] for a in timed[:n]),
-        host_us=med(host) * 1e6, wall_us=med(a["wall_s"] for a in timed[:n]) * 1e6,
+        host_us=med(host) * 1e6, host_wall_us=med(host_wall) * 1e6,
+        wall_us=med(a["wall_s"] for a in timed[:n]) * 1e6,
         compute_us=med(a["counts"].compute_s for a in timed[:n]) * 1e6,
         counted_wall_us=med(b["wall_s"] for b in counted[:n]) * 1e6,
         device_us=med(a["device_s"] for a in timed[:n]) * 1e6 if cuda else None,

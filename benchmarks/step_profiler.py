@@ -82,6 +82,7 @@ class Counts:
     sync_s: float = 0.0  # time blocked in those syncs
     graph_replays: int = 0
     compute_s: float = 0.0  # time inside compute regions (see the module docstring)
+    compute_cpu_s: float = 0.0  # this thread's CPU time inside them (immune to time slicing)
     ops: dict[str, int] = field(default_factory=dict)  # launches by name
     sync_sites: dict[str, int] = field(default_factory=dict)  # "dir/file.py:line what"
 
@@ -179,7 +180,7 @@ class StepProfiler:
         self.dispatch = dispatch
         self.regions = regions
         self._region_depth = 0
-        self._region_t0 = 0.0
+        self._region_t0 = self._region_c0 = 0.0
         self.roots = roots if roots is not None else project_roots()
         self.counts = Counts()
         self.layers = LayerScope()
@@ -197,12 +198,14 @@ class StepProfiler:
     def _enter_region(self, *_: Any) -> None:
         if self._region_depth == 0:
             self._region_t0 = time.perf_counter()
+            self._region_c0 = time.thread_time()
         self._region_depth += 1
 
     def _leave_region(self, *_: Any) -> None:
         self._region_depth -= 1
         if self._region_depth == 0:
             self.counts.compute_s += time.perf_counter() - self._region_t0
+            self.counts.compute_cpu_s += time.thread_time() - self._region_c0
 
     def _region_wrapper(self, orig: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
