@@ -62,6 +62,7 @@ from host_overhead_report import plot, print_table, verdicts  # noqa: E402
 from step_profiler import StepProfiler  # noqa: E402
 
 TREE = [(0,), (1,), (0, 0), (0, 0, 0)]
+PHASES = ("draft", "verify", "sample", "bookkeeping")  # StepTimes fields, where they exist
 
 
 class _Done(Exception):
@@ -150,12 +151,14 @@ def run_pass(engine, prompts: list, k: int, tree, steps: int, counting: bool) ->
             start.record()
         prof.reset()
         prof.layers.launches = prof.layers.calls = 0
+        phases0 = {p: getattr(times, p, 0.0) for p in PHASES}
         t0, c0 = time.perf_counter(), time.thread_time()
         orig(seqs, k_, tree_, times)
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         c = prof.reset()
-        rec = dict(batch=len(seqs), wall_s=wall, cpu_s=cpu, counts=c, layer_calls=prof.layers.calls,
-                   layer_launches=prof.layers.launches)
+        phases = {p: getattr(times, p, 0.0) - phases0[p] for p in PHASES}
+        rec = dict(phases=phases, batch=len(seqs), wall_s=wall, cpu_s=cpu, counts=c,
+                   layer_calls=prof.layers.calls, layer_launches=prof.layers.launches)
         if cuda:
             end.record()
             torch.cuda.synchronize()
@@ -214,6 +217,8 @@ def measure(engine, args: argparse.Namespace, batch: int, k: int, kind: str,
         launches_per_layer=(sum(b["layer_launches"] for b in counted[:n]) / calls
                             if calls else None),
         top_ops=sorted(cs[-1].ops.items(), key=lambda kv: -kv[1])[:12],
+        # the engine's own wall time per phase of the step (StepTimes), compute included
+        phases_us={p: med(a["phases"][p] for a in timed[:n]) * 1e6 for p in PHASES},
         sync_sites=sorted(timed[n - 1]["counts"].sync_sites.items(), key=lambda kv: -kv[1]),
     )
     return row
