@@ -86,9 +86,12 @@ def _parser() -> argparse.ArgumentParser:
                         "or 'ngram' (default: the bundled EAGLE-3 head with the bundled model, "
                         "none otherwise)")
     g.add_argument("--prompt-ids", type=_token_ids, action="append", default=None,
-                   metavar="IDS", help='space-separated token ids, e.g. "1 2 3" (repeatable)')
+                   metavar="IDS",
+                   help='space-separated token ids, e.g. "1 2 3" (repeatable; default: '
+                        "held-out task prompts with the bundled model, none otherwise)")
     g.add_argument("--prompt", action="append", default=None, metavar="TEXT",
-                   help="prompt text (needs a tokenizer.json; repeatable)")
+                   help="prompt text (needs a tokenizer.json; repeatable; default: as "
+                        "--prompt-ids)")
     g.add_argument("--num-prompts", type=_int_at_least(1), default=16,
                    help="bundled model without prompts: how many held-out task prompts")
     g.add_argument("--batch-size", type=_int_at_least(1), default=None,
@@ -227,9 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     args = _parser().parse_args(argv)
     if args.command == "generate":
+        from specengine.kv_cache import KVCacheFullError
+
         try:
             return generate_main(args)
-        except ValueError as e:
+        except (ValueError, KVCacheFullError) as e:  # bad input: a message, not a traceback
             print(f"error: {e}", file=sys.stderr)
             return 2
     return 1

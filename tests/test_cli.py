@@ -75,3 +75,108 @@ def test_bundled_pair_without_its_head_is_a_clear_error(
     monkeypatch.setattr(cli, "DEFAULT_DRAFT", tmp_path / "missing-head")
     assert main(["generate", "--num-prompts", "1", "--k", "3"]) == 2
     assert "bundled EAGLE-3 head missing" in capsys.readouterr().err
+
+
+# ---- the first ten minutes: help, version, flag errors, pass-through flags ----------------
+
+
+def test_help_shows_every_default_and_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from specengine.cli import _parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # undo the help's line wrapping
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for action in sub.choices["generate"]._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"{action.option_strings} has no help"
+        if action.default is not None and action.default is not False:  # 0.0 == False
+            assert f"(default: {action.default})" in out, action.option_strings
+        else:  # the help says what None means
+            assert "default" in action.help, action.option_strings
+    for shown in ("'mtp'", "{auto,cpu,cuda}", "{auto,bfloat16,float16,float32}",
+                  "{auto,triton,torch,cuda}", "at most 16", "temperature=1.0",
+                  "max_tokens=256"):
+        assert shown in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import specengine
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"specengine {specengine.__version__}"
+    assert specengine.__version__[0].isdigit()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--prompt-ids", "3 x"], "argument --prompt-ids: '3 x' is not space-separated integer"),
+    (["--k", "17"], r"argument --k: must be in [0, 16], got 17"),
+    (["--k", "two"], "argument --k: 'two' is not an integer"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+])
+def test_parse_errors_name_the_flag(args: list[str], message: str,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_paths_say_no_such_directory(tiny_checkpoint: Path, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--model", str(tiny_checkpoint), "--draft",
+                 str(tmp_path / "no-head"), "--prompt-ids", "1 2"]) == 2
+    assert f"draft '{tmp_path / 'no-head'}': no such directory" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path / "no-model"), "--prompt-ids", "1"]) == 2
+    assert "no-model: no such directory" in capsys.readouterr().err
+
+
+def test_run_with_only_prefill_tokens_says_no_decode_step(
+        tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--model", str(tiny_checkpoint), "--draft", "ngram",
+                 "--prompt-ids", "1 2 3", "--max-tokens", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "no decode step ran" in out
+    assert "mean accepted length 0.00" not in out
+
+
+def test_batch_size_splits_the_calls_and_sums_the_counts(
+        tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    engine = SpecEngine(tiny_checkpoint, device="cpu", max_model_len=64, kv_cache_tokens=256)
+    greedy = SamplingParams(temperature=0.0, max_tokens=5)
+    expected = engine.generate([[1, 2, 3], [4, 5]], sampling=greedy)
+    assert main(["generate", "--model", str(tiny_checkpoint), "--prompt-ids", "1 2 3",
+                 "--prompt-ids", "4 5", "--k", "0", "--max-tokens", "5", "--batch-size",
+                 "1"]) == 0
+    out = capsys.readouterr().out
+    for exp in expected:
+        assert f"completion: {' '.join(map(str, exp.token_ids))!r}" in out
+    total = int(re.search(r"\[k=0\] (\d+) tokens", out).group(1))
+    assert total == sum(len(e.token_ids) for e in expected)
+
+
+def test_max_model_len_and_kv_cache_tokens_reach_the_engine(
+        tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["generate", "--model", str(tiny_checkpoint), "--prompt-ids", "1 2 3 4 5 6 7 8",
+            "--k", "0"]
+    assert main([*base, "--max-model-len", "8"]) == 2
+    assert "max_model_len is 8" in capsys.readouterr().err
+    assert main([*base, "--kv-cache-tokens", "16", "--max-tokens", "30"]) == 2
+    assert "KV blocks but the cache has only 1" in capsys.readouterr().err
+
+
+def test_sampled_baseline_line_says_what_identical_means(
+        tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--model", str(tiny_checkpoint), "--draft", "ngram",
+                 "--prompt-ids", "1 2 3 1 2 3", "--k", "2", "--max-tokens", "6",
+                 "--temperature", "1.0"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "identical" in x)
+    assert "sampled" in line and "may differ" in line and "distribution" in line
