@@ -11,7 +11,8 @@ Instruments, combined by :class:`StepProfiler` (a context manager):
   an op called from inside a ``TorchDispatchMode`` handler takes 2-3x its eager time, so the
   subtracted "compute" exceeded the step's own wall time.)
 * a ``TorchDispatchMode`` (``dispatch=True``) that counts every aten operator that launches a
-  kernel on a GPU (views, allocations and metadata ops excluded; host<->device copies apart);
+  kernel on a GPU (views, allocations and metadata ops excluded; host<->device copies apart;
+  on a CUDA machine, ops on host tensors only are host work, not launches);
 * wrappers of the Triton launch (``JITFunction.run``, and the interpreter's
   ``InterpretedFunction.run`` under ``TRITON_INTERPRET=1``) and of the ``specengine._C`` kernel
   entry points (pybind functions the dispatch mode cannot see); aten ops issued *inside* a
@@ -47,7 +48,7 @@ _NO_KERNEL = {
     _aten.new_empty_strided, _aten._unsafe_view, _aten.detach, _aten.lift_fresh, _aten.alias,
     _aten.set_, _aten.resize_, _aten.sym_size, _aten.sym_stride, _aten.sym_numel,
     _aten.sym_storage_offset, _aten.is_same_size, _aten._local_scalar_dense,
-    _aten.record_stream,
+    _aten.record_stream, _aten._pin_memory, _aten.is_pinned,
 }
 _COPIES = {_aten.copy_, _aten._to_copy}
 _SYNC_METHODS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__")
@@ -95,11 +96,11 @@ class Counts:
         self.ops[name] = self.ops.get(name, 0) + 1
 
 
-def _crosses_devices(args: Iterable[Any], out: Any) -> bool:
+def _devices(args: Iterable[Any], out: Any) -> set[torch.device]:
     devices = {a.device for a in args if isinstance(a, torch.Tensor)}
-    if isinstance(out, torch.Tensor):
-        devices.add(out.device)
-    return len(devices) > 1
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    devices.update(o.device for o in outs if isinstance(o, torch.Tensor))
+    return devices
 
 
 class _Recorder(TorchDispatchMode):
@@ -124,7 +125,10 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         c = prof.counts
-        if packet in _COPIES and _crosses_devices((*args, *kwargs.values()), out):
+        devices = _devices((*args, *kwargs.values()), out)
+        if prof.cuda and all(d.type == "cpu" for d in devices):
+            return out  # host work on a GPU machine (staging arrays): no launch
+        if packet in _COPIES and len(devices) > 1:
             c.copies += 1
         else:
             c.aten_kernels += 1
@@ -179,6 +183,7 @@ class StepProfiler:
                  roots: tuple[str, ...] | None = None) -> None:
         self.dispatch = dispatch
         self.regions = regions
+        self.cuda = torch.cuda.is_available()
         self._region_depth = 0
         self._region_t0 = self._region_c0 = 0.0
         self.roots = roots if roots is not None else project_roots()
