@@ -1,8 +1,9 @@
 """How many CPU threads torch uses for the engine's CPU work.
 
 Torch's default is one intra-op thread per physical core. On a small or shared machine that
-thrashes: measured on 2 cores with one other busy process, the bundled run took 2.5-4x longer
-with 2 threads than with 1 (README, "CPU threads"), and k=3 could look slower than k=0. So on
+thrashes: measured on 2 cores, the bundled run was no faster with 2 threads than with 1 when
+the machine was quiet, and 3-15x slower when anything else ran, which also hid the speedup of
+k=3 over k=0 (README, "CPU threads"). So on
 CPU the engine picks :func:`default_num_threads` unless the user chose: ``OMP_NUM_THREADS`` set,
 ``torch.set_num_threads`` called, or an explicit ``num_threads``. The setting is process-wide
 (it is torch's), so it is applied once at engine construction.
@@ -37,9 +38,9 @@ def available_cores() -> int:
 
 def default_num_threads(cores: int | None = None) -> int:
     """The engine's CPU thread count for ``cores`` available cores (default: this process's):
-    1 on up to 2 cores (measured: a second thread gains ~10% when the machine is idle and
-    costs 2.5-4x when another process is busy), else half the cores, at most 4, leaving room
-    for the rest of an RL job (a rule, not measured beyond 2 cores)."""
+    1 on up to 2 cores (measured: a second thread gains nothing when the machine is quiet and
+    costs 3-15x when another process runs), else half the cores, at most 4, leaving room for
+    the rest of an RL job (a rule, not measured beyond 2 cores)."""
     cores = available_cores() if cores is None else cores
     if cores < 1:
         raise ValueError(f"cores must be >= 1, got {cores}")
