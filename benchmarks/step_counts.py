@@ -14,7 +14,7 @@ import torch
 
 @dataclass
 class Counts:
-    """What one step (or any region) did; ``compute_s`` is the time inside counted launches."""
+    """What one step (or any region) did: launches, blocking syncs, graph replays, time."""
 
     aten_kernels: int = 0
     copies: int = 0  # copy_ / _to_copy: host<->device transfers on a GPU, copy kernels on CPU
