@@ -38,6 +38,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import os
 import statistics
@@ -249,7 +250,10 @@ def bench(args: argparse.Namespace) -> list[dict]:
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                 row.update({f"{t}_verdict": v for t, v in verdicts(row).items()})
                 rows.append(row)
-            del engine
+            del engine  # an 8B engine must be gone before the next one loads
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return rows
 
 
