@@ -11,8 +11,8 @@ output.
 
 Host mirrors are written in place and sent with non-blocking copies (page-locked on CUDA), at
 most three per step: the step fields, the sampling fields, and the block-table rows that
-changed. The host writes a mirror again only after the step's one blocking device→host copy,
-so a copy is always done before its source changes.
+changed (``core.block_rows``). The host writes a mirror again only after the step's one
+blocking device→host copy, so a copy is always done before its source changes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specengine.core.transfer import to_device
+from specengine.core.block_rows import BlockRows
 from specengine.sequence import Sequence
 
 # Rows of the int64 step-field array (one copy per step).
@@ -48,16 +48,13 @@ class BatchState:
         self._host_floats_t = _pinned((2, capacity), torch.float32, device)
         self.host_ints = self._host_ints_t.numpy()
         self.host_floats = self._host_floats_t.numpy()
-        self.host_blocks = np.zeros((capacity, max_blocks), dtype=np.int32)
-        # Device copies: ints [7, R] int64, floats [2, R] float32, block_tables [R, max_blocks].
+        # Device copies: ints [7, R] int64, floats [2, R] float32, block tables [R, max_blocks].
         self.ints = torch.zeros(NUM_INT_FIELDS, capacity, dtype=torch.int64, device=device)
         self.floats = torch.zeros(2, capacity, dtype=torch.float32, device=device)
-        self.block_tables = torch.zeros(capacity, max_blocks, dtype=torch.int32, device=device)
+        self.blocks = BlockRows(capacity, max_blocks, device)
+        self.block_tables = self.blocks.table
         self.seqs: list[Sequence] = []
         self._rows: dict[int, int] = {}  # seq_id -> row
-        self._tables: list[list[int]] = []  # per row: the block_table list last sent
-        self._num_sent: list[int] = []  # per row: how many of its block ids the device has
-        self._dirty: set[int] = set()  # rows whose block-table row must be sent again
         for r in range(capacity):
             self._neutral(r)
 
@@ -88,8 +85,6 @@ class BatchState:
         r = len(self.seqs)
         self.seqs.append(seq)
         self._rows[seq.seq_id] = r
-        self._tables.append([])
-        self._num_sent.append(0)
         p = seq.params
         self.host_ints[TOP_K, r] = p.top_k
         self.host_ints[SEED, r] = seq.seed
@@ -106,21 +101,14 @@ class BatchState:
             self._rows[moved.seq_id] = r
             self.host_ints[:, r] = self.host_ints[:, last]
             self.host_floats[:, r] = self.host_floats[:, last]
-            self.host_blocks[r] = self.host_blocks[last]
-            self._tables[r], self._num_sent[r] = self._tables[last], self._num_sent[last]
-            self._dirty.add(r)
         self.seqs.pop()
-        self._tables.pop()
-        self._num_sent.pop()
         self._neutral(last)
-        self._dirty.add(last)
 
     def _neutral(self, r: int) -> None:
         self.host_ints[:, r] = 0
         self.host_ints[TOP_K, r] = -1
         self.host_floats[TEMPERATURE, r] = 0.0  # greedy: the cheapest row for the sampler
         self.host_floats[TOP_P, r] = 1.0
-        self.host_blocks[r] = 0
 
     # ---- per step ----------------------------------------------------------------------------
     def stage(self, num_drafts: np.ndarray, padded_rows: int) -> None:
@@ -135,33 +123,7 @@ class BatchState:
         self.host_ints[OFFSET, :n] = lens
         self.host_ints[LAST, :n] = np.fromiter((s.last_token for s in seqs), np.int64, count=n)
         self.host_ints[NUM_DRAFT, :n] = num_drafts
-        for r, seq in enumerate(seqs):
-            self._grow(r, seq)
-        self._send(padded_rows)
-
-    def _grow(self, r: int, seq: Sequence) -> None:
-        """Record block ids ``seq`` gained since the last step (or its whole new table after a
-        preemption gave it a new one)."""
-        table = seq.block_table
-        if table is not self._tables[r]:
-            self._tables[r], self._num_sent[r] = table, 0
-            self.host_blocks[r] = 0
-        sent = self._num_sent[r]
-        if len(table) > sent:
-            if len(table) > self.max_blocks:
-                raise ValueError(f"sequence {seq.seq_id} holds {len(table)} KV blocks, more "
-                                 f"than the {self.max_blocks} a block-table row has")
-            self.host_blocks[r, sent:len(table)] = table[sent:]
-            self._num_sent[r] = len(table)
-            self._dirty.add(r)
-
-    def _send(self, padded_rows: int) -> None:
-        nb = non_blocking = self.device.type == "cuda"
+        self.blocks.sync([(s.seq_id, s.block_table) for s in seqs])
+        nb = self.device.type == "cuda"
         self.ints[:, :padded_rows].copy_(self._host_ints_t[:, :padded_rows], non_blocking=nb)
-        self.floats[:, :padded_rows].copy_(self._host_floats_t[:, :padded_rows],
-                                           non_blocking=non_blocking)
-        if self._dirty:
-            rows = np.fromiter(sorted(self._dirty), dtype=np.int64)
-            self._dirty.clear()
-            self.block_tables[to_device(rows, self.device)] = to_device(self.host_blocks[rows],
-                                                                        self.device)
+        self.floats[:, :padded_rows].copy_(self._host_floats_t[:, :padded_rows], non_blocking=nb)

@@ -1,0 +1,62 @@
+"""Device block tables with one row per batch row, sent incrementally.
+
+The target's batch state and each drafter's own paged cache keep one of these, row-aligned
+with the batch: row ``r`` holds the block table of the sequence in batch row ``r``. A row whose
+owner changed (another sequence moved in, or the same one got a new table after preemption) is
+sent whole; a row whose table grew sends its new ids; rows past the batch are zeroed (a padded
+row then reads block 0 and owns nothing). All changed rows go in one non-blocking copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from specengine.core.transfer import to_device
+
+
+class BlockRows:
+    """``table [capacity, max_blocks]`` int32 on the device and its host mirror."""
+
+    def __init__(self, capacity: int, max_blocks: int, device: torch.device) -> None:
+        if capacity < 1 or max_blocks < 1:
+            raise ValueError(f"BlockRows needs capacity and max_blocks >= 1, got {capacity}, "
+                             f"{max_blocks}")
+        self.capacity, self.max_blocks, self.device = capacity, max_blocks, device
+        self.host = np.zeros((capacity, max_blocks), dtype=np.int32)
+        self.table = torch.zeros(capacity, max_blocks, dtype=torch.int32, device=device)
+        self._owner: list[object] = [None] * capacity  # (key, table list) the row mirrors
+        self._sent = [0] * capacity  # ids of that table the device has
+        self._used = 0
+
+    def sync(self, rows: Sequence[tuple[int, list[int]]]) -> None:
+        """Make row ``r`` hold ``rows[r] = (owner key, block table)``; rows past
+        ``len(rows)`` become empty."""
+        if len(rows) > self.capacity:
+            raise ValueError(f"{len(rows)} rows exceed the capacity {self.capacity}")
+        dirty: list[int] = []
+        for r, (key, table) in enumerate(rows):
+            owner = self._owner[r]
+            if owner is None or owner[0] != key or owner[1] is not table:  # type: ignore[index]
+                self._owner[r], self._sent[r] = (key, table), 0
+                self.host[r] = 0
+                dirty.append(r)
+            sent = self._sent[r]
+            if len(table) > sent:
+                if len(table) > self.max_blocks:
+                    raise ValueError(f"row {r} holds {len(table)} KV blocks, more than the "
+                                     f"{self.max_blocks} of a block-table row")
+                self.host[r, sent:len(table)] = table[sent:]
+                self._sent[r] = len(table)
+                if not dirty or dirty[-1] != r:
+                    dirty.append(r)
+        for r in range(len(rows), self._used):
+            self._owner[r], self._sent[r] = None, 0
+            self.host[r] = 0
+            dirty.append(r)
+        self._used = len(rows)
+        if dirty:
+            idx = np.asarray(dirty, dtype=np.int64)
+            self.table[to_device(idx, self.device)] = to_device(self.host[idx], self.device)
