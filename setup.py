@@ -1,7 +1,7 @@
 """Build script: the Python packages plus the CMake-built pybind11 extension ``specengine._C``.
 
 ``kernels/`` is installed as ``specengine.kernels`` through ``package_dir`` so the source tree
-keeps the layout of DESIGN.md and nothing called ``kernels`` lands in site-packages.
+keeps the layout of docs/design.md §2 and nothing called ``kernels`` lands in site-packages.
 CUDA sources are compiled when ``nvcc`` is found (architectures from ``SPECENGINE_CUDA_ARCHS``,
 default ``90a;100a``); ``SPECENGINE_NO_CUDA=1`` builds the host part alone.
 """

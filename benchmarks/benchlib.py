@@ -1,6 +1,6 @@
 """Plumbing shared by the kernel benchmarks: HBM peak by device, timing, the floor, outputs.
 
-Method (DESIGN §9): every timed function is called ``warmup`` times first (Triton compilation,
+Method (docs/design.md §9): every timed function runs ``warmup`` times first (Triton compilation,
 autotuning, allocator and ``torch.compile`` caches all happen there), then each of ``iters``
 calls is timed alone between two CUDA events, after a write of 256 MiB that evicts the inputs
 from L2, and the median is reported. ``back_to_back`` instead times runs of calls with no

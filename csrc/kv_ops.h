@@ -6,7 +6,7 @@
 // serves fp32, fp16, bf16 and fp8 alike. Copies move VEC bytes at a time, VEC in {1,2,4,8,16},
 // chosen by choose_vec_bytes() so that every address the routines touch is VEC-aligned.
 //
-// Cache layout (DESIGN §5): each cache is a contiguous [num_blocks, block_size, Hkv, D] tensor,
+// Layout (docs/design.md §5): each cache is a contiguous [num_blocks, block_size, Hkv, D] tensor,
 // i.e. num_slots rows of row_bytes = Hkv * D * elem_size bytes, slot-major.
 #pragma once
 

@@ -1,6 +1,6 @@
 """Triton paged attention: prefill, decode and speculative verification in one kernel.
 
-Specification: ``kernels/reference.py::paged_attention`` (DESIGN §5-§6). One program handles
+Specification: ``kernels/reference.py::paged_attention`` (docs/design.md §5-§6). One program handles
 (sequence, query tile, kv head, kv split). A query tile is ``QT`` consecutive queries of one
 sequence times the ``GROUP`` q heads sharing the kv head, flattened into ``BLOCK_M`` rows
 (row r = query ``r // GROUP``, head ``r % GROUP``), so each K/V tile is loaded once per group.

@@ -1,6 +1,6 @@
 """Plain-PyTorch specification of paged attention, and the packed tree-mask format it reads.
 
-Paged KV layout (DESIGN §5): ``k_cache`` / ``v_cache`` are ``[num_blocks, block_size, Hkv, D]``;
+KV layout (docs/design.md §5): ``k_cache`` / ``v_cache`` are ``[num_blocks, block_size, Hkv, D]``;
 token ``t`` of sequence ``s`` lives in slot ``block_tables[s, t // bs] * bs + t % bs``.
 """
 

@@ -1,6 +1,6 @@
 """Plain-PyTorch specifications of the KV-cache writes and the accepted-path compaction.
 
-Paged KV layout (DESIGN §5): ``k_cache`` / ``v_cache`` are ``[num_blocks, block_size, Hkv, D]``;
+KV layout (docs/design.md §5): ``k_cache`` / ``v_cache`` are ``[num_blocks, block_size, Hkv, D]``;
 slot ``s`` is row ``s`` of the cache viewed as ``[num_blocks * block_size, Hkv, D]``.
 """
 

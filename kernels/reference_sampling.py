@@ -1,4 +1,4 @@
-"""Plain-PyTorch specification of lossless rejection sampling (DESIGN §6).
+"""Plain-PyTorch specification of lossless rejection sampling (docs/design.md §6).
 
 Vectorised over the batch so statistical tests can draw 1e5 rows at once; arithmetic is float32
 in the kernel's order wherever that makes results equal.

@@ -1,4 +1,4 @@
-"""Fused lossless rejection sampling (DESIGN §6): Triton kernels + launcher.
+"""Fused lossless rejection sampling (docs/design.md §6): Triton kernels + launcher.
 
 Specification and RNG counter layout: ``reference.rejection_sample``; results are identical for
 the same inputs and seeds. Two launches, no host sync (CUDA-graph capturable):

@@ -1,4 +1,4 @@
-"""``SpecEngine``: the public entry point (DESIGN §3)."""
+"""``SpecEngine``: the public entry point (docs/design.md §3)."""
 
 from __future__ import annotations
 
@@ -235,7 +235,7 @@ class SpecEngine:
         )
         return [self._output(s) for s in seqs]
 
-    # ---- weights (DESIGN §3-4; the logic lives in specengine.weight_receiver) -------------
+    # ---- weights (docs/design.md §3-4; the logic lives in specengine.weight_receiver) -----
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
                      | Mapping[str, torch.Tensor] | str | Path, *,
                      which: str = "policy", version: int | None = None) -> int:

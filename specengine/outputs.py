@@ -33,7 +33,7 @@ class GenerationOutput:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """Counters of the last ``generate`` call (DESIGN §3 ``engine.stats``)."""
+    """Counters of the last ``generate`` call (docs/design.md §3 ``engine.stats``)."""
 
     num_steps: int = 0  # speculative (or decode) steps, excluding prefill
     num_generated_tokens: int = 0

@@ -1,4 +1,4 @@
-"""Plain-data pieces of the weight-sync protocol (DESIGN §4), shared by sender and receiver.
+"""Plain-data pieces of the weight-sync protocol (docs/design.md §4), shared by sender and receiver.
 
 The update travels as one byte stream: every tensor's bytes at an offset aligned to
 :data:`ALIGN`, cut into chunks of ``bucket_bytes`` (a multiple of :data:`ALIGN`). Since every

@@ -1,4 +1,4 @@
-"""Learner side of weight sync (DESIGN §3–4): :class:`WeightSender`.
+"""Learner side of weight sync (docs/design.md §3–4): :class:`WeightSender`.
 
 Two transports:
 

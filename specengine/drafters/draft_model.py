@@ -1,5 +1,5 @@
 """Small-LM drafter: a second model with the target's vocabulary, run autoregressively on its
-own paged KV cache (DESIGN §7).
+own paged KV cache (docs/design.md §7).
 
 KV bookkeeping per sequence: positions ``0 .. num_cached-1`` of the draft cache hold the K/V
 of ``seq.token_ids[:num_cached]``; ``pending`` are the draft tokens fed speculatively right

@@ -36,7 +36,7 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Writes a step's new K/V into the paged cache and attends over it.
 
-    Contract (DESIGN §6): ``write_kv`` scatters ``k``/``v`` ``[T, Hkv, D]`` into the slots of
+    Contract (docs/design.md §6): ``write_kv`` scatters ``k``/``v`` ``[T, Hkv, D]`` to the slots of
     ``meta.slot_mapping``; ``attend`` then returns ``o [T, Hq, D]`` where query ``i`` of a
     sequence sees its whole cached context plus the new tokens its mask row allows. Both run
     without a host sync on CUDA so a step can be captured in a CUDA graph.

@@ -1,6 +1,6 @@
 """One decoder for Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm) causal LMs.
 
-A decoder layer is a handful of launches (DESIGN §6): a fused residual-add + RMSNorm, one
+A decoder layer is a handful of launches (docs/design.md §6): a fused residual-add + RMSNorm, one
 merged QKV matmul, one q/k-norm + rope + KV-write kernel, attention, ``o_proj``, a second
 add + RMSNorm, one merged gate-up matmul, SiLU·mul and ``down_proj``. The backend picks the
 implementation of the fused ops (``AttentionBackend``: plain PyTorch or Triton).
