@@ -48,18 +48,20 @@ def _write_checkpoint(arch: str, root: Path) -> Path:
     return path
 
 
-def _scored(model, prompts: list[list[int]], outs: list[list[int]]) -> list[torch.Tensor]:
+def _scored(model, prompts: list[list[int]], outs: list[list[int]],
+            device: str) -> list[torch.Tensor]:
     """Per prompt: ``[n, V]`` float32 log-softmax of ``model`` at each generated position."""
     res = []
     with torch.no_grad():
         for p, o in zip(prompts, outs):
-            ids = torch.tensor([p + o], device="cuda")
+            ids = torch.tensor([p + o], device=device)
             logits = model(ids).logits[0, len(p) - 1: len(p) - 1 + len(o)].float()
             res.append(torch.log_softmax(logits, -1))
     return res
 
 
-def check_hf() -> dict:
+def check_hf(device: str = "cuda", dtype: str = "bfloat16") -> dict:
+    """See the module docstring; ``device="cpu", dtype="float32"`` checks the check itself."""
     import transformers
 
     from specengine import SamplingParams, SpecEngine
@@ -71,22 +73,22 @@ def check_hf() -> dict:
         torch.manual_seed(0)
         path = _write_checkpoint(arch, root)
         prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (7, 20, 33, 64)]
-        engine = SpecEngine(path, device="cuda", dtype="bfloat16", kv_cache_tokens=4096)
+        engine = SpecEngine(path, device=device, dtype=dtype, kv_cache_tokens=4096)
         outs = engine.generate(prompts, k=0, sampling=SamplingParams(temperature=0.0,
                                                                      max_tokens=16))
         del engine
         toks = [list(o.token_ids) for o in outs]
         hf32 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        ref = _scored(hf32.cuda().eval(), prompts, toks)
+        ref = _scored(hf32.to(device).eval(), prompts, toks, device)
         hf16 = transformers.AutoModelForCausalLM.from_pretrained(path,
-                                                                 dtype=torch.bfloat16)
-        base = _scored(hf16.cuda().eval(), prompts, toks)
+                                                                 dtype=getattr(torch, dtype))
+        base = _scored(hf16.to(device).eval(), prompts, toks, device)
         err_engine = err_hf = 0.0
         confident = agree = 0
         for o, r, b, t in zip(outs, ref, base, toks):
-            idx = torch.arange(len(t), device="cuda")
-            tt = torch.tensor(t, device="cuda")
-            lp = torch.tensor(o.logprobs, device="cuda")
+            idx = torch.arange(len(t), device=device)
+            tt = torch.tensor(t, device=device)
+            lp = torch.tensor(o.logprobs, device=device)
             err_engine = max(err_engine, float((lp - r[idx, tt]).abs().max()))
             err_hf = max(err_hf, float((b[idx, tt] - r[idx, tt]).abs().max()))
             top2 = r.topk(2, -1).values

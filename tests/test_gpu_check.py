@@ -188,3 +188,15 @@ def test_exit_code_without_cuda():
     assert help_.returncode == 0 and "pytest" in help_.stdout
     run = subprocess.run([sys.executable, script], capture_output=True, text=True)
     assert run.returncode == 2 and "no CUDA device" in run.stderr
+
+
+def test_hf_parity_check_itself_on_cpu():
+    """The parity check's scoring (teacher-forced HF logprobs of the engine's own tokens) on
+    the CPU in float32, where engine and transformers must agree to rounding."""
+    import gpu_parity
+
+    result = gpu_parity.check_hf(device="cpu", dtype="float32")
+    assert result["passed"] is True
+    for d in result["details"].values():
+        assert d["confident_positions"] >= 32 and d["agreeing"] == d["confident_positions"]
+        assert d["logprob_err_engine"] < 1e-4 and d["logprob_err_hf_bf16"] == 0.0
