@@ -200,3 +200,20 @@ def test_hf_parity_check_itself_on_cpu():
     for d in result["details"].values():
         assert d["confident_positions"] >= 32 and d["agreeing"] == d["confident_positions"]
         assert d["logprob_err_engine"] < 1e-4 and d["logprob_err_hf_bf16"] == 0.0
+
+
+def test_graphs_check_itself_on_cpu():
+    """graphs-on = graphs-off on the CPU, where ``cuda_graphs=True`` is the same static padded
+    path without capture: the check's cases all run and compare equal."""
+    import inspect
+
+    import gpu_parity
+
+    from specengine import SpecEngine
+
+    result = gpu_parity.check_graphs(device="cpu", batches=(3,), max_tokens=12)
+    if "cuda_graphs" not in inspect.signature(SpecEngine.__init__).parameters:
+        assert result["passed"] is None
+        return
+    assert result["mismatches"] == [] and len(result["cases"]) == 6
+    assert result["passed"] is True and result["max_logprob_diff"] <= 1e-3
