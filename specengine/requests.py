@@ -33,13 +33,13 @@ class RequestBatch:
             raise ValueError("one SamplingParams per prompt")
 
 
-def prompt_ids(prompt: object, index: int, tokenizer: object | None) -> list[int]:
+def prompt_ids(prompt: object, index: int, tokenizer: TextTokenizer | None) -> list[int]:
     """Token ids of one prompt: a list of ints, a 1-D tensor, or text (needs a tokenizer)."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"prompt {index} is a string but the checkpoint has no "
                              "tokenizer.json: pass token ids")
-        return tokenizer.encode(prompt, what=f"prompt {index}")  # type: ignore[attr-defined]
+        return tokenizer.encode(prompt, what=f"prompt {index}")
     if isinstance(prompt, torch.Tensor):
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)) or not all(
@@ -55,7 +55,7 @@ def validate_requests(
     sampling: SamplingParams | Seq[SamplingParams] | None,
     tree: Seq[Seq[int]] | DraftTree | None,
     *,
-    tokenizer: object | None,
+    tokenizer: TextTokenizer | None,
     vocab_size: int,
     max_model_len: int,
     kv_cache: KVCache,
