@@ -140,6 +140,8 @@ class SpecEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device, aux)
         self.sampler = Sampler(cfg.kernel_backend, self.device)
         self.graphs = _graph_runner(cfg, self.runner, self.sampler, mc.vocab_size)
+        if self.drafter is not None:
+            self.drafter.bind_static(self.graphs)
         self.scheduler = Scheduler(
             self.kv_cache, cfg.max_batch_size, cfg.max_num_batched_tokens,
             on_preempt=self.drafter.release if self.drafter is not None else None,

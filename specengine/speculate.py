@@ -93,11 +93,16 @@ def speculative_step(
         num_drafts = np.full(batch, tree.num_nodes - 1, dtype=np.int64)
     else:
         num_drafts = np.array([num_drafts_for(s, k, max_model_len) for s in seqs], np.int64)
+    rows = graphs.padded_rows(batch)
+    state.stage(num_drafts, rows)  # a static draft loop reads positions from the state
     proposal = None
     if num_drafts.any():
         proposal = drafter.propose(seqs, num_drafts.tolist(), tree)  # type: ignore[union-attr]
         # A chain drafter may propose fewer tokens than asked (an n-gram without a match).
-        num_drafts = np.asarray(proposal.num_draft_tokens, dtype=np.int64)
+        proposed = np.asarray(proposal.num_draft_tokens, dtype=np.int64)
+        if not np.array_equal(proposed, num_drafts):
+            num_drafts = proposed
+            state.restage_num_drafts(num_drafts)
     if not num_drafts.any():
         tree, proposal = None, None
     if tree is not None:
@@ -106,9 +111,8 @@ def speculative_step(
         num_tokens = 1
     else:  # graphs keep one shape per k; eagerly, feed no more than the longest chain needs
         num_tokens = k + 1 if graphs.static else int(num_drafts.max()) + 1
-    shape = VerifyShape(graphs.padded_rows(batch), num_tokens, tree,
+    shape = VerifyShape(rows, num_tokens, tree,
                         proposal is not None and proposal.probs is not None)
-    state.stage(num_drafts, shape.num_rows)
     if proposal is not None:
         graphs.verifier.load_drafts(shape, proposal.token_ids, proposal.probs)
     t1 = time.perf_counter()

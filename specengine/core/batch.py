@@ -127,3 +127,10 @@ class BatchState:
         nb = self.device.type == "cuda"
         self.ints[:, :padded_rows].copy_(self._host_ints_t[:, :padded_rows], non_blocking=nb)
         self.floats[:, :padded_rows].copy_(self._host_floats_t[:, :padded_rows], non_blocking=nb)
+
+    def restage_num_drafts(self, num_drafts: np.ndarray) -> None:
+        """Send new draft counts of rows ``0 .. B-1`` (a drafter proposed fewer than asked)."""
+        n = len(self.seqs)
+        self.host_ints[NUM_DRAFT, :n] = num_drafts
+        self.ints[NUM_DRAFT, :n].copy_(self._host_ints_t[NUM_DRAFT, :n],
+                                       non_blocking=self.device.type == "cuda")

@@ -1,4 +1,5 @@
-"""Verify passes per batch-size bucket, captured as CUDA graphs on CUDA.
+"""Static passes (the verify pass, drafters' k-step loops) per batch-size bucket, captured as
+CUDA graphs on CUDA.
 
 With ``cuda_graphs=True`` a batch of ``B`` rows runs as the smallest bucket ``>= B`` (padded
 rows are inactive: no KV write, ignored outputs). On CUDA the first pass of each shape runs
@@ -12,6 +13,8 @@ buffers, KV cache, weights), so in-place weight updates keep them valid.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -33,7 +36,7 @@ class GraphRunner:
         self.buckets = tuple(sorted(set(buckets)))
         self.static = static
         self.capture = static and device.type == "cuda"
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, VerifyOutput]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self._pool: tuple[int, int] | None = None
         self.num_replays = 0
         self.num_captures = 0
@@ -47,22 +50,29 @@ class GraphRunner:
         return num_rows
 
     def run(self, shape: VerifyShape) -> VerifyOutput:
-        if not self.capture or shape.num_rows not in self.buckets:
-            return self.verifier.run(shape)
-        entry = self._graphs.get(shape.key)
+        """The verify pass of ``shape``."""
+        return self.run_graph(("verify", *shape.key), shape.num_rows,
+                              lambda: self.verifier.run(shape))
+
+    def run_graph(self, key: tuple, num_rows: int, fn: Callable[[], Any]) -> Any:
+        """``fn()``, a pass that reads and writes only static buffers; on CUDA replayed from
+        the graph captured for ``key`` (``num_rows`` a bucket), else run as is. Outputs of a
+        replay are the captured pass's tensors: valid until the next replay of ``key``."""
+        if not self.capture or num_rows not in self.buckets:
+            return fn()
+        entry = self._graphs.get(key)
         if entry is not None:
             graph, out = entry
             graph.replay()
             self.num_replays += 1
             return out
-        out = self.verifier.run(shape)  # warm-up: compiles kernels, serves this step
+        out = fn()  # warm-up: compiles kernels, serves this step
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            static_out = self.verifier.run(shape)
+            static_out = fn()
         self._pool = graph.pool()
-        self._graphs[shape.key] = (graph, static_out)
+        self._graphs[key] = (graph, static_out)
         self.num_captures += 1
-        logger.info("captured a verify graph: %d rows x %d tokens%s", shape.num_rows,
-                    shape.num_tokens, " (tree)" if shape.tree is not None else "")
+        logger.info("captured a graph for %s", key[:3])
         return out

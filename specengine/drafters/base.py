@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch import Tensor
 
+from specengine.core.graphs import GraphRunner
 from specengine.model_runner import ForwardOutput
 from specengine.sequence import Sequence
 from specengine.tree import DraftTree
@@ -58,3 +59,9 @@ class Drafter(ABC):
 
     def release(self, seq: Sequence) -> None:
         """Default: nothing held per sequence."""
+
+    def bind_static(self, graphs: GraphRunner) -> None:
+        """Called once by the engine with its static-path runner when ``cuda_graphs`` is on:
+        a drafter may then run its proposal loop on static buffers (row-aligned with
+        ``graphs.verifier.state``, seqs given in that row order) through
+        ``graphs.run_graph``. Default: the drafter proposes eagerly."""

@@ -62,22 +62,32 @@ def choose_tokens(logits: Tensor, seqs: list[Sequence], positions: list[int],
     (``argmax q / Exp(1)`` is distributed as ``q``). Returns the tokens ``[B]`` and, when
     sampling, the distributions they were drawn from ``[B, V]`` float32 (one-hot for greedy
     requests)."""
+    if not sample:
+        return logits.float().argmax(-1), None
+    dev = logits.device
+    params = [s.params for s in seqs]
+    return choose_from(
+        logits, True,
+        to_device(np.array([p.temperature for p in params], np.float32), dev),
+        to_device(np.array([p.top_k for p in params], np.int64), dev),
+        to_device(np.array([p.top_p for p in params], np.float32), dev),
+        to_device(np.array([_signed(s.seed) for s in seqs], np.int64), dev),
+        to_device(np.array(positions, np.int64), dev))
+
+
+def choose_from(logits: Tensor, sample: bool, temperature: Tensor, top_k: Tensor,
+                top_p: Tensor, seeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
+    """:func:`choose_tokens` on per-row device tensors (all ``[B]``; no host data), as the
+    static draft loop reads them from the persistent batch."""
     logits = logits.float()
     tokens = logits.argmax(-1)
     if not sample:
         return tokens, None
-    dev = logits.device
-    params = [s.params for s in seqs]
-    temperature = to_device(np.array([p.temperature for p in params], np.float32), dev)
     greedy = temperature == 0
-    q = processed_probs(logits, torch.where(greedy, 1.0, temperature),
-                        to_device(np.array([p.top_k for p in params], np.int64), dev),
-                        to_device(np.array([p.top_p for p in params], np.float32), dev))
+    q = processed_probs(logits, torch.where(greedy, 1.0, temperature), top_k, top_p)
     one_hot = torch.zeros_like(logits).scatter_(-1, tokens[:, None], 1.0)
     q = torch.where(greedy[:, None], one_hot, q)
-    seeds = to_device(np.array([_signed(s.seed) for s in seqs], np.int64), dev)
-    pos = to_device(np.array(positions, np.int64), dev)
-    drawn = (q / -torch.log(draft_uniforms(seeds, pos, logits.shape[-1]))).argmax(-1)
+    drawn = (q / -torch.log(draft_uniforms(seeds, positions, logits.shape[-1]))).argmax(-1)
     return torch.where(greedy, tokens, drawn), q
 
 

@@ -32,6 +32,8 @@ from specengine.sequence import SeqStatus, Sequence
 from specengine.tree import DraftTree
 
 if TYPE_CHECKING:
+    from specengine.core.graphs import GraphRunner
+    from specengine.drafters.static_chain import StaticFeatureChain
     from specengine.engine import SpecEngine
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,14 @@ class FeatureDrafter(Drafter):
         self.runner = ModelRunner(self.module, self.kv_cache,  # type: ignore[arg-type]
                                   make_attention_backend(cfg.kernel_backend), self.device)
         self._states: dict[int, FeatureState] = {}
+        self._static: StaticFeatureChain | None = None
+
+    def bind_static(self, graphs: GraphRunner) -> None:
+        """Chains then run as ``StaticFeatureChain`` (one CUDA graph per bucket and k)."""
+        if graphs.static:
+            from specengine.drafters.static_chain import StaticFeatureChain
+
+            self._static = StaticFeatureChain(self, graphs)
 
     @abstractmethod
     def features(self, target: ForwardOutput, rows: Tensor) -> Tensor:
@@ -125,6 +135,8 @@ class FeatureDrafter(Drafter):
 
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int],
                 tree: DraftTree | None) -> DraftProposal:
+        if tree is None and self._static is not None:
+            return self._static.propose(seqs, num_drafts)
         counts = np.asarray(num_drafts, dtype=np.int64)
         rows = [b for b, n in enumerate(num_drafts) if n > 0]
         for b in rows:  # the last proposals' entries sit after num_cached; room for k - 1 more
