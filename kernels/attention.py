@@ -14,6 +14,7 @@ and writes a partial result that ``attention_combine.combine_splits`` merges.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -50,8 +51,11 @@ def _attend_tile(
         kt = tl.load(k_base + k_off[None, :] + offs_d[:, None], mask=in_range[None, :], other=0.0)
     else:
         kt = tl.load(k_base + k_off[None, :] + offs_d[:, None])  # [D, BLOCK_N]
-    if IEEE:  # fp32 inputs: keep full precision (tf32 would miss the fp32 tolerance)
-        s = tl.dot(q, kt, input_precision="ieee")
+    if IEEE:
+        # fp32 inputs: plain tf32 would miss the fp32 tolerance, and "ieee" runs on FMA units
+        # with whole head_dim rows per thread (it spills at any tile size). tf32x3 keeps ~fp32
+        # accuracy on tensor cores (three tf32 products: hi*hi + hi*lo + lo*hi).
+        s = tl.dot(q, kt, input_precision="tf32x3")
     else:
         s = tl.dot(q, kt)
     s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
@@ -79,7 +83,7 @@ def _attend_tile(
     else:
         v = tl.load(v_base + v_off[:, None] + offs_d[None, :])  # [BLOCK_N, D]
     if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="tf32x3")
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
@@ -161,15 +165,34 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _tiles(max_q_len: int, group: int, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M rows, QT queries per tile, BLOCK_N keys per tile)."""
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape of ``_paged_attention_kernel``; see ``tiles``."""
+
+    block_m: int  # rows per program: QT queries x GROUP heads (>= 16 for tl.dot)
+    qt: int  # queries per tile
+    block_n: int  # keys per tile
+    num_warps: int
+
+
+def tiles(max_q_len: int, group: int, head_dim: int, ieee: bool, tree: bool) -> Tiles:
+    """The launch shape for these sizes (the one function that picks it: the launcher and
+    ``scripts/compile_kernels.py``, which checks it compiles without spills, both use it)."""
     # Rows = queries x group heads. tl.dot needs >= 16 rows; beyond 64 rows (32 at D=256) the
     # fp32 accumulator no longer fits in registers comfortably.
     cap = 32 if head_dim >= 256 else 64
+    block_n = 32 if head_dim >= 256 else 64
+    if ieee:
+        # fp32 tiles (tf32x3 dots) hold twice the bytes of bf16 ones plus the hi/lo halves of
+        # each operand: at 64 x 64 they spill, at 32 x 32 they fit (scripts/compile_kernels.py).
+        cap, block_n = cap // 2, block_n // 2
     block_m = min(max(16, triton.next_power_of_2(max(max_q_len, 1) * group)), cap)
     block_m = max(block_m, triton.next_power_of_2(group))  # at least one whole query per tile
-    block_n = 32 if head_dim >= 256 else 64
-    return block_m, max(1, block_m // group), block_n
+    # A tree tile also holds its [BLOCK_M, BLOCK_N] mask words: at 64 x 128 rows that tips
+    # sm_100a into spilling with 4 warps, so it gets 8 like the larger tiles.
+    rows = block_m * head_dim
+    num_warps = 8 if rows > 64 * 128 or (tree and rows >= 64 * 128) else 4
+    return Tiles(block_m, max(1, block_m // group), block_n, num_warps)
 
 
 def paged_attention(
@@ -217,7 +240,9 @@ def paged_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, Hq, D]
     if num_tokens == 0 or num_seqs == 0 or max_q_len == 0:
         return out
-    block_m, qt, block_n = _tiles(max_q_len, group, d)
+    ieee = q.dtype == torch.float32
+    shape = tiles(max_q_len, group, d, ieee, tree_mask is not None)
+    block_m, qt, block_n = shape.block_m, shape.qt, shape.block_n
     n_q_tiles = triton.cdiv(max_q_len, qt)
     if num_splits is None:
         max_kv_tiles = triton.cdiv(block_tables.shape[1] * block_size, block_n)
@@ -244,8 +269,7 @@ def paged_attention(
         block_tables.stride(0), stride_mt, stride_mw,
         GROUP=group, QT=qt, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d,
         BLOCK_SIZE=block_size, TREE=tree_mask is not None, SPLIT=split,
-        IEEE=q.dtype == torch.float32,
-        num_warps=4 if block_m * d <= 64 * 128 else 8,
+        IEEE=ieee, num_warps=shape.num_warps,
     )
     if split:
         combine_splits(part, lse, out)

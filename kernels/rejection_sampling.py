@@ -37,7 +37,11 @@ from .sampling_pass import (
 )
 
 # Search-pass tile: small on GPUs (registers); large in the CPU interpreter (fewer numpy ops).
-_SBLOCK = 1024 if os.environ.get("TRITON_INTERPRET") == "1" else 128
+# Tree rows also walk their children inside pass 1: at 128 their row kernel spills on sm_90a
+# (scripts/compile_kernels.py checks), at 64 it does not.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_SBLOCK = 1024 if _INTERPRET else 128
+_SBLOCK_TREE = 1024 if _INTERPRET else 64
 
 
 @triton.jit
@@ -260,7 +264,8 @@ def rejection_sample(
         draft_token_ids, s_db, num_draft_tokens, q, q.stride(0), q.stride(1),
         temperature, inv_t, top_k, top_p, seeds, offsets, parents,
         tok_end, lp_end, p_child, lp_child, acc, n_rows, vocab,
-        HAS_Q=draft_probs is not None, IS_TREE=is_tree, P=16, SBLOCK=_SBLOCK, GBLOCK=2048,
+        HAS_Q=draft_probs is not None, IS_TREE=is_tree, P=16,
+        SBLOCK=_SBLOCK_TREE if is_tree else _SBLOCK, GBLOCK=2048,
         num_warps=4,
     )
     _walk_kernel[(bsz,)](

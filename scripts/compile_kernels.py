@@ -1,0 +1,271 @@
+"""Compile every Triton kernel of ``kernels/`` for sm_90a and sm_100a, with no GPU; fail on spills.
+
+Each configuration runs the real launcher (``paged_attention``, ``rejection_sample``, ...) on
+meta-device tensors at Qwen3-8B shapes while ``JITFunction.run`` is replaced by a recorder, so
+the grid, constexprs and ``num_warps`` are exactly the ones the launcher picks. Every recorded
+launch then goes through Triton's own argument binder and specialisation (as ``JITFunction.run``
+does) and ``triton.compile`` for each target; Triton's bundled ptxas reports registers and
+spills. Prints one table per target, writes ``benchmarks/out/compile_table.json`` and exits 1
+if any kernel fails to compile or spills, or if a launched kernel has no configuration.
+
+A kernel file adds its own configurations with a module-level ``aot_configs()`` returning
+``[(label, call), ...]`` where ``call()`` runs its launcher on meta tensors (see
+``compile_configs.py`` for the built-in ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import json
+import logging
+import multiprocessing
+import os
+import re
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("compile_kernels")
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = (90, 100)
+_USED = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One recorded kernel launch: the JIT function and the arguments the launcher gave it."""
+
+    labels: tuple[str, ...]  # every configuration that launches this exact variant
+    kernel: object  # triton.runtime.jit.JITFunction
+    args: tuple
+    kwargs: dict
+
+
+def parse_ptxas_log(text: str) -> dict[str, int]:
+    """Registers, stack frame and spill bytes from ``ptxas -v`` output of one entry function."""
+    used, spill = _USED.findall(text), _SPILL.findall(text)
+    if len(used) != 1 or len(spill) != 1:
+        raise ValueError(f"expected one ptxas report, found {len(used)} register and "
+                         f"{len(spill)} spill lines in:\n{text}")
+    stack, stores, loads = (int(x) for x in spill[0])
+    return {"registers": int(used[0]), "stack_bytes": stack, "spill_stores": stores,
+            "spill_loads": loads}
+
+
+def record_launches(call: Callable[[], object]) -> list[tuple[object, tuple, dict]]:
+    """Run ``call`` with every Triton launch recorded instead of run: [(kernel, args, kwargs)]."""
+    from triton.runtime.jit import JITFunction
+
+    from specengine.kernels import value_checks
+
+    seen: list[tuple[object, tuple, dict]] = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        seen.append((self, args, kwargs))
+
+    original = JITFunction.run
+    JITFunction.run = record
+    try:
+        with value_checks(False):  # meta tensors have no values to check
+            call()
+    finally:
+        JITFunction.run = original
+    return seen
+
+
+def _bind(kernel, args: tuple, kwargs: dict, capability: int):
+    """What ``JITFunction.run`` builds before compiling, for ``capability`` instead of the
+    current device: (target, ASTSource, options)."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    kwargs = dict(kwargs)
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+    for name in ("instrumentation_mode", "fpsan_homomorphic_casts"):  # as run() in 3.9
+        if hasattr(knobs.compilation, name):
+            kwargs[name] = getattr(knobs.compilation, name)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
+                                                              specialization, options)
+    return target, ASTSource(kernel, signature, constexprs, attrs), options, specialization
+
+
+def variant_key(kernel, args: tuple, kwargs: dict) -> str:
+    """Identity of the compiled variant (same key: same binary)."""
+    *_, options, specialization = _bind(kernel, args, kwargs, TARGETS[0])
+    return f"{kernel.__name__}|{specialization}|{sorted(options.__dict__.items())}"
+
+
+def compile_launch(launch: Launch, capability: int) -> dict:
+    """Compile one launch for sm_<capability>a; its ptxas stats and shared memory."""
+    import triton
+
+    target, src, options, _ = _bind(launch.kernel, launch.args, launch.kwargs, capability)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        compiled = triton.compile(src, target=target, options=options.__dict__)
+    stats = parse_ptxas_log(out.getvalue())
+    stats["shared_bytes"] = int(compiled.metadata.shared)
+    stats["num_warps"] = int(compiled.metadata.num_warps)
+    return stats
+
+
+def kernel_modules() -> list[str]:
+    """Every kernel module of ``kernels/`` except the PyTorch references."""
+    names = sorted(p.stem for p in (ROOT / "kernels").glob("*.py"))
+    return [n for n in names if not n.startswith(("reference", "_"))]
+
+
+def entry_kernels(module) -> set[str]:
+    """Names of the @triton.jit functions a module launches (written ``name[grid](...)``)."""
+    from triton.runtime.jit import JITFunction
+
+    text = Path(module.__file__).read_text()
+    return {name for name, obj in vars(module).items()
+            if isinstance(obj, JITFunction) and obj.fn.__module__ == module.__name__
+            and re.search(rf"\b{re.escape(name)}\[", text)}
+
+
+def collect() -> tuple[list[Launch], list[str]]:
+    """Unique launches of every configuration, and the errors found (uncovered kernels)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import compile_configs
+
+    configs: list[tuple[str, Callable[[], object]]] = list(compile_configs.builtin_configs())
+    entries: set[str] = set()
+    for name in kernel_modules():
+        module = importlib.import_module(f"specengine.kernels.{name}")
+        entries |= {f"{name}.{k}" for k in entry_kernels(module)}
+        hook = getattr(module, "aot_configs", None)
+        if hook is not None:
+            configs += [(f"{name}: {label}", call) for label, call in hook()]
+    by_key: dict[str, Launch] = {}
+    launched: set[str] = set()
+    for label, call in configs:
+        for kernel, args, kwargs in record_launches(call):
+            launched.add(f"{kernel.fn.__module__.rsplit('.', 1)[-1]}.{kernel.__name__}")
+            key = variant_key(kernel, args, kwargs)
+            old = by_key.get(key)
+            labels = (*old.labels, label) if old else (label,)
+            by_key[key] = Launch(labels, kernel, args, kwargs)
+    errors = [f"{k}: launched by kernels/ but no configuration compiles it (add it to an "
+              "aot_configs() in its module)" for k in sorted(entries - launched)]
+    return list(by_key.values()), errors
+
+
+_LAUNCHES: list[Launch] = []  # set before the pool forks; workers index into it
+
+
+def _work(job: tuple[int, int]) -> tuple[int, int, dict | str, float]:
+    index, capability = job
+    start = time.perf_counter()
+    try:
+        result: dict | str = compile_launch(_LAUNCHES[index], capability)
+    except Exception as e:  # reported in the table; the run fails at the end
+        result = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+    return index, capability, result, time.perf_counter() - start
+
+
+def _table(rows: list[dict], capability: int) -> str:
+    head = f"{'kernel':<24} {'configuration':<58} {'regs':>5} {'spill st/ld B':>14} {'smem B':>8}"
+    lines = [f"== sm_{capability}a ==", head, "-" * len(head)]
+    for r in rows:
+        if r["target"] != f"sm_{capability}a":
+            continue
+        if "error" in r:
+            lines.append(f"{r['kernel']:<24} {r['config']:<58} FAILED: {r['error']}")
+            continue
+        spill = f"{r['spill_stores']}/{r['spill_loads']}"
+        flag = "  <-- SPILLS" if r["spill_stores"] or r["spill_loads"] else ""
+        lines.append(f"{r['kernel']:<24} {r['config'][:58]:<58} {r['registers']:>5} "
+                     f"{spill:>14} {r['shared_bytes']:>8}{flag}")
+    return "\n".join(lines)
+
+
+def prepare_env() -> None:
+    """Before any kernel module is imported: compile the GPU variants (``TRITON_INTERPRET``
+    also changes launcher choices such as ``_SBLOCK``), and have Triton print ptxas's log on
+    every compile, cached or not (it is captured per compile)."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"
+    if "specengine.kernels.attention" in sys.modules:
+        raise RuntimeError("kernel modules were imported before prepare_env(): run this as a "
+                           "script, not from a process that already loaded the kernels")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Compile all, print the tables, write the JSON; 0 when nothing failed or spilled."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", type=int, nargs="+", default=list(TARGETS))
+    parser.add_argument("--only", default="",
+                        help="keep the variants whose 'kernel configuration' contains this")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/out/compile_table.json")
+    opts = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # Triton 3.9 notes that its FP-fusion default will change; the default (fusion on, as on
+    # the GPU machines' Triton 3.6) is what launches get, so it is what is compiled here.
+    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+    start = time.perf_counter()
+    prepare_env()
+    launches, errors = collect()
+    launches = [x for x in launches
+                if any(opts.only in f"{x.kernel.__name__} {label}" for label in x.labels)]
+    if not launches:
+        log.error("no kernel matches --only %r", opts.only)
+        return 1
+    _LAUNCHES[:] = launches
+    jobs = [(i, c) for i in range(len(launches)) for c in opts.targets]
+    log.info("compiling %d kernel variants for %s with %d processes", len(launches),
+             ", ".join(f"sm_{c}a" for c in opts.targets), opts.jobs)
+    results = []
+    with contextlib.ExitStack() as stack:
+        if opts.jobs > 1:
+            pool = stack.enter_context(multiprocessing.get_context("fork").Pool(opts.jobs))
+            done = pool.imap_unordered(_work, jobs)
+        else:
+            done = map(_work, jobs)
+        for index, capability, result, seconds in done:
+            results.append((index, capability, result, seconds))
+            log.info("[%d/%d] %.1f s  sm_%da %s %s", len(results), len(jobs), seconds,
+                     capability, launches[index].kernel.__name__, launches[index].labels[0])
+    rows = []
+    for index, capability, result, seconds in sorted(results, key=lambda r: (r[1], r[0])):
+        launch = launches[index]
+        more = f" (+{len(launch.labels) - 1} more)" if len(launch.labels) > 1 else ""
+        row = {"kernel": launch.kernel.__name__, "config": launch.labels[0] + more,
+               "all_configs": list(launch.labels),
+               "target": f"sm_{capability}a", "compile_s": round(seconds, 2)}
+        row.update(result if isinstance(result, dict) else {"error": result})
+        rows.append(row)
+        if isinstance(result, str):
+            errors.append(f"{row['kernel']} [{row['config']}] on {row['target']}: {result}")
+        elif result["spill_stores"] or result["spill_loads"]:
+            errors.append(f"{row['kernel']} [{row['config']}] on {row['target']} spills "
+                          f"{result['spill_stores']} B stores / {result['spill_loads']} B loads")
+    for capability in opts.targets:
+        print(_table(rows, capability), end="\n\n")
+    opts.json.parent.mkdir(parents=True, exist_ok=True)
+    opts.json.write_text(json.dumps({"rows": rows, "errors": errors}, indent=1))
+    log.info("%d compiles in %.0f s; table in %s", len(rows), time.perf_counter() - start,
+             opts.json)
+    for e in errors:
+        log.error("FAIL %s", e)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
