@@ -56,7 +56,10 @@ _C_KERNELS = ("reshape_and_cache_host", "reshape_and_cache_cuda", "compact_kv_ho
               "compact_kv_cuda")
 # Device work called as plain functions (module, attribute): the fused rejection sampler.
 _COMPUTE_FUNCS = (("specengine.kernels.reference", "rejection_sample"),
-                  ("specengine.kernels.rejection_sampling", "rejection_sample"))
+                  ("specengine.kernels.rejection_sampling", "rejection_sample"),
+                  # A static pass (verify + sampling, a drafter's k-step loop): on CUDA it is
+                  # one graph replay, so on the CPU its time is device work too.
+                  ("specengine.core.graphs", "GraphRunner.run_graph"))
 _HERE = str(Path(__file__).resolve())
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 
@@ -265,8 +268,10 @@ class StepProfiler:
                     mod = importlib.import_module(mod_name)
                 except ImportError:
                     continue
-                if hasattr(mod, attr):
-                    self._patch(mod, attr, self._region_wrapper)
+                owner_name, _, attr = attr.rpartition(".")
+                owner = getattr(mod, owner_name, None) if owner_name else mod
+                if owner is not None and hasattr(owner, attr):
+                    self._patch(owner, attr, self._region_wrapper)
             handles = (nn_module.register_module_forward_pre_hook(self._enter_region),
                        nn_module.register_module_forward_hook(self._leave_region,
                                                               always_call=True))

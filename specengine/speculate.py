@@ -143,7 +143,8 @@ def speculative_step(
         times.num_step_tokens += len(seq) - before
     times.num_seq_steps += batch
     if drafter is not None and k > 0:  # also after a fallback step: the drafter catches up
-        drafter.observe(seqs, forward_output(out, batch, num_tokens), accepted_rows)
+        if not drafter.observe_step(seqs, out, shape, result.num_accepted):
+            drafter.observe(seqs, forward_output(out, batch, num_tokens), accepted_rows)
     times.num_steps += 1
     times.draft += t1 - t0
     times.verify += t2 - t1

@@ -36,7 +36,7 @@ from specengine.core.batch import (
 from specengine.core.transfer import to_device
 from specengine.model.attention import AttentionMetadata
 from specengine.model_runner import ForwardOutput, ModelRunner
-from specengine.sampler import Sampler, SamplingTensors
+from specengine.sampler import Sampler, SamplerOutput, SamplingTensors
 from specengine.tree import DraftTree
 
 
@@ -67,6 +67,7 @@ class VerifyOutput:
     packed: Tensor  # [rows, 3N + 1] float64: see SamplerOutput.pack
     hidden: Tensor  # [rows * N, H] final-norm hidden of every fed token
     aux_hidden: list[Tensor]  # [rows * N, H] each: the drafter's target features
+    sampled: SamplerOutput  # the same results on the device (a static drafter reads them)
 
 
 class StaticVerifier:
@@ -161,7 +162,7 @@ class StaticVerifier:
         )
         probs = self.probs_buffer(shape) if shape.has_probs else None
         out = self.sampler(logits, drafts, num_draft, probs, parents, params)
-        return VerifyOutput(out.pack(), hidden, aux)
+        return VerifyOutput(out.pack(), hidden, aux, out)
 
 
 def forward_output(out: VerifyOutput, num_rows: int, num_tokens: int) -> ForwardOutput:

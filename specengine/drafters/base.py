@@ -9,6 +9,7 @@ import numpy as np
 from torch import Tensor
 
 from specengine.core.graphs import GraphRunner
+from specengine.core.verify import VerifyOutput, VerifyShape
 from specengine.model_runner import ForwardOutput
 from specengine.sequence import Sequence
 from specengine.tree import DraftTree
@@ -59,6 +60,13 @@ class Drafter(ABC):
 
     def release(self, seq: Sequence) -> None:
         """Default: nothing held per sequence."""
+
+    def observe_step(self, seqs: tuple[Sequence, ...], out: VerifyOutput, shape: VerifyShape,
+                     num_accepted: np.ndarray) -> bool:
+        """After a static verify pass: catch up from its device outputs (``out``; the step's
+        host results gave ``num_accepted``) instead of :meth:`observe`. Returns False when the
+        drafter does not (then the step calls :meth:`observe`). Default: False."""
+        return False
 
     def bind_static(self, graphs: GraphRunner) -> None:
         """Called once by the engine with its static-path runner when ``cuda_graphs`` is on:

@@ -33,6 +33,7 @@ from specengine.tree import DraftTree
 
 if TYPE_CHECKING:
     from specengine.core.graphs import GraphRunner
+    from specengine.core.verify import VerifyOutput, VerifyShape
     from specengine.drafters.static_chain import StaticFeatureChain
     from specengine.engine import SpecEngine
 
@@ -102,6 +103,12 @@ class FeatureDrafter(Drafter):
         pos = to_device(np.concatenate(positions), self.device)
         out, _ = self.module(ids, hidden, pos, self.kv_cache.kv, meta, self.runner.backend)
         return out
+
+    def observe_step(self, seqs: tuple[Sequence, ...], out: VerifyOutput, shape: VerifyShape,
+                     num_accepted: np.ndarray) -> bool:
+        if self._static is None:
+            return False
+        return self._static.observe(seqs, out, shape, num_accepted)
 
     def observe(self, seqs: tuple[Sequence, ...], target: ForwardOutput,
                 accepted_rows: list[list[int]]) -> None:

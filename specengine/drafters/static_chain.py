@@ -1,4 +1,5 @@
-"""The k-step chain loop of a hidden-state drafter (EAGLE-3, MTP) on static buffers.
+"""The k-step chain loop and the catch-up of a hidden-state drafter (EAGLE-3, MTP) on static
+buffers.
 
 Same passes as ``FeatureDrafter``'s eager chain, shaped for a CUDA graph: every row of the
 padded batch drafts ``k`` tokens (rows asked for fewer draft extra tokens nobody verifies; rows
@@ -11,6 +12,12 @@ Draft ``j`` of a row comes from the logits after entry ``len - 2 + j`` (entry ``
 the root written by ``observe``; entry ``len - 2 + j``, j >= 1, reads the previous output
 hidden and draft ``j - 1``). An entry a row writes past its own drafts is rewritten before it
 is ever read (``observe`` rewrites from the first unverified position on).
+
+:meth:`StaticFeatureChain.observe` is ``FeatureDrafter.observe`` after a verify pass, fed
+from that pass's device outputs (accepted rows' target features, emitted tokens): entry
+``start + j`` (``start = len - 1`` before the step, ``j = 0 .. accepted``) reads the target's
+features of the ``j``-th accepted row and the ``j``-th emitted token; the last one's output is
+the next root. One graph per verify shape (its outputs are this pass's inputs).
 """
 
 from __future__ import annotations
@@ -25,10 +32,12 @@ from specengine.core.batch import ACTIVE, CTX, OFFSET, SEED, TEMPERATURE, TOP_K,
 from specengine.core.block_rows import BlockRows
 from specengine.core.graphs import GraphRunner
 from specengine.core.transfer import to_device
+from specengine.core.verify import VerifyOutput, VerifyShape
 from specengine.drafters.base import DraftProposal
 from specengine.drafters.drafting import choose_from
 from specengine.model.attention import AttentionMetadata
-from specengine.sequence import Sequence
+from specengine.model_runner import ForwardOutput
+from specengine.sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
     from specengine.drafters.feature_drafter import FeatureDrafter
@@ -43,7 +52,9 @@ class StaticFeatureChain:
         self.state = state
         self.blocks = BlockRows(state.capacity, state.max_blocks, drafter.device)
         self.root: Tensor | None = None  # [capacity, H]: each row's root hidden
-        self._indptr: dict[int, Tensor] = {}
+        # [capacity]: entries each row writes in the catch-up pass (0: none, a finished row)
+        self.counts = torch.zeros(state.capacity, dtype=torch.int64, device=drafter.device)
+        self._indptr: dict[tuple[int, int], Tensor] = {}
 
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int]) -> DraftProposal:
         """``seqs`` in batch-row order (the step arranged them); every row drafts
@@ -73,8 +84,7 @@ class StaticFeatureChain:
         active = ints[ACTIVE] > 0
         table = self.blocks.table[:rows]
         bs = d.kv_cache.block_size
-        if rows not in self._indptr:
-            self._indptr[rows] = to_device(np.arange(rows + 1, dtype=np.int32), d.device)
+        indptr = self._qo_indptr(rows, 1)
         hidden = self.root[:rows]  # type: ignore[index]
         ids = torch.zeros(rows, k, dtype=torch.int64, device=d.device)
         probs = None
@@ -86,7 +96,7 @@ class StaticFeatureChain:
                 slots = torch.where(active, block[:, 0].long() * bs + pos % bs, -1)
                 meta = AttentionMetadata(slot_mapping=slots, block_tables=table,
                                          context_lens=pos.to(torch.int32),
-                                         qo_indptr=self._indptr[rows], max_q_len=1)
+                                         qo_indptr=indptr, max_q_len=1)
                 hidden, _ = d.module(tokens, hidden, pos, d.kv_cache.kv, meta,
                                      d.runner.backend)
             logits = d.module.compute_logits(hidden)
@@ -99,3 +109,60 @@ class StaticFeatureChain:
                     probs = q.new_zeros(rows, k, q.shape[-1])
                 probs[:, j] = q
         return ids, probs
+
+    def _qo_indptr(self, rows: int, per_row: int) -> Tensor:
+        if (rows, per_row) not in self._indptr:
+            self._indptr[rows, per_row] = to_device(
+                np.arange(rows + 1, dtype=np.int32) * per_row, self.drafter.device)
+        return self._indptr[rows, per_row]
+
+    def observe(self, seqs: tuple[Sequence, ...], out: VerifyOutput, shape: VerifyShape,
+                num_accepted: np.ndarray) -> bool:
+        """Catch up after the verify pass ``out`` (``seqs`` in row order, already extended
+        by this step's tokens). False (the caller observes eagerly) if a sequence has no
+        state yet."""
+        d = self.drafter
+        states = [d._states.get(s.seq_id) for s in seqs]
+        if any(st is None for st in states):
+            return False
+        live = np.fromiter((s.status is not SeqStatus.FINISHED for s in seqs), bool, len(seqs))
+        counts = np.where(live, num_accepted + 1, 0)
+        for seq, st, ok in zip(seqs, states, live):
+            if ok:  # entries 0 .. len - 2 (the newest token is the next step's root input)
+                d.kv_cache.ensure(st, len(seq) - 1)  # type: ignore[arg-type]
+        self.blocks.sync([(s.seq_id, st.block_table)  # type: ignore[union-attr]
+                          for s, st in zip(seqs, states)])
+        self.counts[: len(seqs)].copy_(to_device(counts, d.device))
+        self.counts[len(seqs): shape.num_rows] = 0
+        roots = self.graphs.run_graph(("observe", *shape.key), shape.num_rows,
+                                      lambda: self._observe(shape, out))
+        roots = roots[: len(seqs)].clone()  # a later replay overwrites the pass's outputs
+        for b, (seq, st) in enumerate(zip(seqs, states)):
+            if live[b]:
+                st.num_cached = len(seq) - 1  # type: ignore[union-attr]
+                st.hidden = roots[b]  # type: ignore[union-attr]
+        return True
+
+    @torch.inference_mode()
+    def _observe(self, shape: VerifyShape, out: VerifyOutput) -> Tensor:
+        d, st = self.drafter, self.state
+        rows, n = shape.num_rows, shape.num_tokens
+        start = st.ints[CTX, :rows]
+        counts = self.counts[:rows]
+        j = torch.arange(n, device=start.device)
+        pos = start[:, None] + j[None, :]  # [rows, N]: the accepted path is a chain
+        sampled = out.sampled
+        fed_rows = (torch.arange(rows, device=start.device)[:, None] * n
+                    + sampled.row_ids.clamp_min(0).long())  # target row of accepted j
+        feats = d.features(ForwardOutput(out.hidden, out.aux_hidden, []), fed_rows.reshape(-1))
+        table = self.blocks.table[:rows]
+        bs = d.kv_cache.block_size
+        blocks = table.gather(1, (pos // bs).clamp_max(st.max_blocks - 1)).long()
+        slots = torch.where(j[None, :] < counts[:, None], blocks * bs + pos % bs, -1)
+        meta = AttentionMetadata(slot_mapping=slots.reshape(-1), block_tables=table,
+                                 context_lens=start.to(torch.int32),
+                                 qo_indptr=self._qo_indptr(rows, n), max_q_len=n)
+        tokens = sampled.output_ids.clamp_min(0).reshape(-1)
+        g, _ = d.module(tokens, feats, pos.reshape(-1), d.kv_cache.kv, meta, d.runner.backend)
+        last = (counts - 1).clamp_min(0)  # the last entry written: the next root
+        return g.view(rows, n, -1)[torch.arange(rows, device=g.device), last]
