@@ -57,6 +57,8 @@ class KVCache:
 
     def ensure(self, seq: Sequence, num_tokens: int) -> None:
         """Grow ``seq.block_table`` to hold ``num_tokens`` tokens (raises if blocks run out)."""
+        if num_tokens <= len(seq.block_table) * self.block_size:  # the common case: no work
+            return
         missing = self.num_missing_blocks(seq, num_tokens)
         if missing:
             seq.block_table.extend(int(b) for b in self.allocator.allocate(missing))

@@ -130,16 +130,18 @@ def speculative_step(
     depths = num_drafts if tree is None else np.where(num_drafts > 0, tree.max_depth, 0)
     times.count(depths, result.num_accepted)
     accepted_rows: list[list[int]] = []
-    for b, seq in enumerate(seqs):
-        n = int(result.num_accepted[b])
-        accepted_rows.append(result.row_ids[b, : n + 1].tolist())
+    # One conversion per array (not per row): this loop is the step's per-sequence host work.
+    out_ids, out_lps = result.output_ids.tolist(), result.logprobs.tolist()
+    out_rows, drafted = result.row_ids.tolist(), num_drafts.tolist()
+    for seq, n, ids, lps, rows_b, d in zip(seqs, result.num_accepted.tolist(), out_ids, out_lps,
+                                          out_rows, drafted):
+        accepted_rows.append(rows_b[: n + 1])
         seq.num_steps += 1
-        seq.num_draft_tokens += int(num_drafts[b])
+        seq.num_draft_tokens += d
         seq.num_accepted_tokens += n
         seq.num_cached_tokens = len(seq) + n  # root + accepted drafts are cached
         before = len(seq)
-        seq.append(result.output_ids[b, : n + 1].tolist(), result.logprobs[b, : n + 1].tolist(),
-                   max_model_len)
+        seq.append(ids[: n + 1], lps[: n + 1], max_model_len)
         times.num_step_tokens += len(seq) - before
     times.num_seq_steps += batch
     if drafter is not None and k > 0:  # also after a fallback step: the drafter catches up

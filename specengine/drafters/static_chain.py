@@ -136,11 +136,12 @@ class StaticFeatureChain:
         self.counts[len(seqs): shape.num_rows] = 0
         roots = self.graphs.run_graph(("observe", *shape.key), shape.num_rows,
                                       lambda: self._observe(shape, out))
-        roots = roots[: len(seqs)].clone()  # a later replay overwrites the pass's outputs
-        for b, (seq, st) in enumerate(zip(seqs, states)):
-            if live[b]:
+        # A later replay overwrites the pass's outputs: keep a copy, one view per row.
+        roots = roots[: len(seqs)].clone().unbind(0)
+        for seq, st, root, ok in zip(seqs, states, roots, live):
+            if ok:
                 st.num_cached = len(seq) - 1  # type: ignore[union-attr]
-                st.hidden = roots[b]  # type: ignore[union-attr]
+                st.hidden = root  # type: ignore[union-attr]
         return True
 
     @torch.inference_mode()
