@@ -280,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPU: largest batch run through the (slow) Triton interpreter")
     p.add_argument("--triton-steps", type=int, default=4)
     p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU: torch intra-op threads (1: the ops run on the timed thread)")
     p.add_argument("--out", type=Path, default=benchlib.DEFAULT_OUT)
     p.add_argument("--commit", default=None,
                    help="engine commit to record (default: from the checkout of specengine)")
@@ -287,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     if args.backends is None:
         args.backends = ["triton"] if cuda else ["torch", "triton"]
+    if not cuda:
+        torch.set_num_threads(args.threads)
     if args.model not in ("bundled", "dummy"):
         from bench_generate import SHAPES
 
