@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import os
 import statistics
 import subprocess
@@ -59,6 +58,7 @@ if not any(a in ("-h", "--help") for a in sys.argv):
 
 import benchlib  # noqa: E402
 import torch  # noqa: E402
+from host_models import build_engine, graphs_supported, prompts_for  # noqa: E402
 from host_overhead_report import plot, print_table, verdicts  # noqa: E402
 from step_profiler import StepProfiler  # noqa: E402
 
@@ -86,51 +86,6 @@ def engine_commit() -> str:
         return "?"
     return head + ("+dirty" if git("status", "--porcelain", "--", "specengine", "kernels")
                    else "")
-
-
-def graphs_supported() -> bool:
-    from specengine import SpecEngine
-
-    return "cuda_graphs" in inspect.signature(SpecEngine.__init__).parameters
-
-
-def build_engine(args: argparse.Namespace, backend: str, graphs: bool | None, root: Path):
-    from specengine import SpecEngine
-    from specengine.cli import DEFAULT_DRAFT, DEFAULT_TARGET
-
-    kw: dict = dict(device=args.device, kernel_backend=backend,
-                    max_batch_size=max(args.batches))
-    if graphs is not None:
-        kw["cuda_graphs"] = graphs
-    if args.model == "bundled":
-        return SpecEngine(DEFAULT_TARGET, draft=str(DEFAULT_DRAFT), **kw)
-    import host_models
-
-    if args.model == "dummy":
-        vocab = args.vocab
-        cfg = host_models.small_target_config(args.layers, args.hidden, vocab)
-    else:
-        from bench_generate import SHAPES
-
-        cfg = dict(SHAPES[args.model])
-    target = root / "target"
-    if not target.exists():
-        host_models.write_target(root, cfg)
-        host_models.write_eagle3_head(root, cfg)
-    max_len = args.prompt_len + args.max_new + 16
-    return SpecEngine(target, draft=str(root / "eagle3"), load_format="dummy",
-                      dtype=args.dtype, max_model_len=max_len,
-                      kv_cache_tokens=max(args.batches) * (max_len + 16), **kw)
-
-
-def prompts_for(engine, args: argparse.Namespace, batch: int) -> list:
-    if args.model == "bundled":
-        from specengine.arith_task import heldout_prompts
-
-        return heldout_prompts(batch, seed=7)
-    g = torch.Generator().manual_seed(batch)
-    vocab = engine.model_config.vocab_size
-    return torch.randint(1, vocab, (batch, args.prompt_len), generator=g).tolist()
 
 
 def run_pass(engine, prompts: list, k: int, tree, steps: int, counting: bool) -> list[dict]:

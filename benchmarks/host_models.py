@@ -1,4 +1,5 @@
-"""Checkpoints for the host-overhead benchmark: dummy-weight targets and random EAGLE-3 heads.
+"""Engines for the host-overhead benchmark: the bundled pair, or dummy-weight targets with
+random EAGLE-3 heads.
 
 A dummy target is a ``config.json`` only (the engine fills it with random weights under
 ``load_format="dummy"``): either a named 8B shape (``bench_generate.SHAPES``) or a small Qwen3
@@ -10,6 +11,8 @@ and written as safetensors next to the target.
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import json
 from pathlib import Path
 
@@ -74,3 +77,49 @@ def write_eagle3_head(root: Path, target_config: dict, seed: int = 0) -> Path:
     (path / "config.json").write_text(json.dumps(cfg))
     save_file(tensors, str(path / "model.safetensors"))
     return path
+
+
+def graphs_supported() -> bool:
+    """Whether this engine takes ``cuda_graphs=`` (the benchmark then runs both settings)."""
+    from specengine import SpecEngine
+
+    return "cuda_graphs" in inspect.signature(SpecEngine.__init__).parameters
+
+
+def build_engine(args: argparse.Namespace, backend: str, graphs: bool | None, root: Path):
+    """The engine of one benchmark setting: the bundled pair, or a dummy-weight target (small or
+    8B-shaped, written under ``root`` once) with a random EAGLE-3 head."""
+    from specengine import SpecEngine
+    from specengine.cli import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    kw: dict = dict(device=args.device, kernel_backend=backend,
+                    max_batch_size=max(args.batches))
+    if graphs is not None:
+        kw["cuda_graphs"] = graphs
+    if args.model == "bundled":
+        return SpecEngine(DEFAULT_TARGET, draft=str(DEFAULT_DRAFT), **kw)
+    if args.model == "dummy":
+        cfg = small_target_config(args.layers, args.hidden, args.vocab)
+    else:
+        from bench_generate import SHAPES
+
+        cfg = dict(SHAPES[args.model])
+    target = root / "target"
+    if not target.exists():
+        write_target(root, cfg)
+        write_eagle3_head(root, cfg)
+    max_len = args.prompt_len + args.max_new + 16
+    return SpecEngine(target, draft=str(root / "eagle3"), load_format="dummy",
+                      dtype=args.dtype, max_model_len=max_len,
+                      kv_cache_tokens=max(args.batches) * (max_len + 16), **kw)
+
+
+def prompts_for(engine, args: argparse.Namespace, batch: int) -> list:
+    """``batch`` prompts: held-out task prompts (bundled), else random ids of --prompt-len."""
+    if args.model == "bundled":
+        from specengine.arith_task import heldout_prompts
+
+        return heldout_prompts(batch, seed=7)
+    g = torch.Generator().manual_seed(batch)
+    vocab = engine.model_config.vocab_size
+    return torch.randint(1, vocab, (batch, args.prompt_len), generator=g).tolist()
