@@ -60,3 +60,12 @@ class BlockRows:
         if dirty:
             idx = np.asarray(dirty, dtype=np.int64)
             self.table[to_device(idx, self.device)] = to_device(self.host[idx], self.device)
+
+
+def slots_of(table: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+             block_size: int) -> torch.Tensor:
+    """Cache slot of each row's token at ``positions [rows, n]`` through ``table [rows,
+    max_blocks]`` (int64), ``-1`` where ``valid`` is False (no KV write). Device ops only."""
+    block_idx = (positions // block_size).clamp(0, table.shape[1] - 1)
+    blocks = table.gather(1, block_idx).long()
+    return torch.where(valid, blocks * block_size + positions % block_size, -1)

@@ -33,6 +33,7 @@ from specengine.core.batch import (
     TOP_P,
     BatchState,
 )
+from specengine.core.block_rows import slots_of
 from specengine.core.transfer import to_device
 from specengine.model.attention import AttentionMetadata
 from specengine.model_runner import ForwardOutput, ModelRunner
@@ -140,10 +141,7 @@ class StaticVerifier:
             fed = (j[None, :] == 0) | (num_draft[:, None] > 0)
         fed &= active[:, None]
         # Node j is stored in slot ctx + j and sits at position ctx + depth(j).
-        slot_pos = ctx[:, None] + j[None, :]  # [rows, N]
-        block_idx = (slot_pos // self.block_size).clamp_max(st.max_blocks - 1)
-        blocks = st.block_tables[:rows].gather(1, block_idx).long()
-        slots = torch.where(fed, blocks * self.block_size + slot_pos % self.block_size, -1)
+        slots = slots_of(st.block_tables[:rows], ctx[:, None] + j[None, :], fed, self.block_size)
         drafts = self.draft_ids[:rows, : n - 1]  # [rows, N-1]
         input_ids = torch.cat([ints[LAST][:, None], drafts], dim=1)  # [rows, N]
         positions = ctx[:, None] + depth[None, :]

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from specengine.core.batch import ACTIVE, CTX, OFFSET, SEED, TEMPERATURE, TOP_K, TOP_P
-from specengine.core.block_rows import BlockRows
+from specengine.core.block_rows import BlockRows, slots_of
 from specengine.core.graphs import GraphRunner
 from specengine.core.transfer import to_device
 from specengine.core.verify import VerifyOutput, VerifyShape
@@ -92,8 +92,7 @@ class StaticFeatureChain:
         for j in range(k):
             if j > 0:  # entry len - 2 + j: (previous output hidden, draft j - 1)
                 pos = base + j
-                block = table.gather(1, (pos // bs).clamp_max(st.max_blocks - 1)[:, None])
-                slots = torch.where(active, block[:, 0].long() * bs + pos % bs, -1)
+                slots = slots_of(table, pos[:, None], active[:, None], bs)[:, 0]
                 meta = AttentionMetadata(slot_mapping=slots, block_tables=table,
                                          context_lens=pos.to(torch.int32),
                                          qo_indptr=indptr, max_q_len=1)
@@ -158,8 +157,7 @@ class StaticFeatureChain:
         feats = d.features(ForwardOutput(out.hidden, out.aux_hidden, []), fed_rows.reshape(-1))
         table = self.blocks.table[:rows]
         bs = d.kv_cache.block_size
-        blocks = table.gather(1, (pos // bs).clamp_max(st.max_blocks - 1)).long()
-        slots = torch.where(j[None, :] < counts[:, None], blocks * bs + pos % bs, -1)
+        slots = slots_of(table, pos, j[None, :] < counts[:, None], bs)
         meta = AttentionMetadata(slot_mapping=slots.reshape(-1), block_tables=table,
                                  context_lens=start.to(torch.int32),
                                  qo_indptr=self._qo_indptr(rows, n), max_q_len=n)
