@@ -1,7 +1,8 @@
 """One command that validates a lent GPU (about 10 minutes on one H100); run it first.
 
 Sub-steps, each a subprocess with its own timeout inside an overall budget (one failure, hang
-or crash does not stop the rest; a step the budget cannot fit is reported as not run):
+or crash does not stop the rest; a step the budget cannot fit is reported as not run: run it
+afterwards with ``--only NAME``, e.g. under a 10-minute command limit):
 
 1. ``pytest -m gpu`` (every GPU-marked test must pass);
 2. bf16 parity with Hugging Face, and graphs-on = graphs-off tokens (``gpu_parity.py``);
