@@ -160,3 +160,28 @@ def test_launch_verdicts_eager_per_layer_and_graphed():
     assert verdicts(graphed)["launches"] == "PASS"  # only copies into static inputs
     assert verdicts({**graphed, "launches": 4})["launches"] == "MISS"
     assert verdicts(dict(batch=1))["host"] == "-"
+
+
+def test_run_pass_stops_after_the_steps_and_leaves_the_engine_usable():
+    """The benchmark wraps ``SpecEngine._decode_step`` on the instance and ends ``generate``
+    from inside it once enough steps were measured: the engine must come back whole."""
+    from bench_host_overhead import run_pass
+
+    from specengine import SamplingParams, SpecEngine
+    from specengine.cli import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    engine = SpecEngine(DEFAULT_TARGET, draft=str(DEFAULT_DRAFT), kernel_backend="torch",
+                        max_batch_size=4)
+    prompts = [[3, 4, 5, 6], [7, 8, 9]]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    expected = [o.token_ids for o in engine.generate(prompts, k=3, sampling=params)]
+    timed = run_pass(engine, prompts, 3, None, steps=3, counting=False)
+    counted = run_pass(engine, prompts, 3, None, steps=3, counting=True)
+    assert len(timed) == len(counted) == 3
+    assert all(r["batch"] == 2 for r in timed + counted)
+    assert all(r["counts"].compute_s > 0 and r["counts"].launches == 0 for r in timed)
+    assert all(r["counts"].launches > 0 and r["layer_calls"] > 0 for r in counted)
+    assert "_decode_step" not in vars(engine)  # the class's method again
+    assert engine.scheduler.has_unfinished() is False
+    again = [o.token_ids for o in engine.generate(prompts, k=3, sampling=params)]
+    assert again == expected
