@@ -35,7 +35,8 @@ def mixed_params(n: int, temperature: float, seed: int | None) -> list[SamplingP
 def both_paths(model: str | Path, draft: str | None, prompts: list, k: int,
                params: list[SamplingParams] | SamplingParams, tree: list | None = None,
                update: dict[str, torch.Tensor] | None = None, expect_accepts: bool = True,
-               **kwargs: object) -> list[SpecEngine]:
+               static_passes: tuple[str, ...] = ("verify",), **kwargs: object
+               ) -> list[SpecEngine]:
     """Generate on an eager and a static engine (same seeds) and assert equal outputs."""
     outs, engines = [], []
     for graphs in (False, True):
@@ -54,6 +55,9 @@ def both_paths(model: str | Path, draft: str | None, prompts: list, k: int,
                                    atol=1e-5, rtol=0)
     if expect_accepts and k > 0:  # the accepted-path logic was exercised
         assert engines[0].stats.num_accepted_tokens > 0
+    ran = engines[1].graphs.num_runs
+    assert all(ran[kind] > 0 for kind in static_passes), ran  # the static path was taken
+    assert not engines[0].graphs.static
     for engine in engines:  # nothing leaked: every block is back, no row is left
         assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
         assert engine.graphs.verifier.state.num_rows == 0
@@ -65,8 +69,9 @@ def both_paths(model: str | Path, draft: str | None, prompts: list, k: int,
 def test_eagle3_bundled_pair(temperature: float, seed: int | None, k: int,
                              tree: list | None) -> None:
     # 7 prompts (not a bucket), at most 3 running: requests join as others finish.
+    passes = ("verify", "draft", "observe") if k and tree is None else ("verify",)
     both_paths(DEFAULT_TARGET, DEFAULT_DRAFT, arith_prompts(7), k,
-               mixed_params(7, temperature, seed), tree, max_batch_size=3)
+               mixed_params(7, temperature, seed), tree, max_batch_size=3, static_passes=passes)
 
 
 @pytest.mark.parametrize("tree", [None, TREE])
@@ -80,7 +85,8 @@ def test_small_lm_sampled_drafts(tiny_checkpoint: Path) -> None:
     # The draft is the target itself, sampling its drafts: the draft-probs buffers are used.
     prompts = [[5, 9, 2, 7], [1, 2, 3], [8] * 11, [4, 4, 6, 1, 9]]
     both_paths(tiny_checkpoint, str(tiny_checkpoint), prompts, 3, mixed_params(4, 1.0, 5),
-               draft_options={"sample": True}, max_model_len=96, kv_cache_tokens=4096)
+               static_passes=("verify", "lm-draft"), draft_options={"sample": True},
+               max_model_len=96, kv_cache_tokens=4096)
 
 
 def test_mtp_tree_and_chain(tmp_path: Path) -> None:
@@ -90,8 +96,9 @@ def test_mtp_tree_and_chain(tmp_path: Path) -> None:
     prompts = [[5, 9, 2, 7], [1, 2, 3], [8] * 11]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for tree in (None, TREE):  # a random MTP layer is rarely right: equality is what counts
+        passes = ("verify", "observe", "draft") if tree is None else ("verify", "observe")
         both_paths(path, "mtp", prompts, 3, greedy, tree, expect_accepts=False,
-                   max_model_len=96, kv_cache_tokens=4096)
+                   static_passes=passes, max_model_len=96, kv_cache_tokens=4096)
 
 
 def test_preemption_and_batches_above_the_largest_bucket() -> None:

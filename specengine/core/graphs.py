@@ -13,6 +13,7 @@ buffers, KV cache, weights), so in-place weight updates keep them valid.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,8 @@ class GraphRunner:
         self._pool: tuple[int, int] | None = None
         self.num_replays = 0
         self.num_captures = 0
+        #: static passes run, by kind (``verify``, ``draft``, ``observe``, ``lm-draft``)
+        self.num_runs: Counter[str] = Counter()
 
     def padded_rows(self, num_rows: int) -> int:
         """Rows a batch of ``num_rows`` runs as: its bucket, or itself (eager / too large)."""
@@ -58,6 +61,7 @@ class GraphRunner:
         """``fn()``, a pass that reads and writes only static buffers; on CUDA replayed from
         the graph captured for ``key`` (``num_rows`` a bucket), else run as is. Outputs of a
         replay are the captured pass's tensors: valid until the next replay of ``key``."""
+        self.num_runs[key[0]] += 1
         if not self.capture or num_rows not in self.buckets:
             return fn()
         entry = self._graphs.get(key)

@@ -35,6 +35,8 @@ from specengine.sequence import SeqStatus, Sequence
 from specengine.tree import DraftTree
 
 if TYPE_CHECKING:
+    from specengine.core.graphs import GraphRunner
+    from specengine.drafters.static_lm_chain import StaticLMChain
     from specengine.engine import SpecEngine
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,14 @@ class DraftModelDrafter(Drafter):
         self.runner = ModelRunner(self.module, self.kv_cache,
                                   make_attention_backend(cfg.kernel_backend), self.device)
         self._states: dict[int, _State] = {}
+        self._static: StaticLMChain | None = None
+
+    def bind_static(self, graphs: GraphRunner) -> None:
+        """Chains then run as ``StaticLMChain`` (catch-up + k steps, one graph)."""
+        if graphs.static:
+            from specengine.drafters.static_lm_chain import StaticLMChain
+
+            self._static = StaticLMChain(self, graphs)
 
     # ---------------------------------------------------------------------------------------
     def load_weights(self, named_tensors: object) -> list[str]:
@@ -156,6 +166,10 @@ class DraftModelDrafter(Drafter):
             ids = torch.zeros(len(seqs), max(num_drafts), dtype=torch.int64, device=self.device)
             ids[:, : tree.num_nodes - 1] = self._propose_tree(seqs, tree)
             return DraftProposal(ids, counts, None)
+        if self._static is not None:
+            proposal = self._static.propose(seqs, num_drafts)
+            if proposal is not None:
+                return proposal
         active = [b for b, n in enumerate(num_drafts) if n > 0]
         act_seqs = [seqs[b] for b in active]
         logits = self._catch_up(act_seqs, [self._state(s) for s in act_seqs], upto_last=True,
