@@ -63,10 +63,14 @@ class Scheduler:
             return ScheduledBatch(tuple(batch), is_prefill=True)
 
         scheduled: list[Sequence] = []
+        block_size = self.kv_cache.block_size
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted below while making room for an earlier sequence
             need = len(seq) + lookahead(seq)  # context (len-1) + the newest token + drafts
+            if need <= len(seq.block_table) * block_size:  # the common case: room already
+                scheduled.append(seq)
+                continue
             while not self.kv_cache.can_ensure(seq, need):
                 victim = self._last_running(exclude=(seq, *scheduled))
                 self._preempt(victim if victim is not None else seq)

@@ -59,6 +59,13 @@ class Sequence:
     def append(self, tokens: list[int], logprobs: list[float], max_model_len: int) -> None:
         """Add this step's emitted tokens, stopping at the first stop token, at ``max_tokens``
         or at ``max_model_len`` (nothing after that point is kept)."""
+        n = len(tokens)
+        if (self.num_generated + n < self.params.max_tokens
+                and len(self.token_ids) + n < max_model_len
+                and self.stop_token_ids.isdisjoint(tokens)):  # the common case: no end here
+            self.token_ids.extend(tokens)
+            self.logprobs.extend(logprobs)
+            return
         for token, logprob in zip(tokens, logprobs):
             self.token_ids.append(token)
             self.logprobs.append(logprob)

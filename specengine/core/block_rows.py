@@ -27,7 +27,8 @@ class BlockRows:
         self.capacity, self.max_blocks, self.device = capacity, max_blocks, device
         self.host = np.zeros((capacity, max_blocks), dtype=np.int32)
         self.table = torch.zeros(capacity, max_blocks, dtype=torch.int32, device=device)
-        self._owner: list[object] = [None] * capacity  # (key, table list) the row mirrors
+        self._keys: list[int | None] = [None] * capacity  # owner of each row
+        self._tables: list[list[int] | None] = [None] * capacity  # the table list it mirrors
         self._sent = [0] * capacity  # ids of that table the device has
         self._used = 0
 
@@ -37,13 +38,15 @@ class BlockRows:
         if len(rows) > self.capacity:
             raise ValueError(f"{len(rows)} rows exceed the capacity {self.capacity}")
         dirty: list[int] = []
+        keys, tables, sent_ = self._keys, self._tables, self._sent
         for r, (key, table) in enumerate(rows):
-            owner = self._owner[r]
-            if owner is None or owner[0] != key or owner[1] is not table:  # type: ignore[index]
-                self._owner[r], self._sent[r] = (key, table), 0
+            if tables[r] is table and keys[r] == key and len(table) == sent_[r]:
+                continue  # the common case: nothing changed
+            if tables[r] is not table or keys[r] != key:
+                keys[r], tables[r], sent_[r] = key, table, 0
                 self.host[r] = 0
                 dirty.append(r)
-            sent = self._sent[r]
+            sent = sent_[r]
             if len(table) > sent:
                 if len(table) > self.max_blocks:
                     raise ValueError(f"row {r} holds {len(table)} KV blocks, more than the "
@@ -53,7 +56,7 @@ class BlockRows:
                 if not dirty or dirty[-1] != r:
                     dirty.append(r)
         for r in range(len(rows), self._used):
-            self._owner[r], self._sent[r] = None, 0
+            keys[r], tables[r], sent_[r] = None, None, 0
             self.host[r] = 0
             dirty.append(r)
         self._used = len(rows)
