@@ -28,13 +28,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specengine.core.batch import ACTIVE, CTX, OFFSET, SEED, TEMPERATURE, TOP_K, TOP_P
-from specengine.core.block_rows import BlockRows, slots_of
+from specengine.core.batch import ACTIVE, CTX
+from specengine.core.block_rows import slots_of
 from specengine.core.graphs import GraphRunner
 from specengine.core.transfer import to_device
 from specengine.core.verify import VerifyOutput, VerifyShape
 from specengine.drafters.base import DraftProposal
-from specengine.drafters.drafting import choose_from
+from specengine.drafters.static_drafts import StaticDrafts
 from specengine.model.attention import AttentionMetadata
 from specengine.model_runner import ForwardOutput
 from specengine.sequence import SeqStatus, Sequence
@@ -43,18 +43,15 @@ if TYPE_CHECKING:
     from specengine.drafters.feature_drafter import FeatureDrafter
 
 
-class StaticFeatureChain:
+class StaticFeatureChain(StaticDrafts):
     """Chain proposals of ``drafter`` through ``graphs`` (see the module docstring)."""
 
     def __init__(self, drafter: FeatureDrafter, graphs: GraphRunner) -> None:
-        self.drafter, self.graphs = drafter, graphs
-        state = graphs.verifier.state
-        self.state = state
-        self.blocks = BlockRows(state.capacity, state.max_blocks, drafter.device)
+        super().__init__(graphs, drafter.device)
+        self.drafter = drafter
         self.root: Tensor | None = None  # [capacity, H]: each row's root hidden
         # [capacity]: entries each row writes in the catch-up pass (0: none, a finished row)
-        self.counts = torch.zeros(state.capacity, dtype=torch.int64, device=drafter.device)
-        self._indptr: dict[tuple[int, int], Tensor] = {}
+        self.counts = torch.zeros(self.state.capacity, dtype=torch.int64, device=drafter.device)
 
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int]) -> DraftProposal:
         """``seqs`` in batch-row order (the step arranged them); every row drafts
@@ -84,7 +81,7 @@ class StaticFeatureChain:
         active = ints[ACTIVE] > 0
         table = self.blocks.table[:rows]
         bs = d.kv_cache.block_size
-        indptr = self._qo_indptr(rows, 1)
+        indptr = self.qo_indptr(rows, 1)
         hidden = self.root[:rows]  # type: ignore[index]
         ids = torch.zeros(rows, k, dtype=torch.int64, device=d.device)
         probs = None
@@ -98,22 +95,8 @@ class StaticFeatureChain:
                                          qo_indptr=indptr, max_q_len=1)
                 hidden, _ = d.module(tokens, hidden, pos, d.kv_cache.kv, meta,
                                      d.runner.backend)
-            logits = d.module.compute_logits(hidden)
-            tokens, q = choose_from(logits, d.sample, st.floats[TEMPERATURE, :rows],
-                                    ints[TOP_K], st.floats[TOP_P, :rows], ints[SEED],
-                                    ints[OFFSET] + j)
-            ids[:, j] = tokens
-            if q is not None:
-                if probs is None:
-                    probs = q.new_zeros(rows, k, q.shape[-1])
-                probs[:, j] = q
+            tokens, probs = self.choose(d.module.compute_logits(hidden), d.sample, j, ids, probs)
         return ids, probs
-
-    def _qo_indptr(self, rows: int, per_row: int) -> Tensor:
-        if (rows, per_row) not in self._indptr:
-            self._indptr[rows, per_row] = to_device(
-                np.arange(rows + 1, dtype=np.int32) * per_row, self.drafter.device)
-        return self._indptr[rows, per_row]
 
     def observe(self, seqs: tuple[Sequence, ...], out: VerifyOutput, shape: VerifyShape,
                 num_accepted: np.ndarray) -> bool:
@@ -160,7 +143,7 @@ class StaticFeatureChain:
         slots = slots_of(table, pos, j[None, :] < counts[:, None], bs)
         meta = AttentionMetadata(slot_mapping=slots.reshape(-1), block_tables=table,
                                  context_lens=start.to(torch.int32),
-                                 qo_indptr=self._qo_indptr(rows, n), max_q_len=n)
+                                 qo_indptr=self.qo_indptr(rows, n), max_q_len=n)
         tokens = sampled.output_ids.clamp_min(0).reshape(-1)
         g, _ = d.module(tokens, feats, pos.reshape(-1), d.kv_cache.kv, meta, d.runner.backend)
         last = (counts - 1).clamp_min(0)  # the last entry written: the next root

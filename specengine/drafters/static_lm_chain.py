@@ -18,12 +18,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specengine.core.batch import OFFSET, SEED, TEMPERATURE, TOP_K, TOP_P
-from specengine.core.block_rows import BlockRows, slots_of
+from specengine.core.block_rows import slots_of
 from specengine.core.graphs import GraphRunner
 from specengine.core.transfer import to_device
 from specengine.drafters.base import DraftProposal
-from specengine.drafters.drafting import choose_from
+from specengine.drafters.static_drafts import StaticDrafts
 from specengine.model.attention import AttentionMetadata
 from specengine.sequence import Sequence
 
@@ -33,17 +32,15 @@ if TYPE_CHECKING:
 MAX_CATCH_UP = 4
 
 
-class StaticLMChain:
+class StaticLMChain(StaticDrafts):
     """Chain proposals of a small-LM ``drafter`` through ``graphs``."""
 
     def __init__(self, drafter: DraftModelDrafter, graphs: GraphRunner) -> None:
-        self.drafter, self.graphs = drafter, graphs
-        self.state = state = graphs.verifier.state
-        dev = drafter.device
-        self.blocks = BlockRows(state.capacity, state.max_blocks, dev)
-        self.fed = torch.zeros(state.capacity, MAX_CATCH_UP, dtype=torch.int64, device=dev)
-        self.fields = torch.zeros(2, state.capacity, dtype=torch.int64, device=dev)  # start, count
-        self._indptr: dict[tuple[int, int], Tensor] = {}
+        super().__init__(graphs, drafter.device)
+        self.drafter = drafter
+        dev, capacity = drafter.device, self.state.capacity
+        self.fed = torch.zeros(capacity, MAX_CATCH_UP, dtype=torch.int64, device=dev)
+        self.fields = torch.zeros(2, capacity, dtype=torch.int64, device=dev)  # start, count
 
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int]) -> DraftProposal | None:
         """``seqs`` in batch-row order; None when a catch-up is too wide for the static pass."""
@@ -74,12 +71,6 @@ class StaticLMChain:
         return DraftProposal(ids[:b], np.asarray(num_drafts, dtype=np.int64),
                              None if probs is None else probs[:b])
 
-    def _qo_indptr(self, rows: int, per_row: int) -> Tensor:
-        if (rows, per_row) not in self._indptr:
-            self._indptr[rows, per_row] = to_device(
-                np.arange(rows + 1, dtype=np.int32) * per_row, self.drafter.device)
-        return self._indptr[rows, per_row]
-
     def _pass(self, ids: Tensor, positions: Tensor, valid: Tensor, context: Tensor,
               table: Tensor) -> Tensor:
         """One draft-model pass: ``ids``/``positions``/``valid`` ``[rows, n]``, the first at
@@ -89,14 +80,14 @@ class StaticLMChain:
         meta = AttentionMetadata(
             slot_mapping=slots_of(table, positions, valid, d.kv_cache.block_size).reshape(-1),
             block_tables=table, context_lens=context.to(torch.int32),
-            qo_indptr=self._qo_indptr(rows, n), max_q_len=n)
+            qo_indptr=self.qo_indptr(rows, n), max_q_len=n)
         hidden, _ = d.module(ids.reshape(-1), positions.reshape(-1), d.kv_cache.kv, meta,
                              d.runner.backend)
         return hidden.view(rows, n, -1)
 
     @torch.inference_mode()
     def _loop(self, rows: int, width: int, k: int) -> tuple[Tensor, Tensor | None]:
-        d, st = self.drafter, self.state
+        d = self.drafter
         table = self.blocks.table[:rows]
         start, count = self.fields[0, :rows], self.fields[1, :rows]
         j = torch.arange(width, device=start.device)
@@ -105,7 +96,6 @@ class StaticLMChain:
         last = hidden[torch.arange(rows, device=start.device), (count - 1).clamp_min(0)]
         logits = d.module.compute_logits(last)
         length, active = start + count, (count > 0)[:, None]
-        ints = st.ints[:, :rows]
         ids = torch.zeros(rows, k, dtype=torch.int64, device=start.device)
         probs = None
         tokens = ids[:, 0]
@@ -114,12 +104,5 @@ class StaticLMChain:
                 pos = length - 1 + i
                 h = self._pass(tokens[:, None], pos[:, None], active, pos, table)
                 logits = d.module.compute_logits(h[:, 0])
-            tokens, q = choose_from(logits, d.sample, st.floats[TEMPERATURE, :rows],
-                                    ints[TOP_K], st.floats[TOP_P, :rows], ints[SEED],
-                                    ints[OFFSET] + i)
-            ids[:, i] = tokens
-            if q is not None:
-                if probs is None:
-                    probs = q.new_zeros(rows, k, q.shape[-1])
-                probs[:, i] = q
+            tokens, probs = self.choose(logits, d.sample, i, ids, probs)
         return ids, probs

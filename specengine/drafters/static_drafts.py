@@ -1,0 +1,51 @@
+"""What the static draft loops share (``static_chain`` for EAGLE-3 / MTP, ``static_lm_chain``
+for a small LM): a block table of the drafter's cache row-aligned with the batch, ``qo_indptr``
+constants, and the per-row draft choice recorded into static outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specengine.core.batch import OFFSET, SEED, TEMPERATURE, TOP_K, TOP_P
+from specengine.core.block_rows import BlockRows
+from specengine.core.graphs import GraphRunner
+from specengine.core.transfer import to_device
+from specengine.drafters.drafting import choose_from
+
+
+class StaticDrafts:
+    """Base of the static draft loops; ``graphs.verifier.state`` is the batch they follow."""
+
+    def __init__(self, graphs: GraphRunner, device: torch.device) -> None:
+        self.graphs = graphs
+        self.state = state = graphs.verifier.state
+        self.blocks = BlockRows(state.capacity, state.max_blocks, device)
+        self._device = device
+        self._indptr: dict[tuple[int, int], Tensor] = {}
+
+    def qo_indptr(self, rows: int, per_row: int) -> Tensor:
+        """``[rows + 1]`` int32 ``0, n, 2n, ...`` (a constant per shape, made once)."""
+        if (rows, per_row) not in self._indptr:
+            self._indptr[rows, per_row] = to_device(
+                np.arange(rows + 1, dtype=np.int32) * per_row, self._device)
+        return self._indptr[rows, per_row]
+
+    def choose(self, logits: Tensor, sample: bool, j: int, ids: Tensor,
+               probs: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """Draft ``j`` of every row from ``logits [rows, V]`` with the row's own sampling
+        parameters and seed (position ``len + j``), written to ``ids[:, j]`` (and its
+        distribution to ``probs[:, j]``, allocated at the first sampled draft). Returns the
+        tokens and ``probs``."""
+        rows, k = ids.shape
+        st = self.state
+        ints = st.ints[:, :rows]
+        tokens, q = choose_from(logits, sample, st.floats[TEMPERATURE, :rows], ints[TOP_K],
+                                st.floats[TOP_P, :rows], ints[SEED], ints[OFFSET] + j)
+        ids[:, j] = tokens
+        if q is not None:
+            if probs is None:
+                probs = q.new_zeros(rows, k, q.shape[-1])
+            probs[:, j] = q
+        return tokens, probs
