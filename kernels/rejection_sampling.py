@@ -266,7 +266,9 @@ def rejection_sample(
         tok_end, lp_end, p_child, lp_child, acc, n_rows, vocab,
         HAS_Q=draft_probs is not None, IS_TREE=is_tree, P=16,
         SBLOCK=_SBLOCK_TREE if is_tree else _SBLOCK, GBLOCK=2048,
-        num_warps=4,
+        # ptxas otherwise caps this kernel near 128 registers and spills a few bytes on sm_100a
+        # (scripts/compile_kernels.py); 255 lets it keep every pass's per-lane state.
+        num_warps=4, maxnreg=255,
     )
     _walk_kernel[(bsz,)](
         draft_token_ids, s_db, num_draft_tokens, temperature, seeds, offsets, parents,
