@@ -82,19 +82,19 @@ def speculative_step(
     # 1. Draft. A tree is verified whole: its nodes need slots up to len + N - 1 <= max_model_len
     #    (tokens past max_tokens are cut by seq.append). Near the context limit the batch falls
     #    back to plain decoding for this step.
+    lens = state.lengths()
     drafting = drafter is not None and k > 0
-    if drafting and tree is not None and any(len(s) + tree.num_nodes - 1 > max_model_len
-                                             for s in seqs):
+    if drafting and tree is not None and (lens + tree.num_nodes - 1 > max_model_len).any():
         drafting = False
     if not drafting:
         tree = None
         num_drafts = np.zeros(batch, dtype=np.int64)
     elif tree is not None:
         num_drafts = np.full(batch, tree.num_nodes - 1, dtype=np.int64)
-    else:
-        num_drafts = np.array([num_drafts_for(s, k, max_model_len) for s in seqs], np.int64)
+    else:  # num_drafts_for of every row
+        num_drafts = state.chain_drafts(k, lens, max_model_len)
     rows = graphs.padded_rows(batch)
-    state.stage(num_drafts, rows)  # a static draft loop reads positions from the state
+    state.stage(num_drafts, rows, lens)  # a static draft loop reads positions from the state
     proposal = None
     if num_drafts.any():
         proposal = drafter.propose(seqs, num_drafts.tolist(), tree)  # type: ignore[union-attr]

@@ -23,6 +23,7 @@ from specengine.core.batch import (
 )
 from specengine.sampling import SamplingParams
 from specengine.sequence import Sequence
+from specengine.speculate import num_drafts_for
 
 CAPACITY, MAX_BLOCKS = 8, 6
 
@@ -53,7 +54,8 @@ def test_incremental_updates_equal_a_rebuild(seed: int) -> None:
         event = rng.random()
         if event < 0.25 and len(live) < CAPACITY:  # a sequence joins
             params = SamplingParams(temperature=rng.choice([0.0, 0.7, 1.0]),
-                                    top_k=rng.choice([-1, 5]), top_p=rng.choice([1.0, 0.9]))
+                                    top_k=rng.choice([-1, 5]), top_p=rng.choice([1.0, 0.9]),
+                                    max_tokens=rng.randint(1, 40))
             seq = Sequence(next_id, [rng.randrange(100) for _ in range(rng.randint(1, 9))],
                            params, rng.randrange(1 << 62), ())
             seq.block_table = [rng.randrange(1000) for _ in range(rng.randint(1, 3))]
@@ -77,6 +79,10 @@ def test_incremental_updates_equal_a_rebuild(seed: int) -> None:
             if s.seq_id in rows_before:
                 assert r <= rows_before[s.seq_id]
         rows_before = {s.seq_id: r for r, s in enumerate(ordered)}
+        lens = state.lengths()
+        for k in (0, 3, 16):  # the vectorised draft plan equals num_drafts_for, row by row
+            np.testing.assert_array_equal(state.chain_drafts(k, lens, 30),
+                                          [num_drafts_for(s, k, 30) for s in ordered])
         num_drafts = np.array([rng.randint(0, 4) for _ in ordered], np.int64)
         padded = min(CAPACITY, 1 << (len(ordered) - 1).bit_length())
         state.stage(num_drafts, padded)

@@ -29,6 +29,8 @@ CTX, LAST, OFFSET, NUM_DRAFT, ACTIVE, TOP_K, SEED = range(7)
 NUM_INT_FIELDS = 7
 # Rows of the float32 sampling-field array.
 TEMPERATURE, TOP_P = range(2)
+# Rows of the host-only limits (they plan draft lengths; the device never needs them).
+MAX_TOKENS, PROMPT_LEN = range(2)
 
 
 def _pinned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -48,6 +50,7 @@ class BatchState:
         self._host_floats_t = _pinned((2, capacity), torch.float32, device)
         self.host_ints = self._host_ints_t.numpy()
         self.host_floats = self._host_floats_t.numpy()
+        self.host_limits = np.zeros((2, capacity), dtype=np.int64)
         # Device copies: ints [7, R] int64, floats [2, R] float32, block tables [R, max_blocks].
         self.ints = torch.zeros(NUM_INT_FIELDS, capacity, dtype=torch.int64, device=device)
         self.floats = torch.zeros(2, capacity, dtype=torch.float32, device=device)
@@ -91,6 +94,7 @@ class BatchState:
         self.host_ints[ACTIVE, r] = 1
         self.host_floats[TEMPERATURE, r] = p.temperature
         self.host_floats[TOP_P, r] = p.top_p
+        self.host_limits[:, r] = (p.max_tokens, seq.num_prompt_tokens)
 
     def _remove(self, seq_id: int) -> None:
         r = self._rows.pop(seq_id)
@@ -101,6 +105,7 @@ class BatchState:
             self._rows[moved.seq_id] = r
             self.host_ints[:, r] = self.host_ints[:, last]
             self.host_floats[:, r] = self.host_floats[:, last]
+            self.host_limits[:, r] = self.host_limits[:, last]
         self.seqs.pop()
         self._neutral(last)
 
@@ -111,14 +116,27 @@ class BatchState:
         self.host_floats[TOP_P, r] = 1.0
 
     # ---- per step ----------------------------------------------------------------------------
-    def stage(self, num_drafts: np.ndarray, padded_rows: int) -> None:
-        """Write the step fields of rows ``0 .. B-1`` (in row order, after :meth:`arrange`)
-        and send rows ``0 .. padded_rows-1`` to the device."""
+    def lengths(self) -> np.ndarray:
+        """``len(seq)`` of rows ``0 .. B-1``."""
+        return np.fromiter((len(s) for s in self.seqs), dtype=np.int64, count=len(self.seqs))
+
+    def chain_drafts(self, k: int, lens: np.ndarray, max_model_len: int) -> np.ndarray:
+        """``speculate.num_drafts_for`` of every row at once: ``k``, cut so a step emits
+        nothing past ``max_tokens`` (it emits drafts + 1) nor feeds past ``max_model_len``."""
+        n = len(lens)
+        remaining = self.host_limits[MAX_TOKENS, :n] - (lens - self.host_limits[PROMPT_LEN, :n])
+        return np.maximum(0, np.minimum(np.minimum(k, remaining - 1), max_model_len - lens))
+
+    def stage(self, num_drafts: np.ndarray, padded_rows: int,
+              lens: np.ndarray | None = None) -> None:
+        """Write the step fields of rows ``0 .. B-1`` (in row order, after :meth:`arrange`;
+        ``lens`` = :meth:`lengths` when the caller has them) and send rows
+        ``0 .. padded_rows-1`` to the device."""
         seqs = self.seqs
         n = len(seqs)
         if num_drafts.shape != (n,):
             raise ValueError(f"num_drafts has shape {num_drafts.shape}, expected ({n},)")
-        lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
+        lens = self.lengths() if lens is None else lens
         self.host_ints[CTX, :n] = lens - 1
         self.host_ints[OFFSET, :n] = lens
         self.host_ints[LAST, :n] = np.fromiter((s.last_token for s in seqs), np.int64, count=n)
