@@ -253,5 +253,7 @@ class CausalLM(nn.Module):
                           backend, aux_layers)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """``[N, H]`` → float32 logits ``[N, V]`` (the sampler works in float32)."""
-        return self.lm_head(hidden).float()
+        """``[N, H]`` → logits ``[N, V]`` in the model's dtype. Not upcast here: the rejection
+        sampler and the draft choice read them in float32 row by row (an exact upcast), which
+        spares a ``[N, V]`` float32 copy per pass (0.6 GB at 1,024 rows x 151,936 ids)."""
+        return self.lm_head(hidden)
