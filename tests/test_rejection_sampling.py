@@ -154,6 +154,21 @@ def test_kernel_equals_reference(vocab: int, bsz: int, n_rows: int, mode: str) -
                             with_q=mode == "chain_q"))
 
 
+@pytest.mark.parametrize("impl", ["ref", "kernel"])
+@pytest.mark.parametrize("mode", ["chain", "chain_q", "tree"])
+def test_low_precision_logits_sample_as_their_float32_upcast(impl: str, mode: str) -> None:
+    """The engine hands the LM head's bf16/fp16 logits to the sampler without a float32 copy:
+    the sampler's results must be those of the exact upcast."""
+    args = list(random_case(12, 4, 300, seed=11, tree=mode == "tree", with_q=mode == "chain_q"))
+    fn = ref.rejection_sample if impl == "ref" else kernel
+    for dtype in (torch.bfloat16, torch.float16):
+        low = args[0].to(dtype)
+        want = fn(low.float(), *args[1:])
+        got = fn(low, *args[1:])
+        for w, g in zip(want, got):
+            assert torch.equal(w, g)
+
+
 def test_kernel_equals_reference_chain_as_tree() -> None:
     """A chain given as a tree (parents j-1) draws the same tokens as the chain path."""
     args = list(random_case(16, 4, 50, seed=3))
