@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .attention_checks import as_count, check_inputs, query_run_bounds
 from .attention_combine import combine_splits, default_num_splits
-from .debug import value_checks_enabled
+from .debug import check_values_now
 
 _LOG2E = 1.4426950408889634
 
@@ -161,10 +161,6 @@ def _paged_attention_kernel(
             tl.store(lse_ptr + split * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 @dataclass(frozen=True)
 class Tiles:
     """Launch shape of ``_paged_attention_kernel``; see ``tiles``."""
@@ -229,7 +225,7 @@ def paged_attention(
     if max_q_len is None:
         # The caller asked us to find it: one device->host copy, which also checks qo_indptr.
         max_q_len = query_run_bounds(qo_indptr, num_tokens, None)
-    elif value_checks_enabled() and not _capturing():
+    elif check_values_now():
         query_run_bounds(qo_indptr, num_tokens, max_q_len)
     if tree_mask is not None and tree_mask.shape[1] < (max_q_len + 31) // 32:
         raise ValueError(f"tree_mask needs >= {(max_q_len + 31) // 32} words per row for "

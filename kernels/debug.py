@@ -33,6 +33,15 @@ def value_checks_enabled() -> bool:
     return _enabled
 
 
+def check_values_now() -> bool:
+    """Value checks are on and no CUDA graph is being captured (a device read would break the
+    capture): what a launcher asks before reading device values."""
+    import torch
+
+    return _enabled and not (torch.cuda.is_available()
+                             and torch.cuda.is_current_stream_capturing())
+
+
 @contextlib.contextmanager
 def value_checks(enabled: bool) -> Iterator[None]:
     """Turn the value checks on or off inside the ``with`` block, then restore the old state.

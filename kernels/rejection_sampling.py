@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .debug import value_checks_enabled
+from .debug import check_values_now
 from .sampling_checks import validate_inputs
 from .sampling_pass import (
     NEG_INF,
@@ -239,8 +239,7 @@ def rejection_sample(
     graph is being captured; an explicit True / False wins.
     """
     if check_values is None:
-        check_values = value_checks_enabled() and not (
-            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        check_values = check_values_now()
     validate_inputs(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temperature,
                     top_k, top_p, seeds, offsets, tree_parents, check_values)
     bsz, n_rows, vocab = target_logits.shape

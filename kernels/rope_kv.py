@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .debug import value_checks_enabled
+from .debug import check_values_now
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SLOT_DTYPES = (torch.int32, torch.int64)
@@ -76,10 +76,6 @@ def _rope_kv_kernel(
             tl.store(v_cache_ptr + at + offs, tl.load(v_row + offs, mask=mask), mask=mask)
             tl.store(v_cache_ptr + at + HALF + offs, tl.load(v_row + HALF + offs, mask=mask),
                      mask=mask)
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _check(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -157,7 +153,7 @@ def rope_and_cache(
     if num_tokens == 0:
         return q
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if value_checks_enabled() and not _capturing() and int(slot_mapping.max()) >= num_slots:
+    if check_values_now() and int(slot_mapping.max()) >= num_slots:
         raise IndexError(f"rope_and_cache: slot {int(slot_mapping.max())} is out of range for a "
                          f"cache of {num_slots} slots")
     qk_norm = q_norm_weight is not None
