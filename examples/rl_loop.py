@@ -105,7 +105,7 @@ def run(cfg: LoopConfig, on_step: Callable[[StepRecord], None] | None = None,
     """Spawn the engine, then per step: roll out, score, check the engine's logprobs against the
     learner's, take one GRPO step, push the weights. Returns the records (and, with
     ``fetch_params``, both sides' final parameters)."""
-    from specengine.weight_sync import WeightSender
+    from specengine.weights import WeightSender
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
-import time
 from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -14,25 +12,25 @@ import torch
 
 from specengine.config import MAX_K, EngineConfig
 from specengine.core.batch import BatchState
+from specengine.core.engine_core import EngineCore
 from specengine.core.graphs import DEFAULT_BUCKETS, GraphRunner
-from specengine.core.transfer import to_host
 from specengine.core.verify import StaticVerifier
 from specengine.kv_cache import KVCache, num_kv_blocks
 from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
 from specengine.model.loader import build_model
 from specengine.model_runner import ModelRunner
-from specengine.outputs import EngineStats, GenerationOutput
-from specengine.requests import load_tokenizer, validate_requests
-from specengine.sampler import Sampler, SamplingTensors, StepResult
+from specengine.outputs import EngineStats, GenerationOutput, RequestOutput
+from specengine.requests import RequestBatch, load_tokenizer, validate_requests
+from specengine.sampler import Sampler
 from specengine.sampling import SamplingParams
 from specengine.scheduler import Scheduler
-from specengine.sequence import SeqStatus, Sequence
+from specengine.sequence import Sequence
 from specengine.speculate import StepTimes, num_drafts_for, speculative_step
 from specengine.threads import apply_thread_policy
 from specengine.tree import DraftTree
-from specengine.weight_receiver import WeightReceiver, apply_shared, load_in_process
-from specengine.weight_sync import SharedWeights
+from specengine.weights.receiver import WeightReceiver, apply_shared, load_in_process
+from specengine.weights.sender import SharedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +71,10 @@ class SpecEngine:
         graph_buckets: the batch sizes the static path pads to.
 
     Weights are updated in place (``data_ptr()`` never changes) and versioned: in process
-    (:meth:`load_weights`), from an RL learner's ``specengine.weight_sync.WeightSender`` over
+    (:meth:`load_weights`), from an RL learner's ``specengine.weights.WeightSender`` over
     gloo/NCCL (:meth:`init_weight_update_group`, :meth:`update_weights_from_distributed`,
     :meth:`close_weight_update_group`) or from shared storage on the same host
-    (:meth:`update_weights_from_shared`); the logic lives in ``specengine.weight_receiver``.
+    (:meth:`update_weights_from_shared`); the logic lives in ``specengine.weights.receiver``.
     """
 
     def __init__(
@@ -127,9 +125,10 @@ class SpecEngine:
                 f"({self.model_config.max_position_embeddings})"
             )
         self.tokenizer = load_tokenizer(cfg.model)
-        from specengine.drafters import make_drafter
+        from specengine.drafters import DraftContext, make_drafter
 
-        self.drafter = make_drafter(cfg.draft, self)
+        self.draft_context = DraftContext(cfg, self.model_config, self.model, self.device)
+        self.drafter = make_drafter(cfg.draft, self.draft_context)
         aux = self.drafter.aux_layers if self.drafter is not None else ()
         mc = self.model_config
         num_blocks = num_kv_blocks(cfg, mc, self.device)
@@ -142,19 +141,59 @@ class SpecEngine:
         self.graphs = _graph_runner(cfg, self.runner, self.sampler, mc.vocab_size)
         if self.drafter is not None:
             self.drafter.bind_static(self.graphs)
-        self.scheduler = Scheduler(
-            self.kv_cache, cfg.max_batch_size, cfg.max_num_batched_tokens,
-            on_preempt=self.drafter.release if self.drafter is not None else None,
-        )
-        self._rng = random.Random(cfg.seed)
-        self._next_seq_id = 0
         self.weight_version = 0
         self._weight_receiver: WeightReceiver | None = None
         # (which, name) of tensors a failed in-place update may have half-written.
         self._torn_weights: set[tuple[str, str]] = set()
-        self.stats = EngineStats()
+        # The step loop. Its decode steps go through self._decode_step, looked up per call so
+        # a wrapper set on the instance (benchmarks, tests) sees every step.
+        self.core = EngineCore(cfg, self.kv_cache, self.runner, self.sampler, self.graphs,
+                               self.drafter, self.tokenizer, mc.eos_token_ids,
+                               lambda *args: self._decode_step(*args),
+                               lambda: self.weight_version)
 
-    # ------------------------------------------------------------------------------------
+    # ---- the step API (docs/design.md §1, §3) --------------------------------------------
+    def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None, *,
+                    k: int | None = None, tree: Seq[Seq[int]] | DraftTree | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue one request (token ids, or text with a tokenizer); it joins the batch at the
+        next :meth:`step`. ``k`` (default 0; a tree's depth with ``tree``) is this request's
+        draft length: requests may differ. ``request_id`` must not be in use by an unfinished
+        request (default: a fresh one). Bad input raises ``ValueError`` and adds nothing.
+        Returns the request id."""
+        self._check_weights_whole()
+        if params is not None and not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams or None, got "
+                             f"{type(params).__name__}")
+        req = self._validate([prompt], 0 if k is None else k, params, tree)
+        return self.core.add(req.prompts[0], req.params[0], req.k, req.tree, request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step (a prefill batch or one verify step of every running request).
+        Returns a :class:`RequestOutput` per request that advanced: its new tokens and, once
+        finished, its :class:`GenerationOutput`. Nothing to do: ``[]``."""
+        return self.core.step()
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Stop an unfinished request now, freeing its KV blocks and drafter state; returns
+        its final output (``finish_reason="abort"``; later steps do not report it). An
+        unknown or already finished id raises ``ValueError``."""
+        return self.core.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        """Whether some added request has not finished (nor been aborted)."""
+        return self.core.has_unfinished()
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def stats(self) -> EngineStats:
+        """Counters of the last ``generate`` call; with the step API, of the steps since the
+        engine was last idle (``specengine.run_stats``)."""
+        return self.core.stats.snapshot()
+
     def generate(
         self,
         batch: Seq[list[int] | str],
@@ -167,77 +206,50 @@ class SpecEngine:
         """Generate a completion for every prompt of ``batch`` (token-id lists, or strings when
         the checkpoint has a tokenizer), with up to ``k`` draft tokens verified per step (or the
         static ``tree``). Returns outputs in prompt order; raises ``ValueError`` on bad input
-        before any work, leaving the engine unchanged."""
-        if self._torn_weights:
-            raise RuntimeError(f"weights are incomplete after a failed in-place update (e.g. "
-                               f"{sorted(self._torn_weights)[0]}): apply a complete update first")
-        req = validate_requests(batch, k, sampling, tree, tokenizer=self.tokenizer,
-                                vocab_size=self.model_config.vocab_size,
-                                max_model_len=self.config.max_model_len,
-                                kv_cache=self.kv_cache, has_drafter=self.drafter is not None)
-        draft_tree, k = req.tree, req.k
-        seqs = []
-        for ids, sp in zip(req.prompts, req.params):
-            seed = sp.seed if sp.seed is not None else self._rng.getrandbits(62)
-            seqs.append(Sequence(self._next_seq_id, ids, sp, seed,
-                                 self.model_config.eos_token_ids))
-            self._next_seq_id += 1
-        for seq in seqs:
-            self.scheduler.add(seq)
-        times = StepTimes()
-        prefill_s = 0.0
-        num_forwards = 0
-        start = time.perf_counter()
+        before any work, leaving the engine unchanged. A loop of :meth:`step` over requests
+        added here; it needs an idle engine (no unfinished :meth:`add_request` requests)."""
+        self._check_weights_whole()
+        req = self._validate(batch, k, sampling, tree)
+        if self.core.has_unfinished():
+            raise RuntimeError(f"generate needs an idle engine: {self.core.num_unfinished} "
+                               "requests added with add_request are unfinished (step them to "
+                               "the end or abort them first)")
+        ids = [self.core.add(p, sp, req.k, req.tree) for p, sp in zip(req.prompts, req.params)]
+        done: dict[str, GenerationOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(seqs), desc=f"generate k={k}", unit="seq")
-        max_len = self.config.max_model_len
-        lookahead = draft_tree.num_nodes - 1 if draft_tree is not None else k
+            bar = tqdm(total=len(ids), desc=f"generate k={req.k}", unit="seq")
         try:
-            while self.scheduler.has_unfinished():
-                scheduled = self.scheduler.schedule(
-                    lambda s: min(lookahead, max(0, max_len - len(s)))
-                )
-                if scheduled.is_prefill:
-                    t0 = time.perf_counter()
-                    self._prefill(scheduled.seqs, observe=k > 0)
-                    prefill_s += time.perf_counter() - t0
-                else:
-                    self._decode_step(scheduled.seqs, k, draft_tree, times)
-                num_forwards += 1
-                for seq in scheduled.seqs:
-                    if seq.status is SeqStatus.FINISHED:
-                        self._release(seq)
+            while self.core.has_unfinished():
+                for out in self.core.step():
+                    if out.output is not None:
+                        done[out.request_id] = out.output
                         if bar is not None:
                             bar.update(1)
         except BaseException:
-            for seq in self.scheduler.abort_all():
-                if self.drafter is not None:
-                    self.drafter.release(seq)
+            self.core.abort_all()  # step already did for its own errors; idempotent
             raise
         finally:
-            self.graphs.verifier.state.clear()  # rows of a finished call hold nothing of use
             if bar is not None:
                 bar.close()
-        self.stats = EngineStats(
-            num_steps=times.num_steps,
-            num_seq_steps=times.num_seq_steps,
-            num_step_tokens=times.num_step_tokens,
-            num_generated_tokens=sum(s.num_generated for s in seqs),
-            num_draft_tokens=sum(s.num_draft_tokens for s in seqs),
-            num_accepted_tokens=sum(s.num_accepted_tokens for s in seqs),
-            accepted_per_position=tuple(times.accepted_per_position),
-            proposed_per_position=tuple(times.proposed_per_position),
-            num_target_forwards=num_forwards,
-            time_draft_s=times.draft, time_verify_s=times.verify, time_sample_s=times.sample,
-            time_bookkeeping_s=times.bookkeeping, time_prefill_s=prefill_s,
-            wall_time_s=time.perf_counter() - start,
-        )
-        return [self._output(s) for s in seqs]
+        return [done[i] for i in ids]
 
-    # ---- weights (docs/design.md §3-4; the logic lives in specengine.weight_receiver) -----
+    def _validate(self, batch: Seq[object], k: int,
+                  sampling: SamplingParams | Seq[SamplingParams] | None,
+                  tree: Seq[Seq[int]] | DraftTree | None) -> RequestBatch:
+        return validate_requests(batch, k, sampling, tree, tokenizer=self.tokenizer,
+                                 vocab_size=self.model_config.vocab_size,
+                                 max_model_len=self.config.max_model_len,
+                                 kv_cache=self.kv_cache, has_drafter=self.drafter is not None)
+
+    def _check_weights_whole(self) -> None:
+        if self._torn_weights:
+            raise RuntimeError(f"weights are incomplete after a failed in-place update (e.g. "
+                               f"{sorted(self._torn_weights)[0]}): apply a complete update first")
+
+    # ---- weights (docs/design.md §3-4; the logic lives in specengine.weights) -----
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
                      | Mapping[str, torch.Tensor] | str | Path, *,
                      which: str = "policy", version: int | None = None) -> int:
@@ -268,7 +280,7 @@ class SpecEngine:
         does not fit raises ``WeightSyncError`` on both sides and changes nothing. If the
         sender dies mid-transfer, raises within the timeout; ``staging`` (``auto``,
         ``device``, ``host``: keep the old weights; ``none``: fail closed) says how the
-        engine avoids ever generating from a mix (see ``specengine.weight_receiver``)."""
+        engine avoids ever generating from a mix (see ``specengine.weights.receiver``)."""
         if self._weight_receiver is None:
             raise RuntimeError("no weight-update group: call init_weight_update_group first")
         return self._weight_receiver.receive(self, which, src_rank, staging)
@@ -286,52 +298,12 @@ class SpecEngine:
             self._weight_receiver.close()
             self._weight_receiver = None
 
-    def _prefill(self, seqs: tuple[Sequence, ...], observe: bool) -> None:
-        """Prompt pass + first token; the drafter catches up only when it will draft (a k=0
-        baseline on an engine with a drafter costs exactly a plain engine's time)."""
-        logits, target_out = self.runner.prefill(seqs)  # [B, V]
-        empty = torch.zeros(len(seqs), 0, dtype=torch.int64, device=self.device)
-        zeros = torch.zeros(len(seqs), dtype=torch.int32, device=self.device)
-        out = self.sampler(logits[:, None, :], empty, zeros, None, None,
-                           SamplingTensors.from_seqs(seqs, self.device))
-        result = StepResult.unpack(to_host(out.pack()), len(seqs))  # one host sync
-        tokens = result.output_ids[:, 0].tolist()
-        logprobs = result.logprobs[:, 0].tolist()
-        rows = []
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
-            rows.append(list(range(len(seq))))
-            seq.num_steps += 1
-            seq.append([token], [logprob], self.config.max_model_len)
-        if observe and self.drafter is not None:
-            self.drafter.observe(seqs, target_out, rows)
-
     def _decode_step(self, seqs: tuple[Sequence, ...], k: int, tree: DraftTree | None,
                      times: StepTimes) -> None:
         """One decode / verify step of the running ``seqs`` (the unit the host-overhead
         benchmark times)."""
         speculative_step(seqs, k, tree, self.drafter, self.graphs, self.kv_cache,
                          self.config.max_model_len, times)
-
-    def _release(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
-        if self.drafter is not None:
-            self.drafter.release(seq)
-
-    def _output(self, seq: Sequence) -> GenerationOutput:
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids)
-        return GenerationOutput(
-            prompt_token_ids=tuple(seq.token_ids[: seq.num_prompt_tokens]),
-            token_ids=tuple(seq.output_token_ids),
-            logprobs=tuple(seq.logprobs),
-            finish_reason=seq.finish_reason or "length",
-            num_steps=seq.num_steps,
-            num_draft_tokens=seq.num_draft_tokens,
-            num_accepted_tokens=seq.num_accepted_tokens,
-            weight_version=self.weight_version,
-            text=text,
-        )
 
 
 def _graph_runner(cfg: EngineConfig, runner: ModelRunner, sampler: Sampler,

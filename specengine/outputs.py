@@ -1,8 +1,10 @@
-"""What ``SpecEngine.generate`` returns."""
+"""What ``SpecEngine.generate`` and ``SpecEngine.step`` return."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 @dataclass(frozen=True)
@@ -17,7 +19,7 @@ class GenerationOutput:
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length" or "abort" (SpecEngine.abort)
     num_steps: int  # target forward passes that produced tokens for this request (prefill incl.)
     num_draft_tokens: int
     num_accepted_tokens: int
@@ -27,13 +29,33 @@ class GenerationOutput:
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError("token_ids and logprobs must have the same length")
-        if self.finish_reason not in ("stop", "length"):
-            raise ValueError(f"finish_reason must be 'stop' or 'length', got {self.finish_reason}")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got "
+                             f"{self.finish_reason!r}")
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One request's progress in one ``SpecEngine.step`` (or its end, from ``abort``).
+
+    ``new_token_ids`` are the tokens this step added (all steps' concatenated are the final
+    ``token_ids``); ``output`` is the complete :class:`GenerationOutput` once ``finished``,
+    else None."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    output: GenerationOutput | None = None
+
+    def __post_init__(self) -> None:
+        if self.finished != (self.output is not None):
+            raise ValueError("RequestOutput.output is set exactly when the request finished")
 
 
 @dataclass(frozen=True)
 class EngineStats:
-    """Counters of the last ``generate`` call (docs/design.md §3 ``engine.stats``)."""
+    """Counters of the last ``generate`` call, or with the step API of the steps since the
+    engine was last idle (docs/design.md §3 ``engine.stats``)."""
 
     num_steps: int = 0  # speculative (or decode) steps, excluding prefill
     num_generated_tokens: int = 0

@@ -121,7 +121,7 @@ def test_proposals_stay_exact_under_preemption_and_at_max_model_len(target_dir: 
 
 
 def test_sampled_drafts_carry_their_distributions(engine: SpecEngine, head_dir: Path) -> None:
-    drafter = Eagle3Drafter(head_dir, engine, sample=True)
+    drafter = Eagle3Drafter(head_dir, engine.draft_context, sample=True)
     assert not drafter.point_mass
     params = SamplingParams(temperature=0.8, top_k=10, seed=3)
     ids, probs = drafts_of(drafter, engine, [4, 8, 15, 16, 23, 42], 3, params)
@@ -140,7 +140,7 @@ def test_tree_ranks_past_the_draft_vocabulary_repeat_the_best_child(
     probability 0, and nothing fails."""
     kept = (5, 9, 40)
     path = write_head(tmp_path, target_dir, dropped=tuple(t for t in range(128) if t not in kept))
-    drafter = Eagle3Drafter(path, engine)
+    drafter = Eagle3Drafter(path, engine.draft_context)
     tree = DraftTree([(0,), (1,), (2,), (3,), (200,), (0, 4)])
     seq = Sequence(-6, [4, 8, 15, 16, 23], SamplingParams(temperature=0.0), 1, ())
     try:
@@ -158,7 +158,7 @@ def test_norm_before_residual_picks_the_residual(flag: bool, engine: SpecEngine,
     """``norm_before_residual: true`` (vLLM / speculators heads): the attention's residual is
     ``hidden_norm(g)``, not ``g``; checked against the layer written out by hand."""
     path = write_head(tmp_path, target_dir, edit=_set("norm_before_residual", flag))
-    layer = Eagle3Drafter(path, engine).module.midlayer
+    layer = Eagle3Drafter(path, engine.draft_context).module.midlayer
     torch.manual_seed(0)
     e, g, dense = torch.randn(5, 64), 3 * torch.randn(5, 64), DenseCausal()
     cos, sin = layer.self_attn.rope.cos_sin(torch.arange(5), e.dtype)
@@ -172,7 +172,8 @@ def test_norm_before_residual_picks_the_residual(flag: bool, engine: SpecEngine,
 
 def test_both_checkpoint_formats_give_identical_proposals(engine: SpecEngine, target_dir: Path,
                                                           head_dir: Path, tmp_path: Path) -> None:
-    from_bin = Eagle3Drafter(write_head(tmp_path / "bin", target_dir, fmt="bin"), engine)
+    from_bin = Eagle3Drafter(write_head(tmp_path / "bin", target_dir, fmt="bin"),
+                             engine.draft_context)
     for tokens in ([5, 9, 2, 77, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]):
         assert drafts_of(from_bin, engine, tokens, 4) == drafts_of(engine.drafter, engine,
                                                                    tokens, 4)
@@ -209,7 +210,7 @@ def test_bad_head_is_a_clear_error(case: str, engine: SpecEngine, target_dir: Pa
                                    tmp_path: Path) -> None:
     edit, message = BAD_HEADS[case]
     with pytest.raises(CheckpointError, match=message):
-        Eagle3Drafter(write_head(tmp_path, target_dir, edit=edit), engine)
+        Eagle3Drafter(write_head(tmp_path, target_dir, edit=edit), engine.draft_context)
 
 
 def test_checkpoint_embeddings_equal_to_the_targets_are_accepted(
@@ -217,7 +218,7 @@ def test_checkpoint_embeddings_equal_to_the_targets_are_accepted(
     embed = engine.model.model.embed_tokens.weight.detach().clone()
     path = write_head(tmp_path, target_dir,
                       edit=lambda c, t: t.__setitem__("embed_tokens.weight", embed))
-    assert drafts_of(Eagle3Drafter(path, engine), engine, [3, 1, 4, 1, 5], 3) == \
+    assert drafts_of(Eagle3Drafter(path, engine.draft_context), engine, [3, 1, 4, 1, 5], 3) == \
         drafts_of(engine.drafter, engine, [3, 1, 4, 1, 5], 3)
 
 
@@ -227,7 +228,7 @@ def test_load_weights_in_place(engine: SpecEngine, target_dir: Path, head_dir: P
     params = dict(drafter.module.named_parameters())
     ptrs = {n: p.data_ptr() for n, p in params.items()}
     other = write_head(tmp_path / "other", target_dir, seed=5, dropped=(1, 2, 3))
-    fresh = Eagle3Drafter(other, engine)
+    fresh = Eagle3Drafter(other, engine.draft_context)
     before = {n: p.clone() for n, p in params.items()}
     with pytest.raises(CheckpointError, match="shape"):  # all or nothing: nothing written
         engine.load_weights([("norm.weight", torch.zeros(64)), ("fc.weight", torch.zeros(3))],

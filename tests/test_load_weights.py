@@ -10,7 +10,7 @@ from checkpoints import make_hf_model, save_checkpoint
 
 from specengine import SamplingParams, SpecEngine
 from specengine.model.config import CheckpointError
-from specengine.weight_sync import WeightSender
+from specengine.weights import WeightSender
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11]]

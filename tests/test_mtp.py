@@ -148,7 +148,7 @@ def test_sampled_mtp_drafts_carry_their_distributions(engine: SpecEngine) -> Non
     from specengine.sampling import SamplingParams
     from specengine.sequence import Sequence
 
-    drafter = MTPDrafter(engine, sample=True)
+    drafter = MTPDrafter(engine.draft_context, sample=True)
     assert not drafter.point_mass
     hidden = torch.randn(5, engine.model_config.hidden_size)
     seq = Sequence(-9, [4, 8, 15, 16, 23, 42], SamplingParams(temperature=0.8, top_k=10), 3, ())

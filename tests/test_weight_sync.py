@@ -23,7 +23,7 @@ from checkpoints import make_hf_model, save_checkpoint
 
 from specengine import SamplingParams, SpecEngine
 from specengine.model.config import CheckpointError
-from specengine.weight_sync import SharedWeights, WeightSender, WeightSyncError
+from specengine.weights import SharedWeights, WeightSender, WeightSyncError
 
 CTX = mp.get_context("spawn")
 WAIT_S = 90.0  # bound on any reply from a child (engine start-up included)
@@ -276,7 +276,7 @@ def test_draft_update_keeps_speculation_lossless(engines: Engines) -> None:
 
 # --- a sender that dies mid-transfer ---------------------------------------------------------
 def _dying_sender(port: int, seed: int) -> None:
-    import specengine.weight_sync as ws
+    import specengine.weights.sender as ws
 
     packed = [0]
     real_pack = ws.pack

@@ -5,34 +5,31 @@ from __future__ import annotations
 import inspect
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from specengine.drafters.base import Drafter, DraftProposal
+from specengine.drafters.context import DraftContext
 
-if TYPE_CHECKING:
-    from specengine.engine import SpecEngine
-
-__all__ = ["Drafter", "DraftProposal", "make_drafter"]
+__all__ = ["DraftContext", "Drafter", "DraftProposal", "make_drafter"]
 
 
-def make_drafter(draft: str | None, engine: SpecEngine) -> Drafter | None:
+def make_drafter(draft: str | None, ctx: DraftContext) -> Drafter | None:
     """``None`` → no drafter; ``"ngram"`` → n-gram lookup; ``"mtp"`` → the target checkpoint's
     MTP layers; a directory → an EAGLE-3 head (its config has ``draft_vocab_size`` or an Eagle3
-    architecture), else a small LM with the target's vocabulary. ``engine.config.draft_options``
+    architecture), else a small LM with the target's vocabulary. ``ctx.config.draft_options``
     (e.g. ``{"sample": True}``) are passed to the drafter's constructor as keywords."""
     if draft is None:
         return None
-    opts = dict(getattr(engine.config, "draft_options", None) or ())
+    opts = dict(ctx.config.draft_options)
     if draft == "ngram":
         from specengine.drafters.ngram import NgramDrafter
 
         ngram = _construct(NgramDrafter, opts)
-        ngram.device = engine.device  # type: ignore[attr-defined]
+        ngram.device = ctx.device  # type: ignore[attr-defined]
         return ngram
     if draft == "mtp":
         from specengine.drafters.mtp import MTPDrafter
 
-        return _construct(MTPDrafter, opts, engine)
+        return _construct(MTPDrafter, opts, ctx)
     path = Path(draft)
     if not path.exists():
         raise ValueError(f"draft {draft!r}: no such directory (a draft is None, 'ngram', "
@@ -48,10 +45,10 @@ def make_drafter(draft: str | None, engine: SpecEngine) -> Drafter | None:
     if "draft_vocab_size" in cfg or any("eagle" in a.lower() for a in archs):
         from specengine.drafters.eagle3 import Eagle3Drafter
 
-        return _construct(Eagle3Drafter, opts, path, engine)
+        return _construct(Eagle3Drafter, opts, path, ctx)
     from specengine.drafters.draft_model import DraftModelDrafter
 
-    return _construct(DraftModelDrafter, opts, path, engine)
+    return _construct(DraftModelDrafter, opts, path, ctx)
 
 
 def _construct(cls: type[Drafter], opts: dict[str, object], *args: object) -> Drafter:

@@ -36,8 +36,8 @@ from specengine.tree import DraftTree
 
 if TYPE_CHECKING:
     from specengine.core.graphs import GraphRunner
+    from specengine.drafters.context import DraftContext
     from specengine.drafters.static_lm_chain import StaticLMChain
-    from specengine.engine import SpecEngine
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +58,10 @@ class DraftModelDrafter(Drafter):
     (checkpoint names); :meth:`load_weights` updates it in place.
     """
 
-    def __init__(self, path: str | Path, engine: SpecEngine, *, sample: bool = False) -> None:
-        from specengine.engine import build_model
+    def __init__(self, path: str | Path, ctx: DraftContext, *, sample: bool = False) -> None:
+        from specengine.model.loader import build_model
 
-        cfg, target = engine.config, engine.model_config
+        cfg, target = ctx.config, ctx.model_config
         dcfg = ModelConfig.from_dir(path)
         if dcfg.vocab_size != target.vocab_size:
             raise ValueError(f"draft model {path} has vocab_size {dcfg.vocab_size} but the target "
@@ -72,9 +72,9 @@ class DraftModelDrafter(Drafter):
                            dcfg.max_position_embeddings, cfg.max_model_len)
         self.sample = bool(sample)
         self.point_mass = not self.sample
-        self.device = engine.device
+        self.device = ctx.device
         self.module = build_model(path, cfg.torch_dtype, self.device)
-        self.kv_cache = draft_kv_cache(engine, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim)
+        self.kv_cache = draft_kv_cache(ctx, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim)
         self.runner = ModelRunner(self.module, self.kv_cache,
                                   make_attention_backend(cfg.kernel_backend), self.device)
         self._states: dict[int, _State] = {}

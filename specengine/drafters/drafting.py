@@ -18,7 +18,7 @@ from specengine.sequence import Sequence
 from specengine.tree import DraftTree
 
 if TYPE_CHECKING:
-    from specengine.engine import SpecEngine
+    from specengine.drafters.context import DraftContext
 
 
 def _signed(c: int) -> int:
@@ -91,15 +91,15 @@ def choose_from(logits: Tensor, sample: bool, temperature: Tensor, top_k: Tensor
     return torch.where(greedy, tokens, drawn), q
 
 
-def draft_kv_cache(engine: SpecEngine, num_layers: int, num_kv_heads: int,
+def draft_kv_cache(ctx: DraftContext, num_layers: int, num_kv_heads: int,
                    head_dim: int) -> KVCache:
     """A drafter's own paged cache, holding as many tokens as the target's (so the draft never
     runs out first); on CUDA the free memory is split between both caches."""
-    cfg = engine.config
+    cfg = ctx.config
     bpt = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, cfg.torch_dtype)
-    blocks = num_kv_blocks(cfg, engine.model_config, engine.device, extra_bytes_per_token=bpt)
+    blocks = num_kv_blocks(cfg, ctx.model_config, ctx.device, extra_bytes_per_token=bpt)
     return KVCache(blocks, cfg.block_size, num_layers, num_kv_heads, head_dim, cfg.torch_dtype,
-                   engine.device)
+                   ctx.device)
 
 
 def tree_level_mask(tree: DraftTree, n: int, batch: int, device: torch.device) -> Tensor:

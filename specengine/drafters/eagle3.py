@@ -46,7 +46,7 @@ from specengine.model.rope import RotaryEmbedding
 from specengine.model_runner import ForwardOutput
 
 if TYPE_CHECKING:
-    from specengine.engine import SpecEngine
+    from specengine.drafters.context import DraftContext
 
 VOCAB_MAP_KEYS = ("d2t", "t2d")
 EMBED_KEY = "embed_tokens.weight"
@@ -168,13 +168,13 @@ class Eagle3Drafter(FeatureDrafter):
     samples chain drafts from the head's distribution (mapped to target ids) with each
     request's temperature / top-k / top-p. Trees take each node's rank-r children."""
 
-    def __init__(self, path: str | Path, engine: SpecEngine, *, sample: bool = False) -> None:
+    def __init__(self, path: str | Path, ctx: DraftContext, *, sample: bool = False) -> None:
         cfg_file = Path(path) / "config.json"
         try:
             raw = json.loads(cfg_file.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{cfg_file}: cannot read the EAGLE-3 config ({e})") from e
-        target, ecfg = engine.model_config, engine.config
+        target, ecfg = ctx.model_config, ctx.config
         try:
             hcfg = ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"],
                                           "model_type": "llama"})
@@ -200,11 +200,11 @@ class Eagle3Drafter(FeatureDrafter):
         inputs = aux_layer_inputs(raw, target.num_layers)
         self.aux_layers = tuple(sorted(set(inputs)))
         self._aux_index = [self.aux_layers.index(i) for i in inputs]
-        self._embed = engine.model.model.embed_tokens
+        self._embed = ctx.model.model.embed_tokens
         prev = torch.get_default_dtype()
         torch.set_default_dtype(ecfg.torch_dtype)
         try:
-            with torch.device(engine.device):
+            with torch.device(ctx.device):
                 module = Eagle3Head(hcfg, self.draft_vocab_size, self._embed,
                                     norm_before_residual)
         finally:
@@ -216,7 +216,7 @@ class Eagle3Drafter(FeatureDrafter):
         load_named_tensors(module, tensors.items(), strict=True)
         if d2t is not None:
             module.draft_to_target.copy_(d2t)
-        super().__init__(engine, module, hcfg.num_kv_heads, hcfg.head_dim, sample=sample)
+        super().__init__(ctx, module, hcfg.num_kv_heads, hcfg.head_dim, sample=sample)
 
     def features(self, target: ForwardOutput, rows: Tensor) -> Tensor:
         if len(target.aux_hidden) != len(self.aux_layers):

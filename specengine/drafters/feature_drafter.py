@@ -34,8 +34,8 @@ from specengine.tree import DraftTree
 if TYPE_CHECKING:
     from specengine.core.graphs import GraphRunner
     from specengine.core.verify import VerifyOutput, VerifyShape
+    from specengine.drafters.context import DraftContext
     from specengine.drafters.static_chain import StaticFeatureChain
-    from specengine.engine import SpecEngine
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +54,14 @@ class FeatureDrafter(Drafter):
 
     module: nn.Module
 
-    def __init__(self, engine: SpecEngine, module: nn.Module, num_kv_heads: int, head_dim: int,
+    def __init__(self, ctx: DraftContext, module: nn.Module, num_kv_heads: int, head_dim: int,
                  *, sample: bool = False) -> None:
-        cfg = engine.config
+        cfg = ctx.config
         self.sample = bool(sample)
         self.point_mass = not self.sample
-        self.device = engine.device
+        self.device = ctx.device
         self.module = module.eval().requires_grad_(False)
-        self.kv_cache = draft_kv_cache(engine, 1, num_kv_heads, head_dim)
+        self.kv_cache = draft_kv_cache(ctx, 1, num_kv_heads, head_dim)
         self.runner = ModelRunner(self.module, self.kv_cache,  # type: ignore[arg-type]
                                   make_attention_backend(cfg.kernel_backend), self.device)
         self._states: dict[int, FeatureState] = {}

@@ -31,7 +31,7 @@ from specengine.model.llama import DecoderLayer, RMSNorm, run_layers
 from specengine.model_runner import ForwardOutput
 
 if TYPE_CHECKING:
-    from specengine.engine import SpecEngine
+    from specengine.drafters.context import DraftContext
 
 MTP_PREFIX = "mtp."
 
@@ -82,10 +82,10 @@ class MTPDrafter(FeatureDrafter):
     default; ``sample=True`` samples chain drafts like :class:`DraftModelDrafter`. It reads the
     target's final-norm hidden states."""
 
-    def __init__(self, engine: SpecEngine, *, sample: bool = False) -> None:
+    def __init__(self, ctx: DraftContext, *, sample: bool = False) -> None:
         from specengine.model.loader import iter_checkpoint, load_named_tensors
 
-        cfg, mc = engine.config, engine.model_config
+        cfg, mc = ctx.config, ctx.model_config
         num_layers = mc.num_mtp_layers
         if num_layers != 1:
             raise ValueError(f"draft='mtp' needs a checkpoint with mtp_num_hidden_layers: 1 in "
@@ -94,13 +94,13 @@ class MTPDrafter(FeatureDrafter):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(cfg.torch_dtype)
         try:
-            with torch.device(engine.device):
-                module = MTPModule(mc, engine.model, num_layers)
+            with torch.device(ctx.device):
+                module = MTPModule(mc, ctx.model, num_layers)
         finally:
             torch.set_default_dtype(prev)
         tensors = ((n, t) for n, t in iter_checkpoint(cfg.model) if n.startswith(MTP_PREFIX))
         load_named_tensors(module, tensors, strict=True)
-        super().__init__(engine, module, mc.num_kv_heads, mc.head_dim, sample=sample)
+        super().__init__(ctx, module, mc.num_kv_heads, mc.head_dim, sample=sample)
 
     def features(self, target: ForwardOutput, rows: Tensor) -> Tensor:
         return target.hidden[rows]

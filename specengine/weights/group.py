@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from specengine.weight_protocol import WeightSyncError
+from specengine.weights.protocol import WeightSyncError
 
 logger = logging.getLogger(__name__)
 

@@ -37,9 +37,14 @@ from specengine.model.loader import (
     iter_checkpoint,
     tied_names,
 )
-from specengine.weight_group import MAX_ERROR_BYTES, WeightGroup
-from specengine.weight_protocol import MAX_MANIFEST_BYTES, Manifest, WeightSyncError, bucket_buffer
-from specengine.weight_sync import MAGIC, SharedWeights
+from specengine.weights.group import MAX_ERROR_BYTES, WeightGroup
+from specengine.weights.protocol import (
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    WeightSyncError,
+    bucket_buffer,
+)
+from specengine.weights.sender import MAGIC, SharedWeights
 
 if TYPE_CHECKING:
     from specengine.engine import SpecEngine
@@ -68,8 +73,10 @@ def check_allowed(engine: SpecEngine, version: int | None) -> None:
     if version is not None and version <= engine.weight_version:
         raise ValueError(f"weight version must increase: got {version}, engine is at "
                          f"{engine.weight_version}")
-    if engine.scheduler.has_unfinished():
-        raise RuntimeError("weight update during generate: requests are still running")
+    if engine.has_unfinished():
+        raise RuntimeError(f"weight update while {engine.core.num_unfinished} requests are "
+                           "unfinished (generate running, or add_request requests not stepped "
+                           "to the end / aborted): update between requests")
 
 
 def commit(engine: SpecEngine, which: str, names: Iterable[str], version: int | None) -> int:

@@ -1,0 +1,279 @@
+"""The step loop behind ``SpecEngine`` (docs/design.md §1): requests, the scheduler, one step.
+
+``step()`` = schedule → run (a prefill batch, or decode / verify steps of the running
+sequences) → postprocess (append, finish, release, outputs). Requests join (``add``) and leave
+(``abort``, or finishing) between steps: continuous batching. The model, KV cache, drafter and
+static path are built by ``SpecEngine`` and handed in; the core never touches weights.
+
+Per-request draft length: each request keeps its own ``k`` (and tree). A decode step groups
+the running sequences by (k, tree) and runs one ``speculative_step`` per group, so every
+sequence advances exactly as it would in a ``generate`` call with its own k (sampled tokens
+depend on k, docs/design.md §1). With one k for all, which is the RL case, a step is one
+group: the same single verify pass as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specengine.config import EngineConfig
+from specengine.core.graphs import GraphRunner
+from specengine.core.transfer import to_host
+from specengine.drafters.base import Drafter
+from specengine.kv_cache import KVCache
+from specengine.model_runner import ModelRunner
+from specengine.outputs import GenerationOutput, RequestOutput
+from specengine.run_stats import RunStats
+from specengine.sampler import Sampler, SamplingTensors, StepResult
+from specengine.sampling import SamplingParams
+from specengine.scheduler import Scheduler
+from specengine.sequence import SeqStatus, Sequence
+from specengine.speculate import StepTimes
+from specengine.tokenizer import TextTokenizer
+from specengine.tree import DraftTree
+
+logger = logging.getLogger(__name__)
+
+#: finished request ids remembered so ``abort`` of one says "finished", not "unknown"
+MAX_REMEMBERED_FINISHED = 1 << 16
+
+DecodeStep = Callable[[tuple[Sequence, ...], int, "DraftTree | None", StepTimes], None]
+
+
+@dataclass
+class _Request:
+    request_id: str
+    seq: Sequence
+    k: int
+    tree: DraftTree | None
+    num_reported: int = 0  # output tokens already returned by step()
+
+    @property
+    def lookahead(self) -> int:
+        """Draft tokens a verify step feeds after the newest token."""
+        return self.tree.num_nodes - 1 if self.tree is not None else self.k
+
+
+class EngineCore:
+    """Request bookkeeping (request_id → Sequence, its k / tree) and the step.
+
+    ``decode_step(seqs, k, tree, times)`` runs one verify step of one (k, tree) group; the
+    facade passes its own ``SpecEngine._decode_step`` (looked up at each call, so wrapping it
+    on the instance, as the host-overhead benchmark does, takes effect).
+    ``weight_version()`` is stamped on every output."""
+
+    def __init__(self, config: EngineConfig, kv_cache: KVCache, runner: ModelRunner,
+                 sampler: Sampler, graphs: GraphRunner, drafter: Drafter | None,
+                 tokenizer: TextTokenizer | None, eos_token_ids: tuple[int, ...],
+                 decode_step: DecodeStep, weight_version: Callable[[], int]) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.runner = runner
+        self.sampler = sampler
+        self.graphs = graphs
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.device = torch.device(config.device)
+        self._decode_step = decode_step
+        self._weight_version = weight_version
+        self.scheduler = Scheduler(
+            kv_cache, config.max_batch_size, config.max_num_batched_tokens,
+            on_preempt=drafter.release if drafter is not None else None,
+        )
+        self._rng = random.Random(config.seed)
+        self._next_seq_id = 0
+        self._requests: dict[str, _Request] = {}
+        self._by_seq: dict[int, _Request] = {}
+        self._finished: OrderedDict[str, str] = OrderedDict()  # request_id -> finish_reason
+        self._run: RunStats | None = None  # the current busy span
+        self._last_run = RunStats(end=time.perf_counter())
+
+    # ---- requests ----------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    def add(self, prompt: tuple[int, ...], params: SamplingParams, k: int,
+            tree: DraftTree | None, request_id: str | None = None) -> str:
+        """Queue a validated request (``requests.validate_requests`` checked prompt, params, k
+        and tree); it joins at the next step. Returns its id."""
+        if request_id is None:
+            request_id = f"req-{self._next_seq_id}"
+            while request_id in self._requests:  # a caller chose this name: pick another
+                request_id += "'"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        elif request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already used by an unfinished "
+                             "request")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        seq = Sequence(self._next_seq_id, list(prompt), params, seed, self.eos_token_ids)
+        self._next_seq_id += 1
+        req = _Request(request_id, seq, k, tree)
+        self._requests[request_id] = req
+        self._by_seq[seq.seq_id] = req
+        self._finished.pop(request_id, None)  # a reused id is live again
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Stop a request now: its KV blocks and drafter state are freed at once; returns its
+        final output (``finish_reason="abort"``, with the tokens made so far)."""
+        req = self._requests.get(request_id) if isinstance(request_id, str) else None
+        if req is None:
+            if isinstance(request_id, str) and request_id in self._finished:
+                raise ValueError(f"request {request_id!r} already finished (finish_reason "
+                                 f"{self._finished[request_id]!r}): nothing to abort")
+            raise ValueError(f"unknown request id {request_id!r} (not added, or already "
+                             "finished and reported)")
+        seq = req.seq
+        if seq.status is SeqStatus.RUNNING:
+            self.scheduler.finish(seq)  # frees its blocks, leaves the running list
+        else:  # waiting (never admitted, or preempted): it holds no blocks
+            self.scheduler.waiting.remove(seq)
+            self.kv_cache.free(seq)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+        out = self._report(req, released=True)
+        self._end_run_if_idle()
+        return out
+
+    def abort_all(self) -> None:
+        """Drop every request and free its blocks (after an error, or on shutdown)."""
+        for seq in self.scheduler.abort_all():
+            if self.drafter is not None:
+                self.drafter.release(seq)
+        self._requests.clear()
+        self._by_seq.clear()
+        self._end_run_if_idle()
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine step: a prefill batch (new or preempted requests first) or one verify
+        step of every running sequence. Returns an output for each request that advanced.
+        An error inside the step aborts every request (blocks freed) and is raised."""
+        if not self._requests:
+            return []
+        run = self._run
+        if run is None:
+            run = self._run = RunStats()
+        try:
+            scheduled = self.scheduler.schedule(self._lookahead)
+            seqs = scheduled.seqs
+            if scheduled.is_prefill:
+                t0 = time.perf_counter()
+                self._prefill(seqs, observe=any(self._by_seq[s.seq_id].k > 0 for s in seqs))
+                run.prefill_s += time.perf_counter() - t0
+                run.num_forwards += 1
+            else:
+                for (k, tree), group in self._groups(seqs):
+                    self._decode_step(group, k, tree, run.times)
+                    run.num_forwards += 1
+            outputs = [self._report(self._by_seq[s.seq_id], released=False) for s in seqs]
+        except BaseException:
+            self.abort_all()
+            raise
+        run.end = time.perf_counter()
+        self._end_run_if_idle()
+        return outputs
+
+    @property
+    def stats(self) -> RunStats:
+        """The current busy span, else the last one."""
+        return self._run if self._run is not None else self._last_run
+
+    def _lookahead(self, seq: Sequence) -> int:
+        room = max(0, self.config.max_model_len - len(seq))
+        return min(self._by_seq[seq.seq_id].lookahead, room)
+
+    def _groups(self, seqs: tuple[Sequence, ...]
+                ) -> list[tuple[tuple[int, DraftTree | None], tuple[Sequence, ...]]]:
+        """Running sequences by (k, tree), in first-seen order."""
+        groups: dict[tuple[int, object], tuple[tuple[int, DraftTree | None], list[Sequence]]] = {}
+        for seq in seqs:
+            req = self._by_seq[seq.seq_id]
+            # Trees compare by their (sorted) paths: equal trees of separate requests share a step.
+            key = (req.k, None if req.tree is None else req.tree.paths)
+            groups.setdefault(key, ((req.k, req.tree), []))[1].append(seq)
+        return [(kt, tuple(group)) for kt, group in groups.values()]
+
+    def _prefill(self, seqs: tuple[Sequence, ...], observe: bool) -> None:
+        """Prompt pass + first token; the drafter catches up only when some request will
+        draft (a k=0 baseline on an engine with a drafter costs exactly a plain engine's)."""
+        logits, target_out = self.runner.prefill(seqs)  # [B, V]
+        empty = torch.zeros(len(seqs), 0, dtype=torch.int64, device=self.device)
+        zeros = torch.zeros(len(seqs), dtype=torch.int32, device=self.device)
+        out = self.sampler(logits[:, None, :], empty, zeros, None, None,
+                           SamplingTensors.from_seqs(seqs, self.device))
+        result = StepResult.unpack(to_host(out.pack()), len(seqs))  # one host sync
+        tokens = result.output_ids[:, 0].tolist()
+        logprobs = result.logprobs[:, 0].tolist()
+        rows = []
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            rows.append(list(range(len(seq))))
+            seq.num_steps += 1
+            seq.append([token], [logprob], self.config.max_model_len)
+        if observe and self.drafter is not None:
+            self.drafter.observe(seqs, target_out, rows)
+
+    # ---- postprocess -------------------------------------------------------------------------
+    def _report(self, req: _Request, released: bool) -> RequestOutput:
+        """This step's new tokens of ``req``; a finished request is released (blocks, drafter
+        state) and forgotten, and its output made."""
+        seq = req.seq
+        new = tuple(seq.token_ids[seq.num_prompt_tokens + req.num_reported:])
+        req.num_reported = seq.num_generated
+        if seq.status is not SeqStatus.FINISHED:
+            return RequestOutput(req.request_id, new, False)
+        if not released:
+            self.scheduler.finish(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq)
+        del self._requests[req.request_id]
+        del self._by_seq[seq.seq_id]
+        reason = seq.finish_reason or "length"
+        self._finished[req.request_id] = reason
+        if len(self._finished) > MAX_REMEMBERED_FINISHED:
+            self._finished.popitem(last=False)
+        if self._run is not None:
+            self._run.add_finished(seq)
+        return RequestOutput(req.request_id, new, True, self._output(seq, reason))
+
+    def _output(self, seq: Sequence, reason: str) -> GenerationOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids)
+        return GenerationOutput(
+            prompt_token_ids=tuple(seq.token_ids[: seq.num_prompt_tokens]),
+            token_ids=tuple(seq.output_token_ids),
+            logprobs=tuple(seq.logprobs),
+            finish_reason=reason,
+            num_steps=seq.num_steps,
+            num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_tokens=seq.num_accepted_tokens,
+            weight_version=self._weight_version(),
+            text=text,
+        )
+
+    def _end_run_if_idle(self) -> None:
+        """Once nothing is left: the span's stats are final, the persistent batch's rows are
+        dropped (they hold nothing of use)."""
+        if self._requests:
+            return
+        self.graphs.verifier.state.clear()
+        if self._run is not None:
+            self._run.end = self._run.end or time.perf_counter()
+            self._last_run, self._run = self._run, None
+
+
+__all__ = ["EngineCore"]

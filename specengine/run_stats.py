@@ -1,0 +1,56 @@
+"""Counters of one busy span of the engine (docs/design.md §3 ``engine.stats``).
+
+A span starts at the first ``step`` after the engine was idle and ends when no request is
+left; ``generate`` needs an idle engine and runs until its requests finish, so its span is
+exactly the call. Step counts and times cover every step of the span; token counts cover the
+requests that finished (or were aborted) in it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from specengine.outputs import EngineStats
+from specengine.sequence import Sequence
+from specengine.speculate import StepTimes
+
+
+@dataclass
+class RunStats:
+    """Mutable accumulator; :meth:`snapshot` gives the frozen :class:`EngineStats`."""
+
+    times: StepTimes = field(default_factory=StepTimes)
+    start: float = field(default_factory=time.perf_counter)
+    end: float = 0.0
+    prefill_s: float = 0.0
+    num_forwards: int = 0  # prefill and verify passes
+    num_generated: int = 0
+    num_draft: int = 0
+    num_accepted: int = 0
+
+    def add_finished(self, seq: Sequence) -> None:
+        """Count a request that left the engine (finished or aborted)."""
+        self.num_generated += seq.num_generated
+        self.num_draft += seq.num_draft_tokens
+        self.num_accepted += seq.num_accepted_tokens
+
+    def snapshot(self) -> EngineStats:
+        t = self.times
+        return EngineStats(
+            num_steps=t.num_steps,
+            num_seq_steps=t.num_seq_steps,
+            num_step_tokens=t.num_step_tokens,
+            num_generated_tokens=self.num_generated,
+            num_draft_tokens=self.num_draft,
+            num_accepted_tokens=self.num_accepted,
+            accepted_per_position=tuple(t.accepted_per_position),
+            proposed_per_position=tuple(t.proposed_per_position),
+            num_target_forwards=self.num_forwards,
+            time_draft_s=t.draft, time_verify_s=t.verify, time_sample_s=t.sample,
+            time_bookkeeping_s=t.bookkeeping, time_prefill_s=self.prefill_s,
+            wall_time_s=max(0.0, (self.end or time.perf_counter()) - self.start),
+        )
+
+
+__all__ = ["RunStats"]
