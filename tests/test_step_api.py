@@ -267,3 +267,22 @@ def test_random_add_abort_step_events_leak_nothing(tiny_checkpoint: Path, draft:
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
     assert engine.scheduler.num_preemptions > 0
     assert finished > 100 and aborted > 50
+
+
+def test_readme_step_api_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's step-API block, after its first Usage block (which makes ``engine``)."""
+    import re
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = [re.compile(r"```python\n(.*?)```", re.S).search(readme, readme.index(h))
+              for h in ("\n## Usage\n", "\n### The step API")]
+    ns: dict[str, object] = {"__name__": "readme_example"}
+    for block in blocks:
+        assert block is not None
+        exec(compile(block.group(1), "README.md", "exec"), ns)
+    engine = ns["engine"]
+    assert not engine.has_unfinished()  # type: ignore[attr-defined]
+    printed = capsys.readouterr().out
+    assert "aborted abort" in printed and f"{ns['rid']} '" in printed
+    assert ns["final"].output.token_ids == tuple(ns["tokens"]["plain"])  # type: ignore[index]
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks  # type: ignore[attr-defined]
