@@ -22,6 +22,18 @@ def pair() -> SpecEngine:
                       max_batch_size=8)
 
 
+@pytest.fixture(scope="module")
+def static_pair() -> SpecEngine:
+    """The padded static path (CUDA graphs' shapes, run without capture on the CPU)."""
+    return SpecEngine(DEFAULT_TARGET, draft=DEFAULT_DRAFT, device="cpu", kernel_backend="torch",
+                      max_batch_size=8, cuda_graphs=True)
+
+
+@pytest.fixture(params=["eager", "static"])
+def engine(request: pytest.FixtureRequest) -> SpecEngine:
+    return request.getfixturevalue("pair" if request.param == "eager" else "static_pair")
+
+
 def arith_prompts(n: int) -> list[str]:
     return heldout_prompts(n, seed=3)
 
@@ -87,7 +99,7 @@ def test_requests_joining_midway_equal_generate(pair: SpecEngine, k: int, sample
 
 
 @pytest.mark.parametrize("sampled", [False, True])
-def test_mixed_k_requests_equal_separate_generate_calls(pair: SpecEngine, sampled: bool) -> None:
+def test_mixed_k_requests_equal_separate_generate_calls(engine: SpecEngine, sampled: bool) -> None:
     """Each request keeps its own k: a step verifies each (k, tree) group separately, so every
     request gets what a ``generate`` call with its k gives (sampled tokens depend on k)."""
     prompts = arith_prompts(6)
@@ -96,16 +108,18 @@ def test_mixed_k_requests_equal_separate_generate_calls(pair: SpecEngine, sample
     expected = {}
     for k in sorted(set(ks)):
         idx = [i for i, kk in enumerate(ks) if kk == k]
-        outs = pair.generate([prompts[i] for i in idx], k=k, sampling=[params[i] for i in idx])
+        outs = engine.generate([prompts[i] for i in idx], k=k, sampling=[params[i] for i in idx])
         expected.update(zip(idx, outs))
-    got = run_staggered(pair, prompts, params, ks, every=1)
+    got = run_staggered(engine, prompts, params, ks, every=1)
     for i in range(len(prompts)):
         out, streamed = got[f"r{i}"]
         assert_same(out, expected[i])
         assert tuple(streamed) == out.token_ids
         if ks[i] == 0:
             assert out.num_draft_tokens == 0
-    assert pair.kv_cache.num_free_blocks == pair.kv_cache.num_blocks
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    if engine.graphs.static:  # the static verify, draft and catch-up passes really ran
+        assert all(engine.graphs.num_runs[kind] > 0 for kind in ("verify", "draft", "observe"))
 
 
 def test_tree_and_chain_requests_together(pair: SpecEngine) -> None:
@@ -123,36 +137,36 @@ def test_tree_and_chain_requests_together(pair: SpecEngine) -> None:
         assert_same(done[rid], want)
 
 
-def test_abort_mid_generation_frees_at_once(pair: SpecEngine) -> None:
+def test_abort_mid_generation_frees_at_once(engine: SpecEngine) -> None:
     prompts = arith_prompts(3)
     params = params_for(3, sampled=False)
-    expected = pair.generate(prompts, k=3, sampling=params)
-    ids = [pair.add_request(p, sp, k=3) for p, sp in zip(prompts, params)]
+    expected = engine.generate(prompts, k=3, sampling=params)
+    ids = [engine.add_request(p, sp, k=3) for p, sp in zip(prompts, params)]
     seen: dict[str, list[int]] = {rid: [] for rid in ids}
     for _ in range(3):  # prefill + two verify steps
-        for out in pair.step():
+        for out in engine.step():
             seen[out.request_id].extend(out.new_token_ids)
-    held = len(pair.core._requests[ids[1]].seq.block_table)
+    held = len(engine.core._requests[ids[1]].seq.block_table)
     assert held > 0
-    free_before = pair.kv_cache.num_free_blocks
-    aborted = pair.abort(ids[1])
-    assert pair.kv_cache.num_free_blocks == free_before + held  # freed now, not at a step
+    free_before = engine.kv_cache.num_free_blocks
+    aborted = engine.abort(ids[1])
+    assert engine.kv_cache.num_free_blocks == free_before + held  # freed now, not at a step
     assert aborted.finished and aborted.output is not None
     assert aborted.output.finish_reason == "abort"
     assert aborted.output.token_ids == tuple(seen[ids[1]])  # what was made so far
     assert aborted.output.token_ids == expected[1].token_ids[:len(seen[ids[1]])]
     assert aborted.new_token_ids == ()
-    assert len(pair.drafter._states) == 2  # the drafter let go of its state too
+    assert len(engine.drafter._states) == 2  # the drafter let go of its state too
     done = {}
-    while pair.has_unfinished():
-        for out in pair.step():
+    while engine.has_unfinished():
+        for out in engine.step():
             assert out.request_id != ids[1]
             if out.finished:
                 done[out.request_id] = out.output
     assert_same(done[ids[0]], expected[0])
     assert_same(done[ids[2]], expected[2])
-    assert pair.kv_cache.num_free_blocks == pair.kv_cache.num_blocks
-    assert pair.drafter.kv_cache.num_free_blocks == pair.drafter.kv_cache.num_blocks
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    assert engine.drafter.kv_cache.num_free_blocks == engine.drafter.kv_cache.num_blocks
 
 
 def test_bad_request_ids_raise_and_change_nothing(pair: SpecEngine) -> None:
