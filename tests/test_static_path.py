@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import make_hf_model, save_checkpoint
+from replaying_graph import ReplayingGraph
 from test_mtp import add_mtp_weights
 
 from specengine import SamplingParams, SpecEngine
@@ -35,13 +36,16 @@ def mixed_params(n: int, temperature: float, seed: int | None) -> list[SamplingP
 def both_paths(model: str | Path, draft: str | None, prompts: list, k: int,
                params: list[SamplingParams] | SamplingParams, tree: list | None = None,
                update: dict[str, torch.Tensor] | None = None, expect_accepts: bool = True,
-               static_passes: tuple[str, ...] = ("verify",), **kwargs: object
-               ) -> list[SpecEngine]:
-    """Generate on an eager and a static engine (same seeds) and assert equal outputs."""
+               static_passes: tuple[str, ...] = ("verify",), replay: bool = False,
+               **kwargs: object) -> list[SpecEngine]:
+    """Generate on an eager and a static engine (same seeds) and assert equal outputs. With
+    ``replay`` the static engine captures and replays its passes (``ReplayingGraph``)."""
     outs, engines = [], []
     for graphs in (False, True):
         engine = SpecEngine(model, draft, device="cpu", dtype="float32", cuda_graphs=graphs,
                             graph_buckets=BUCKETS, **kwargs)  # type: ignore[arg-type]
+        if graphs and replay:
+            engine.graphs.graph_factory, engine.graphs.capture = ReplayingGraph, True
         if update is not None:
             engine.load_weights(update)
         outs.append(engine.generate(prompts, k=k, sampling=params, tree=tree))
@@ -133,3 +137,22 @@ def test_one_engine_across_calls_and_updates(tiny_checkpoint: Path) -> None:
             got = static.generate(prompts[: 2 + k // 3], k=k, sampling=params[: 2 + k // 3])
             want = eager.generate(prompts[: 2 + k // 3], k=k, sampling=params[: 2 + k // 3])
             assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+@pytest.mark.parametrize("draft,k,tree,options", [
+    (DEFAULT_DRAFT, 3, None, None),
+    (DEFAULT_DRAFT, 3, TREE, None),
+    ("self", 3, None, {"sample": True}),
+    ("ngram", 3, None, None),
+])
+def test_captured_passes_replayed_step_after_step(draft: str, k: int, tree: list | None,
+                                                  options: dict | None) -> None:
+    """The capture / replay path (a CUDA graph's semantics, emulated on the CPU): every pass
+    is captured at its first use and replayed afterwards, and the outputs still equal the
+    eager engine's (a pass that kept reading a warm-up's outputs would not)."""
+    engines = both_paths(DEFAULT_TARGET, DEFAULT_TARGET if draft == "self" else draft,
+                         arith_prompts(6), k, mixed_params(6, 1.0, 21), tree, replay=True,
+                         draft_options=options, max_batch_size=4)
+    runner = engines[1].graphs
+    # each capture replays once at once; more replays = passes replayed on later steps
+    assert runner.num_captures >= 2 and runner.num_replays > runner.num_captures + 2

@@ -26,19 +26,43 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+class CudaGraph:
+    """``torch.cuda.CUDAGraph`` behind the two calls the runner makes; every graph of a runner
+    shares one memory pool (their outputs stay referenced, so none reuses another's)."""
+
+    def __init__(self, pool: tuple[int, int] | None) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        """Record ``fn`` (nothing runs); returns the outputs each replay writes."""
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            out = fn()
+        self.pool = self.graph.pool()
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
 class GraphRunner:
     """Pads to buckets when ``static``; captures and replays CUDA graphs when also on CUDA."""
 
     def __init__(self, verifier: StaticVerifier, buckets: tuple[int, ...], static: bool,
-                 device: torch.device) -> None:
+                 device: torch.device, graph_factory: Callable[[Any], Any] | None = None
+                 ) -> None:
+        """``graph_factory(pool)`` makes a graph object (``capture(fn)``, ``replay()``);
+        default: :class:`CudaGraph`, and capture only on CUDA."""
         if not buckets or any(b < 1 for b in buckets):
             raise ValueError(f"graph buckets must be a non-empty tuple of ints >= 1: {buckets}")
         self.verifier = verifier
         self.buckets = tuple(sorted(set(buckets)))
         self.static = static
-        self.capture = static and device.type == "cuda"
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Any]] = {}
-        self._pool: tuple[int, int] | None = None
+        self.capture = static and (device.type == "cuda" or graph_factory is not None)
+        self.graph_factory = graph_factory or CudaGraph
+        self._graphs: dict[tuple, tuple[Any, Any]] = {}
+        self._pool: Any = None
         self.num_replays = 0
         self.num_captures = 0
         #: static passes run, by kind (``verify``, ``draft``, ``observe``, ``lm-draft``)
@@ -60,7 +84,13 @@ class GraphRunner:
     def run_graph(self, key: tuple, num_rows: int, fn: Callable[[], Any]) -> Any:
         """``fn()``, a pass that reads and writes only static buffers; on CUDA replayed from
         the graph captured for ``key`` (``num_rows`` a bucket), else run as is. Outputs of a
-        replay are the captured pass's tensors: valid until the next replay of ``key``."""
+        replay are the captured pass's tensors: valid until the next replay of ``key``.
+
+        The first call of a key runs ``fn`` eagerly (it compiles the kernels), captures it and
+        replays it: the pass is a function of static buffers, so the replay rewrites the same
+        values, and the caller gets the captured outputs from the start. A later pass that
+        reads them (the drafter's catch-up reads the verify pass's) then reads the tensors
+        every replay writes, never the warm-up's."""
         self.num_runs[key[0]] += 1
         if not self.capture or num_rows not in self.buckets:
             return fn()
@@ -70,13 +100,13 @@ class GraphRunner:
             graph.replay()
             self.num_replays += 1
             return out
-        out = fn()  # warm-up: compiles kernels, serves this step
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            static_out = fn()
-        self._pool = graph.pool()
+        fn()  # warm-up: compiles the kernels, creates the handles capture may not create
+        graph = self.graph_factory(self._pool)
+        static_out = graph.capture(fn)
+        self._pool = graph.pool
         self._graphs[key] = (graph, static_out)
         self.num_captures += 1
         logger.info("captured a graph for %s", key[:3])
-        return out
+        graph.replay()
+        self.num_replays += 1
+        return static_out
