@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from specengine.outputs import EngineStats, GenerationOutput
+from specengine.outputs import EngineStats, GenerationOutput, RequestOutput
 from specengine.sampling import SamplingParams
 
-__all__ = ["EngineStats", "GenerationOutput", "SamplingParams", "SpecEngine", "__version__"]
+__all__ = ["EngineStats", "GenerationOutput", "RequestOutput", "SamplingParams", "SpecEngine",
+           "__version__"]
 
 try:
     __version__: str = version("specengine")

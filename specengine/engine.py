@@ -39,7 +39,10 @@ class SpecEngine:
     """Lossless speculative rollouts from a Hugging Face checkpoint.
 
     ``generate(batch, k=3)`` returns the policy's completions and log-probabilities; with
-    ``k=0`` it is plain autoregressive decoding through the same engine.
+    ``k=0`` it is plain autoregressive decoding through the same engine. ``generate`` is a
+    loop over the step API (:meth:`add_request`, :meth:`step`, :meth:`abort`,
+    :meth:`has_unfinished`), which serves requests joining and leaving between steps, each
+    with its own k; the loop itself lives in ``specengine.core.engine_core.EngineCore``.
 
     Args:
         model: Hugging Face checkpoint dir (config.json + *.safetensors) of a Llama, Qwen2 or
