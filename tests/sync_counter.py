@@ -57,7 +57,10 @@ class HostTransfers:
         self._saved: list[tuple[Any, str, Any]] = []
 
     def _patch(self, owner: Any, name: str, wrapper: Any) -> None:
-        self._saved.append((owner, name, getattr(owner, name)))
+        # An inherited method (``Tensor.__bool__`` lives on the C base class) is restored by
+        # deleting the patch, not by setting a copy on the subclass.
+        own = name in vars(owner)
+        self._saved.append((owner, name, getattr(owner, name) if own else None))
         setattr(owner, name, wrapper)
 
     def __enter__(self) -> HostTransfers:
@@ -103,5 +106,8 @@ class HostTransfers:
 
     def __exit__(self, *exc: object) -> None:
         for owner, name, orig in reversed(self._saved):
-            setattr(owner, name, orig)
+            if orig is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, orig)
         self._saved.clear()
