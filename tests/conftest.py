@@ -15,6 +15,11 @@ os.environ.setdefault("SPECENGINE_DEBUG_CHECKS", "1")  # kernels validate values
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # The engine's CPU thread rule from the start, so tests that build no engine (kernels,
+    # references) do not run on torch's default count either (docs: README, CPU threads).
+    from specengine.threads import apply_thread_policy
+
+    apply_thread_policy(None, torch.device("cpu"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
