@@ -10,11 +10,9 @@ from pathlib import Path
 
 import torch
 
-from specengine.config import MAX_K, EngineConfig
-from specengine.core.batch import BatchState
+from specengine.config import EngineConfig
 from specengine.core.engine_core import EngineCore
-from specengine.core.graphs import DEFAULT_BUCKETS, GraphRunner
-from specengine.core.verify import StaticVerifier
+from specengine.core.graphs import DEFAULT_BUCKETS, build_graph_runner
 from specengine.kv_cache import KVCache, num_kv_blocks
 from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
@@ -141,7 +139,7 @@ class SpecEngine:
         self.backend = make_attention_backend(cfg.kernel_backend)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device, aux)
         self.sampler = Sampler(cfg.kernel_backend, self.device)
-        self.graphs = _graph_runner(cfg, self.runner, self.sampler, mc.vocab_size)
+        self.graphs = build_graph_runner(cfg, self.runner, self.sampler, mc.vocab_size)
         if self.drafter is not None:
             self.drafter.bind_static(self.graphs)
         self.weight_version = 0
@@ -307,29 +305,6 @@ class SpecEngine:
         benchmark times)."""
         speculative_step(seqs, k, tree, self.drafter, self.graphs, self.kv_cache,
                          self.config.max_model_len, times)
-
-
-def _graph_runner(cfg: EngineConfig, runner: ModelRunner, sampler: Sampler,
-                  vocab_size: int) -> GraphRunner:
-    """The decode step's persistent batch, static verify pass and per-bucket graphs.
-
-    Rows: enough for ``max_batch_size`` padded to its bucket. Block-table columns: a sequence
-    of ``max_model_len`` tokens plus the largest lookahead (a 64-node tree)."""
-    from specengine.tree import MAX_TREE_NODES
-
-    device = torch.device(cfg.device)
-    larger = [b for b in cfg.graph_buckets if b >= cfg.max_batch_size]
-    capacity = min(larger) if larger else cfg.max_batch_size
-    max_blocks = -(-(cfg.max_model_len + MAX_TREE_NODES) // cfg.block_size)
-    state = BatchState(capacity, max_blocks, device)
-    verifier = StaticVerifier(runner, sampler, state, cfg.block_size, vocab_size,
-                              max(MAX_K + 1, MAX_TREE_NODES))
-    static = cfg.cuda_graphs
-    if static and device.type == "cuda" and cfg.kernel_backend == "torch":
-        # The PyTorch reference attention reads lengths back to the host: it cannot be captured.
-        logger.warning("cuda_graphs needs kernel_backend triton/cuda on CUDA; running eagerly")
-        static = False
-    return GraphRunner(verifier, cfg.graph_buckets, static, device)
 
 
 __all__ = ["SpecEngine", "num_drafts_for"]

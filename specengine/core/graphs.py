@@ -19,7 +19,12 @@ from typing import Any
 
 import torch
 
+from specengine.config import MAX_K, EngineConfig
+from specengine.core.batch import BatchState
 from specengine.core.verify import StaticVerifier, VerifyOutput, VerifyShape
+from specengine.model_runner import ModelRunner
+from specengine.sampler import Sampler
+from specengine.tree import MAX_TREE_NODES
 
 logger = logging.getLogger(__name__)
 
@@ -110,3 +115,24 @@ class GraphRunner:
         graph.replay()
         self.num_replays += 1
         return static_out
+
+
+def build_graph_runner(cfg: EngineConfig, runner: ModelRunner, sampler: Sampler,
+                       vocab_size: int) -> GraphRunner:
+    """The decode step's persistent batch, static verify pass and per-bucket graphs.
+
+    Rows: enough for ``max_batch_size`` padded to its bucket. Block-table columns: a sequence
+    of ``max_model_len`` tokens plus the largest lookahead (a 64-node tree)."""
+    device = torch.device(cfg.device)
+    larger = [b for b in cfg.graph_buckets if b >= cfg.max_batch_size]
+    capacity = min(larger) if larger else cfg.max_batch_size
+    max_blocks = -(-(cfg.max_model_len + MAX_TREE_NODES) // cfg.block_size)
+    state = BatchState(capacity, max_blocks, device)
+    verifier = StaticVerifier(runner, sampler, state, cfg.block_size, vocab_size,
+                              max(MAX_K + 1, MAX_TREE_NODES))
+    static = cfg.cuda_graphs
+    if static and device.type == "cuda" and cfg.kernel_backend == "torch":
+        # The PyTorch reference attention reads lengths back to the host: it cannot be captured.
+        logger.warning("cuda_graphs needs kernel_backend triton/cuda on CUDA; running eagerly")
+        static = False
+    return GraphRunner(verifier, cfg.graph_buckets, static, device)
