@@ -7,8 +7,8 @@ from importlib.metadata import PackageNotFoundError, version
 from specengine.outputs import EngineStats, GenerationOutput, RequestOutput
 from specengine.sampling import SamplingParams
 
-__all__ = ["EngineStats", "GenerationOutput", "RequestOutput", "SamplingParams", "SpecEngine",
-           "__version__"]
+__all__ = ["AsyncSpecEngine", "EngineStats", "GenerationOutput", "RequestOutput", "SamplingParams",
+           "SpecEngine", "__version__"]
 
 try:
     __version__: str = version("specengine")
@@ -23,4 +23,8 @@ def __getattr__(name: str) -> object:
         from specengine.engine import SpecEngine
 
         return SpecEngine
+    if name == "AsyncSpecEngine":
+        from specengine.async_engine import AsyncSpecEngine
+
+        return AsyncSpecEngine
     raise AttributeError(name)

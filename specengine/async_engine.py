@@ -1,0 +1,139 @@
+"""``AsyncSpecEngine``: the step API served to asyncio callers (docs/design.md §3).
+
+One background thread (``specengine.async_loop.EngineLoop``) owns the wrapped
+:class:`~specengine.engine.SpecEngine` and is the only thread that touches it; callers on any
+event loop hand it commands and get each step's outputs back through a per-request
+``asyncio.Queue``.
+
+Back-pressure: at most ``max_waiting`` requests may be unfinished (queued or running); one more
+raises :class:`EngineOverloadedError` at once and adds nothing. A caller that is cancelled, or
+that closes its stream early, aborts its request on the engine thread (KV blocks freed at
+once). A request's own bad input raises ``ValueError`` in its caller only; an error inside
+``step()`` (the engine then aborts every request) is raised in every caller whose request was
+unfinished, and the engine goes on serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any, TypeVar
+
+from specengine.async_loop import EngineClosedError, EngineLoop, EngineOverloadedError
+from specengine.engine import SpecEngine
+from specengine.outputs import GenerationOutput, RequestOutput
+from specengine.sampling import SamplingParams
+from specengine.tree import DraftTree
+
+T = TypeVar("T")
+
+
+class AsyncSpecEngine:
+    """asyncio front end of a :class:`SpecEngine`, whose step loop runs in a background thread.
+
+    ``await generate(prompt, params)`` returns the request's :class:`GenerationOutput`;
+    ``async for out in generate_stream(...)`` yields its :class:`RequestOutput` per step (the
+    last has ``finished=True`` and ``output``). Outputs equal ``SpecEngine.generate``'s for the
+    same prompt, params (seed) and k. Use ``contextlib.aclosing`` around a stream that may be
+    left early, so the request is aborted at once rather than when the generator is collected.
+    Close with ``await close()`` or ``async with``; the engine must not be used directly
+    meanwhile (use :meth:`run_in_engine`).
+    """
+
+    def __init__(self, engine: SpecEngine, *, max_waiting: int = 4096) -> None:
+        if not isinstance(engine, SpecEngine):
+            raise ValueError(f"engine must be a SpecEngine, got {type(engine).__name__}")
+        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
+            raise ValueError(f"max_waiting must be an int >= 1, got {max_waiting!r}")
+        if engine.has_unfinished():
+            raise ValueError("the engine has unfinished requests: finish or abort them first")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._loop = EngineLoop(engine, max_waiting)
+
+    @classmethod
+    def from_pretrained(cls, model: str | Path, draft: str | Path | None = None, *,
+                        max_waiting: int = 4096, **engine_kwargs: Any) -> AsyncSpecEngine:
+        """Build a ``SpecEngine(model, draft, **engine_kwargs)`` and wrap it."""
+        return cls(SpecEngine(model, draft, **engine_kwargs), max_waiting=max_waiting)
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The engine thread (alive until :meth:`close`)."""
+        return self._loop.thread
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests added and not yet finished (what ``max_waiting`` bounds)."""
+        return self._loop.num_unfinished
+
+    # ---- callers (event loop side) -----------------------------------------------------------
+    async def generate(self, prompt: list[int] | str, params: SamplingParams | None = None, *,
+                       k: int | None = None, tree: Seq[Seq[int]] | DraftTree | None = None,
+                       request_id: str | None = None) -> GenerationOutput:
+        """Run one request to the end and return its output (arguments as
+        ``SpecEngine.add_request``). Cancelling the caller aborts the request."""
+        stream = self.generate_stream(prompt, params, k=k, tree=tree, request_id=request_id)
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                if out.output is not None:
+                    return out.output
+        raise AssertionError("a stream ends with a finished output")  # pragma: no cover
+
+    async def generate_stream(self, prompt: list[int] | str, params: SamplingParams | None = None,
+                              *, k: int | None = None,
+                              tree: Seq[Seq[int]] | DraftTree | None = None,
+                              request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's :class:`RequestOutput` of each step it advanced in; the last one
+        is finished and carries the :class:`GenerationOutput`. Leaving early (``aclose``,
+        cancellation) aborts the request. Raises ``EngineOverloadedError`` when ``max_waiting``
+        requests are unfinished, ``EngineClosedError`` after :meth:`close`, ``ValueError`` for
+        bad input (also a ``request_id`` still in use)."""
+        ch = self._loop.register(request_id, asyncio.get_running_loop())
+        self._loop.send("add", (ch, prompt, params, k, tree))
+        done = False
+        try:
+            while True:
+                item = await ch.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:  # cancelled or closed early: free its KV blocks now
+                self._loop.send("cancel", ch)
+
+    async def abort(self, request_id: str) -> RequestOutput:
+        """Abort an unfinished request (its KV blocks are freed at once); its caller gets the
+        final output (``finish_reason="abort"``), which is also returned here. An id that is
+        not unfinished here raises ``ValueError``."""
+        return await asyncio.wrap_future(self._loop.call("abort", request_id))
+
+    async def run_in_engine(self, fn: Callable[[SpecEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result (or
+        raise its error), e.g. ``await aeng.run_in_engine(lambda e: e.load_weights(sd))``."""
+        if not callable(fn):
+            raise ValueError(f"fn must be callable, got {type(fn).__name__}")
+        return await asyncio.wrap_future(self._loop.call("call", fn))
+
+    async def close(self) -> None:
+        """Stop the engine thread: unfinished requests are aborted (KV freed) and their callers
+        get ``EngineClosedError``; later calls raise it too. Idempotent."""
+        self._loop.request_close()
+        await asyncio.get_running_loop().run_in_executor(None, self._loop.thread.join)
+
+    async def __aenter__(self) -> AsyncSpecEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+__all__ = ["AsyncSpecEngine", "EngineClosedError", "EngineOverloadedError"]
