@@ -291,3 +291,21 @@ def test_bad_construction(engine: SpecEngine) -> None:
     with pytest.raises(ValueError, match="unfinished requests"):
         AsyncSpecEngine(engine)
     engine.abort(rid)
+
+
+def test_readme_async_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's async block, after its first Usage block (which makes ``engine``)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = [re.compile(r"```python\n(.*?)```", re.S).search(readme, readme.index(h))
+              for h in ("\n## Usage\n", "\n### Async API")]
+    ns: dict[str, object] = {"__name__": "readme_example"}
+    for block in blocks:
+        assert block is not None
+        exec(compile(block.group(1), "README.md", "exec"), ns)
+    for got, want in zip(ns["async_outs"], ns["outs"]):  # type: ignore[call-overload]
+        assert_same(got, want)
+    assert "True" in capsys.readouterr().out  # the stream's last item is finished
+    assert_idle_and_free(ns["engine"])  # type: ignore[arg-type]
