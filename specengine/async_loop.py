@@ -63,6 +63,7 @@ class EngineLoop:
 
     @property
     def num_unfinished(self) -> int:
+        """Registered requests not yet finished, aborted or failed."""
         with self._cond:
             return len(self._live)
 
@@ -73,6 +74,8 @@ class EngineLoop:
             self._cond.notify()
 
     def register(self, request_id: str | None, loop: asyncio.AbstractEventLoop) -> Channel:
+        """Reserve ``request_id`` (default: a fresh one) and a channel on ``loop``; raises when
+        closed, at ``max_waiting``, or for an id in use. Nothing is queued here."""
         with self._cond:
             if self._closed:
                 raise EngineClosedError("the async engine is closed")
@@ -93,6 +96,7 @@ class EngineLoop:
             return ch
 
     def send(self, kind: str, payload: object) -> None:
+        """Queue ``add`` (channel, prompt, params, k, tree) or ``cancel`` (channel)."""
         with self._cond:
             self._commands.append((kind, payload))
             self._cond.notify()
