@@ -8,6 +8,8 @@ import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 KERNEL_BACKENDS = ("auto", "triton", "torch", "cuda")
+#: what a policy update between steps does to the KV of running requests (docs/design.md §4)
+KV_ON_UPDATE = ("keep", "recompute")
 #: longest draft chain a step verifies (``generate(k=...)``)
 MAX_K = 16
 
@@ -33,6 +35,12 @@ class EngineConfig:
     cuda_graphs: bool = False
     #: batch sizes the static path pads to; larger batches run eagerly
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    #: after a policy update between steps: keep the running requests' KV (computed under the
+    #: old weights) or re-prefill them so every later token is on-policy for the new weights
+    kv_on_update: str = "keep"
+    #: a running request whose oldest output token is more than this many versions behind
+    #: the engine after an update finishes with ``finish_reason="policy_lag"``; None: no limit
+    max_policy_lag: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -51,6 +59,14 @@ class EngineConfig:
                                          for b in self.graph_buckets):
             raise ValueError(f"graph_buckets must be a non-empty tuple of ints >= 1, got "
                              f"{self.graph_buckets!r}")
+        if self.kv_on_update not in KV_ON_UPDATE:
+            raise ValueError(f"kv_on_update must be one of {KV_ON_UPDATE}, got "
+                             f"{self.kv_on_update!r}")
+        if self.max_policy_lag is not None and (
+                not isinstance(self.max_policy_lag, int) or isinstance(self.max_policy_lag, bool)
+                or self.max_policy_lag < 0):
+            raise ValueError(f"max_policy_lag must be an int >= 0 or None, got "
+                             f"{self.max_policy_lag!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens must be >= block_size, got {self.kv_cache_tokens}")
 

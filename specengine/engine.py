@@ -61,17 +61,17 @@ class SpecEngine:
         draft_options: keywords for the drafter, e.g. ``{"sample": True}``: a small-LM or MTP
             drafter samples its chain drafts with each request's temperature / top-k / top-p
             (and returns their distributions) instead of proposing its greedy choice.
-        num_threads: torch CPU threads (process-wide). None: on CPU, 1 on up to 2 cores, else
-            half the cores up to 4, unless ``OMP_NUM_THREADS`` is set or
-            ``torch.set_num_threads`` was called (``specengine.threads``).
+        num_threads: torch CPU threads (process-wide); None: ``specengine.threads``' rule.
         cuda_graphs: run each decode step's verify pass + rejection sampling on static
             buffers padded to a batch-size bucket, replayed as a CUDA graph per bucket on CUDA
             (captured at its first use). None: on when the device is CUDA. On the CPU, True
-            runs the same padded static path without capture. Batches larger than the largest
-            bucket run eagerly.
+            runs the same padded static path without capture. Larger batches run eagerly.
         graph_buckets: the batch sizes the static path pads to.
+        kv_on_update / max_policy_lag: an update between steps ``"keep"``s running requests'
+            KV or ``"recompute"``s it; requests > N versions behind end (``core.inflight``).
 
-    Weights are updated in place (``data_ptr()`` never changes) and versioned: in process
+    Weights are updated in place (``data_ptr()`` never changes), between steps even while
+    requests run (each token records its version), and versioned: in process
     (:meth:`load_weights`), from an RL learner's ``specengine.weights.WeightSender`` over
     gloo/NCCL (:meth:`init_weight_update_group`, :meth:`update_weights_from_distributed`,
     :meth:`close_weight_update_group`) or from shared storage on the same host
@@ -97,6 +97,7 @@ class SpecEngine:
         num_threads: int | None = None,
         cuda_graphs: bool | None = None,
         graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        kv_on_update: str = "keep", max_policy_lag: int | None = None,
     ) -> None:
         model_config = ModelConfig.from_dir(model)
         if max_model_len is None:  # vLLM's default: the model's own context length
@@ -109,7 +110,7 @@ class SpecEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             draft_options=tuple(sorted((draft_options or {}).items())),
             cuda_graphs=cuda_graphs, graph_buckets=tuple(graph_buckets),
-        )
+            kv_on_update=kv_on_update, max_policy_lag=max_policy_lag)
         cfg = self.config
         self.device = torch.device(cfg.device)
         # Process-wide torch CPU threads: a count that does not thrash small or shared machines.
@@ -146,8 +147,7 @@ class SpecEngine:
         self._weight_receiver: WeightReceiver | None = None
         # (which, name) of tensors a failed in-place update may have half-written.
         self._torn_weights: set[tuple[str, str]] = set()
-        # The step loop. Its decode steps go through self._decode_step, looked up per call so
-        # a wrapper set on the instance (benchmarks, tests) sees every step.
+        # The step loop; decode steps look up self._decode_step per call (wrappers see all).
         self.core = EngineCore(cfg, self.kv_cache, self.runner, self.sampler, self.graphs,
                                self.drafter, self.tokenizer, mc.eos_token_ids,
                                lambda *args: self._decode_step(*args),
@@ -259,8 +259,8 @@ class SpecEngine:
         parameters in place (``data_ptr()`` unchanged), all or nothing: a bad name, shape or
         dtype raises ``CheckpointError`` and changes nothing (a copy that fails midway
         leaves ``generate`` refusing until those tensors are loaded again). The version
-        becomes ``version`` (greater than the current one) or the current one + 1, and is
-        stamped on every later output. Returns the new version."""
+        becomes ``version`` (greater than the current one) or the current one + 1, stamped on
+        every later token and output. Returns the new version."""
         return load_in_process(self, named_tensors, which, version)
 
     def init_weight_update_group(self, master_address: str, master_port: int, rank: int,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "policy_lag")
 
 
 @dataclass(frozen=True)
@@ -19,16 +19,19 @@ class GenerationOutput:
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
-    finish_reason: str  # "stop", "length" or "abort" (SpecEngine.abort)
+    finish_reason: str  # "stop", "length", "abort" (SpecEngine.abort) or "policy_lag"
     num_steps: int  # target forward passes that produced tokens for this request (prefill incl.)
     num_draft_tokens: int
     num_accepted_tokens: int
     weight_version: int = 0
     text: str | None = None
+    token_weight_versions: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError("token_ids and logprobs must have the same length")
+        if self.token_weight_versions and len(self.token_weight_versions) != len(self.token_ids):
+            raise ValueError("token_weight_versions must have one entry per token (or none)")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got "
                              f"{self.finish_reason!r}")

@@ -33,6 +33,8 @@ class Sequence:
             stop.update(eos_token_ids)
         self.stop_token_ids = frozenset(stop)
         self.logprobs: list[float] = []
+        #: per output token, the weight version that produced it (``stamp``)
+        self.token_weight_versions: list[int] = []
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
         self.status = SeqStatus.WAITING
@@ -55,6 +57,15 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.token_ids[-1]
+
+    def stamp(self, version: int) -> None:
+        """Record ``version`` for every output token not stamped yet. Called once after each
+        step that appended (weights change only between steps, so all of a step's tokens
+        come from one version); keeping it out of :meth:`append` keeps the step's hot loop
+        unchanged."""
+        missing = self.num_generated - len(self.token_weight_versions)
+        if missing > 0:
+            self.token_weight_versions.extend([version] * missing)
 
     def append(self, tokens: list[int], logprobs: list[float], max_model_len: int) -> None:
         """Add this step's emitted tokens, stopping at the first stop token, at ``max_tokens``

@@ -239,8 +239,8 @@ def test_abort_and_run_in_engine(engine: SpecEngine) -> None:
             assert await aeng.run_in_engine(lambda e: threading.current_thread()) is aeng.thread
             stream = aeng.generate_stream(prompt, long_params(1)[0], k=3, request_id="x")
             first = await stream.__anext__()
-            with pytest.raises(RuntimeError, match="unfinished"):  # the engine's own refusal
-                await aeng.run_in_engine(lambda e: e.load_weights({}))
+            with pytest.raises(ValueError, match="must increase"):  # the engine's own refusal
+                await aeng.run_in_engine(lambda e: e.load_weights({}, version=0))
             final = await aeng.abort("x")
             assert final.finished and final.output.finish_reason == "abort"  # type: ignore[union-attr]
             tokens = list(first.new_token_ids)

@@ -67,7 +67,8 @@ class EngineCore:
     ``decode_step(seqs, k, tree, times)`` runs one verify step of one (k, tree) group; the
     facade passes its own ``SpecEngine._decode_step`` (looked up at each call, so wrapping it
     on the instance, as the host-overhead benchmark does, takes effect).
-    ``weight_version()`` is stamped on every output."""
+    ``weight_version()`` is stamped on every output and, taken before each step, on every
+    token the step made. Weights may change between steps (``core.inflight``)."""
 
     def __init__(self, config: EngineConfig, kv_cache: KVCache, runner: ModelRunner,
                  sampler: Sampler, graphs: GraphRunner, drafter: Drafter | None,
@@ -93,6 +94,8 @@ class EngineCore:
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()  # request_id -> finish_reason
+        # Finished between steps (``finish_between_steps``), released, reported by next step.
+        self._ended: list[_Request] = []
         self._run: RunStats | None = None  # the current busy span
         self._last_run = RunStats(end=time.perf_counter())
 
@@ -137,16 +140,33 @@ class EngineCore:
                                  f"{self._finished[request_id]!r}): nothing to abort")
             raise ValueError(f"unknown request id {request_id!r} (not added, or already "
                              "finished and reported)")
-        seq = req.seq
+        if req in self._ended:  # finished between steps, not reported yet: report it now
+            self._ended.remove(req)
+        else:
+            self._release(req.seq)
+            req.seq.status, req.seq.finish_reason = SeqStatus.FINISHED, "abort"
+        out = self._report(req, released=True)
+        self._end_run_if_idle()
+        return out
+
+    def finish_between_steps(self, request_id: str, reason: str) -> None:
+        """End an unfinished request now (KV blocks and drafter state freed at once) with
+        ``reason``; the next :meth:`step` reports it (used after a weight update)."""
+        req = self._requests[request_id]
+        if req in self._ended:
+            return
+        self._release(req.seq)
+        req.seq.status, req.seq.finish_reason = SeqStatus.FINISHED, reason
+        self._ended.append(req)
+
+    def _release(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.RUNNING:
             self.scheduler.finish(seq)  # frees its blocks, leaves the running list
         else:  # waiting (never admitted, or preempted): it holds no blocks
             self.scheduler.waiting.remove(seq)
             self.kv_cache.free(seq)
-        seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
-        out = self._report(req, released=True)
-        self._end_run_if_idle()
-        return out
+        if self.drafter is not None:
+            self.drafter.release(seq)
 
     def abort_all(self) -> None:
         """Drop every request and free its blocks (after an error, or on shutdown)."""
@@ -155,6 +175,7 @@ class EngineCore:
                 self.drafter.release(seq)
         self._requests.clear()
         self._by_seq.clear()
+        self._ended.clear()
         self._end_run_if_idle()
 
     # ---- the step ----------------------------------------------------------------------------
@@ -167,6 +188,12 @@ class EngineCore:
         run = self._run
         if run is None:
             run = self._run = RunStats()
+        outputs = [self._report(req, released=True) for req in self._ended]
+        self._ended.clear()
+        if not self.scheduler.has_unfinished():  # all that was left ended between steps
+            self._end_run_if_idle()
+            return outputs
+        version = self._weight_version()  # weights change only between steps
         try:
             scheduled = self.scheduler.schedule(self._lookahead)
             seqs = scheduled.seqs
@@ -179,7 +206,9 @@ class EngineCore:
                 for (k, tree), group in self._groups(seqs):
                     self._decode_step(group, k, tree, run.times)
                     run.num_forwards += 1
-            outputs = [self._report(self._by_seq[s.seq_id], released=False) for s in seqs]
+            for s in seqs:
+                s.stamp(version)
+            outputs += [self._report(self._by_seq[s.seq_id], released=False) for s in seqs]
         except BaseException:
             self.abort_all()
             raise
@@ -263,6 +292,7 @@ class EngineCore:
             num_accepted_tokens=seq.num_accepted_tokens,
             weight_version=self._weight_version(),
             text=text,
+            token_weight_versions=tuple(seq.token_weight_versions),
         )
 
     def _end_run_if_idle(self) -> None:

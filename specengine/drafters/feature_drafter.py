@@ -142,6 +142,12 @@ class FeatureDrafter(Drafter):
 
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int],
                 tree: DraftTree | None) -> DraftProposal:
+        if any(s.seq_id not in self._states for s, n in zip(seqs, num_drafts) if n > 0):
+            # A draft update between steps dropped the states: no drafts this step (a plain
+            # decode step); the observe after it starts the states again.
+            return DraftProposal(torch.zeros(len(seqs), max(num_drafts), dtype=torch.int64,
+                                             device=self.device),
+                                 np.zeros(len(seqs), dtype=np.int64), None)
         if tree is None and self._static is not None:
             return self._static.propose(seqs, num_drafts)
         counts = np.asarray(num_drafts, dtype=np.int64)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from specengine.core.inflight import after_update
 from specengine.model.config import CheckpointError
 from specengine.model.loader import (
     check_entries,
@@ -69,22 +70,20 @@ def update_target(engine: SpecEngine, which: str) -> tuple[nn.Module, dict[str, 
 
 
 def check_allowed(engine: SpecEngine, version: int | None) -> None:
-    """Refuse an update while requests run or when the version would not increase."""
+    """Refuse an update whose version would not increase. Requests may be running: an update
+    lands between two steps (``specengine.core.inflight``)."""
     if version is not None and version <= engine.weight_version:
         raise ValueError(f"weight version must increase: got {version}, engine is at "
                          f"{engine.weight_version}")
-    if engine.has_unfinished():
-        raise RuntimeError(f"weight update while {engine.core.num_unfinished} requests are "
-                           "unfinished (generate running, or add_request requests not stepped "
-                           "to the end / aborted): update between requests")
 
 
 def commit(engine: SpecEngine, which: str, names: Iterable[str], version: int | None) -> int:
-    """Bump the version; tensors now whole again are no longer torn. The drafter holds no
-    per-sequence state here: updates are refused while requests run and every finished or
-    aborted sequence was released."""
+    """Bump the version; tensors now whole again are no longer torn. Then the running
+    requests follow the engine's in-flight policy (``kv_on_update``, ``max_policy_lag``),
+    only after a complete update: a refused one changes nothing."""
     engine._torn_weights.difference_update((which, n) for n in names)
     engine.weight_version = version if version is not None else engine.weight_version + 1
+    after_update(engine.core, which, engine.weight_version)
     return engine.weight_version
 
 
@@ -222,9 +221,10 @@ class WeightReceiver:
 
     def receive(self, engine: SpecEngine, which: str, src_rank: int, staging: str) -> int:
         """One update from ``src_rank`` (see ``engine.update_weights_from_distributed``).
-        Every refusal of this receiver's own (bad ``staging`` or ``which``, no drafter,
-        requests running, a manifest that does not fit) is raised only after the handshake,
-        so that the sender and the other receivers, which wait in it, raise too."""
+        Every refusal of this receiver's own (bad ``staging`` or ``which``, no drafter, a
+        version that does not increase, a manifest that does not fit) is raised only after
+        the handshake, so that the sender and the other receivers, which wait in it, raise
+        too."""
         g = self.group
         if isinstance(src_rank, bool) or not isinstance(src_rank, int) or \
                 not 0 <= src_rank < g.world_size or src_rank == g.rank:
