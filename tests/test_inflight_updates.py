@@ -20,6 +20,7 @@ from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
 from specengine.model.config import CheckpointError
 from specengine.model.loader import hf_named_tensors
 from specengine.outputs import GenerationOutput, RequestOutput
+from specengine.weights import WeightSender
 
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11], [40, 41]]
 MAX_TOKENS = 14
@@ -72,9 +73,11 @@ def assert_no_leak(engine: SpecEngine) -> None:
         assert cache.num_free_blocks == cache.num_blocks
 
 
-@pytest.mark.parametrize("k,cuda_graphs", [(0, False), (2, False), (2, True)])
+@pytest.mark.parametrize("k,cuda_graphs,via", [(0, False, "load"), (2, False, "load"),
+                                               (2, True, "load"), (2, True, "shared")])
 def test_recompute_continues_exactly_as_a_fresh_engine(
-        tiny_checkpoint: Path, new_weights: tuple[dict, Path], k: int, cuda_graphs: bool) -> None:
+        tiny_checkpoint: Path, new_weights: tuple[dict, Path], k: int, cuda_graphs: bool,
+        via: str) -> None:
     state_dict, new_dir = new_weights
     engine = tiny_engine(tiny_checkpoint, draft=str(tiny_checkpoint) if k else None,
                          cuda_graphs=cuda_graphs, kv_on_update="recompute")
@@ -85,7 +88,11 @@ def test_recompute_continues_exactly_as_a_fresh_engine(
     before = {rid: list(seen[rid]) for rid in ids}
     assert all(0 < len(t) < MAX_TOKENS for t in before.values())
     preemptions = engine.scheduler.num_preemptions
-    assert engine.load_weights(state_dict) == 1  # mid-flight: no refusal, no draining
+    if via == "load":
+        assert engine.load_weights(state_dict) == 1  # mid-flight: no refusal, no draining
+    else:  # the colocated transport, in one process (its byte path needs no second one)
+        handles = WeightSender(transport="shared").send(state_dict, 1, full=True)
+        assert engine.update_weights_from_shared(handles) == 1
     assert engine.scheduler.num_preemptions == preemptions + len(ids)  # all re-prefilled
     step_n(engine, 10 * MAX_TOKENS, seen, done)
     assert_no_leak(engine)
