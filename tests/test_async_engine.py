@@ -9,6 +9,7 @@ import threading
 from contextlib import aclosing
 
 import pytest
+from readme_blocks import run_readme_blocks
 
 from specengine import AsyncSpecEngine, SamplingParams, SpecEngine
 from specengine.arith_task import heldout_prompts
@@ -295,16 +296,7 @@ def test_bad_construction(engine: SpecEngine) -> None:
 
 def test_readme_async_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """The README's async block, after its first Usage block (which makes ``engine``)."""
-    import re
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    blocks = [re.compile(r"```python\n(.*?)```", re.S).search(readme, readme.index(h))
-              for h in ("\n## Usage\n", "\n### Async API")]
-    ns: dict[str, object] = {"__name__": "readme_example"}
-    for block in blocks:
-        assert block is not None
-        exec(compile(block.group(1), "README.md", "exec"), ns)
+    ns = run_readme_blocks("## Usage\n", "### Async API")
     for got, want in zip(ns["async_outs"], ns["outs"]):  # type: ignore[call-overload]
         assert_same(got, want)
     assert "True" in capsys.readouterr().out  # the stream's last item is finished

@@ -3,27 +3,18 @@ sections come in the promised order, and ``.ci/run`` runs its CPU setup line ver
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
+from readme_blocks import README, readme_block
 
 from specengine.arith_task import decode, reward
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
-
-
-def _first_block(lang: str, under_heading: str) -> str:
-    """The first fenced ``lang`` block after the heading line ``under_heading``."""
-    at = README.index(f"\n{under_heading}\n")
-    match = re.compile(rf"```{lang}\n(.*?)```", re.S).search(README, at)
-    assert match is not None, f"no ```{lang} block under {under_heading!r}"
-    return match.group(1)
 
 
 def test_python_example_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
-    code = _first_block("python", "## Usage")
+    code = readme_block("## Usage\n")
     ns: dict[str, object] = {"__name__": "readme_example"}
     exec(compile(code, "README.md (Usage example)", "exec"), ns)
     prompts, outs = ns["prompts"], ns["outs"]
@@ -44,7 +35,7 @@ def test_sections_in_order() -> None:
 
 
 def test_ci_runs_the_readme_cpu_setup_line() -> None:
-    setup = _first_block("bash", "## Setup").splitlines()
+    setup = readme_block("## Setup\n", "bash").splitlines()
     cpu = setup[setup.index(next(line for line in setup if "CPU only" in line)) + 1]
     assert "whl/cpu" in cpu and 'pip install -e ".[test]"' in cpu
     ci = (ROOT / ".ci" / "run").read_text().splitlines()

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+from readme_blocks import run_readme_blocks
 
 from specengine import SamplingParams, SpecEngine
 from specengine.arith_task import heldout_prompts
@@ -286,15 +287,7 @@ def test_random_add_abort_step_events_leak_nothing(tiny_checkpoint: Path, draft:
 
 def test_readme_step_api_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """The README's step-API block, after its first Usage block (which makes ``engine``)."""
-    import re
-
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    blocks = [re.compile(r"```python\n(.*?)```", re.S).search(readme, readme.index(h))
-              for h in ("\n## Usage\n", "\n### The step API")]
-    ns: dict[str, object] = {"__name__": "readme_example"}
-    for block in blocks:
-        assert block is not None
-        exec(compile(block.group(1), "README.md", "exec"), ns)
+    ns = run_readme_blocks("## Usage\n", "### The step API")
     engine = ns["engine"]
     assert not engine.has_unfinished()  # type: ignore[attr-defined]
     printed = capsys.readouterr().out
