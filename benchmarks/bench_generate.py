@@ -76,7 +76,7 @@ def bench_bundled(args: argparse.Namespace) -> list[dict]:
                 mean_accepted_length=best.mean_accepted_length,
                 speedup=tps / base_tps if base_tps else None,
                 draft_s=best.time_draft_s, verify_s=best.time_verify_s,
-                sample_s=best.time_sample_s, bookkeeping_s=best.time_bookkeeping_s,
+                bookkeeping_s=best.time_bookkeeping_s,
             ))
     return rows
 

@@ -63,7 +63,7 @@ from host_overhead_report import plot, print_table, verdicts  # noqa: E402
 from step_profiler import StepProfiler  # noqa: E402
 
 TREE = [(0,), (1,), (0, 0), (0, 0, 0)]
-PHASES = ("draft", "verify", "sample", "bookkeeping")  # StepTimes fields, where they exist
+PHASES = ("draft", "verify", "bookkeeping")  # StepTimes fields (verify includes sampling)
 
 
 class _Done(Exception):

@@ -70,8 +70,7 @@ class EngineStats:
     num_seq_steps: int = 0  # (sequence, decode/verify step) pairs
     num_step_tokens: int = 0  # tokens kept by those steps
     time_draft_s: float = 0.0
-    time_verify_s: float = 0.0
-    time_sample_s: float = 0.0
+    time_verify_s: float = 0.0  # the verify pass and rejection sampling: one static pass
     time_bookkeeping_s: float = 0.0
     time_prefill_s: float = 0.0
     wall_time_s: float = 0.0

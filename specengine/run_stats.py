@@ -47,7 +47,7 @@ class RunStats:
             accepted_per_position=tuple(t.accepted_per_position),
             proposed_per_position=tuple(t.proposed_per_position),
             num_target_forwards=self.num_forwards,
-            time_draft_s=t.draft, time_verify_s=t.verify, time_sample_s=t.sample,
+            time_draft_s=t.draft, time_verify_s=t.verify,
             time_bookkeeping_s=t.bookkeeping, time_prefill_s=self.prefill_s,
             wall_time_s=max(0.0, (self.end or time.perf_counter()) - self.start),
         )

@@ -36,8 +36,7 @@ class StepTimes:
     the host (device time of drafting, verifying and sampling)."""
 
     draft: float = 0.0
-    verify: float = 0.0
-    sample: float = 0.0
+    verify: float = 0.0  # the target pass and rejection sampling (one static pass / graph)
     bookkeeping: float = 0.0
     num_steps: int = 0
     num_seq_steps: int = 0  # (sequence, step) pairs
