@@ -10,6 +10,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 KERNEL_BACKENDS = ("auto", "triton", "torch", "cuda")
 #: what a policy update between steps does to the KV of running requests (docs/design.md §4)
 KV_ON_UPDATE = ("keep", "recompute")
+#: what happens to a request beyond its max_policy_lag after an update (core/inflight.py)
+POLICY_LAG_ACTIONS = ("finish", "restart")
 #: longest draft chain a step verifies (``generate(k=...)``)
 MAX_K = 16
 
@@ -39,8 +41,12 @@ class EngineConfig:
     #: old weights) or re-prefill them so every later token is on-policy for the new weights
     kv_on_update: str = "keep"
     #: a running request whose oldest output token is more than this many versions behind
-    #: the engine after an update finishes with ``finish_reason="policy_lag"``; None: no limit
+    #: the engine after an update is finished or restarted (``policy_lag_action``; a
+    #: request's ``SamplingParams.max_policy_lag`` overrides it); None: no limit
     max_policy_lag: int | None = None
+    #: ``"finish"``: ``finish_reason="policy_lag"``; ``"restart"``: drop its tokens and KV and
+    #: start it again from its prompt (same request id and seed)
+    policy_lag_action: str = "finish"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -67,6 +73,9 @@ class EngineConfig:
                 or self.max_policy_lag < 0):
             raise ValueError(f"max_policy_lag must be an int >= 0 or None, got "
                              f"{self.max_policy_lag!r}")
+        if self.policy_lag_action not in POLICY_LAG_ACTIONS:
+            raise ValueError(f"policy_lag_action must be one of {POLICY_LAG_ACTIONS}, got "
+                             f"{self.policy_lag_action!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens must be >= block_size, got {self.kv_cache_tokens}")
 

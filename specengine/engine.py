@@ -67,8 +67,10 @@ class SpecEngine:
             (captured at its first use). None: on when the device is CUDA. On the CPU, True
             runs the same padded static path without capture. Larger batches run eagerly.
         graph_buckets: the batch sizes the static path pads to.
-        kv_on_update / max_policy_lag: an update between steps ``"keep"``s running requests'
-            KV or ``"recompute"``s it; requests > N versions behind end (``core.inflight``).
+        kv_on_update / max_policy_lag / policy_lag_action: an update between steps
+            ``"keep"``s running requests' KV or ``"recompute"``s it; requests > N versions
+            behind (N: their own ``SamplingParams.max_policy_lag``, else this) are
+            ``"finish"``ed or ``"restart"``ed from their prompts (``core.inflight``).
 
     Weights are updated in place (``data_ptr()`` never changes), between steps even while
     requests run (each token records its version), and versioned: in process
@@ -98,6 +100,7 @@ class SpecEngine:
         cuda_graphs: bool | None = None,
         graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         kv_on_update: str = "keep", max_policy_lag: int | None = None,
+        policy_lag_action: str = "finish",
     ) -> None:
         model_config = ModelConfig.from_dir(model)
         if max_model_len is None:  # vLLM's default: the model's own context length
@@ -110,7 +113,8 @@ class SpecEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             draft_options=tuple(sorted((draft_options or {}).items())),
             cuda_graphs=cuda_graphs, graph_buckets=tuple(graph_buckets),
-            kv_on_update=kv_on_update, max_policy_lag=max_policy_lag)
+            kv_on_update=kv_on_update, max_policy_lag=max_policy_lag,
+            policy_lag_action=policy_lag_action)
         cfg = self.config
         self.device = torch.device(cfg.device)
         # Process-wide torch CPU threads: a count that does not thrash small or shared machines.

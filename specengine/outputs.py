@@ -43,12 +43,15 @@ class RequestOutput:
 
     ``new_token_ids`` are the tokens this step added (all steps' concatenated are the final
     ``token_ids``); ``output`` is the complete :class:`GenerationOutput` once ``finished``,
-    else None."""
+    else None. ``restarted`` is True on the first output after the request was restarted
+    from its prompt (``policy_lag_action="restart"``): the tokens reported before it are
+    void, and concatenation starts again from this output's ``new_token_ids``."""
 
     request_id: str
     new_token_ids: tuple[int, ...]
     finished: bool
     output: GenerationOutput | None = None
+    restarted: bool = False
 
     def __post_init__(self) -> None:
         if self.finished != (self.output is not None):

@@ -16,7 +16,10 @@ class SamplingParams:
     is applied before top-p. ``stop_token_ids`` (and the checkpoint's EOS unless ``ignore_eos``)
     end a sequence; the stop token itself is part of the output, with its logprob, since an RL
     loss trains on it. ``seed`` fixes this request's random stream (same seed, same output);
-    None draws one from the engine's generator.
+    None draws one from the engine's generator. ``max_policy_lag`` overrides the engine's for
+    this request: after a weight update it is finished or restarted (the engine's
+    ``policy_lag_action``) once its oldest token is more than that many versions behind;
+    None uses the engine's.
     """
 
     temperature: float = 1.0
@@ -26,6 +29,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    max_policy_lag: int | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -41,6 +45,11 @@ class SamplingParams:
                                       or not 0 <= self.seed < MAX_SEED):
             # Seeds travel to the samplers as int64 tensors.
             raise ValueError(f"seed must be an int in [0, 2**63) or None, got {self.seed!r}")
+        if self.max_policy_lag is not None and (
+                not isinstance(self.max_policy_lag, int) or isinstance(self.max_policy_lag, bool)
+                or self.max_policy_lag < 0):
+            raise ValueError(f"max_policy_lag must be an int >= 0 (weight versions) or None "
+                             f"(the engine's), got {self.max_policy_lag!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property

@@ -54,6 +54,7 @@ class _Request:
     k: int
     tree: DraftTree | None
     num_reported: int = 0  # output tokens already returned by step()
+    restarted: bool = False  # started again from its prompt since its last report
 
     @property
     def lookahead(self) -> int:
@@ -262,8 +263,9 @@ class EngineCore:
         seq = req.seq
         new = tuple(seq.token_ids[seq.num_prompt_tokens + req.num_reported:])
         req.num_reported = seq.num_generated
+        restarted, req.restarted = req.restarted, False  # core.inflight restarts
         if seq.status is not SeqStatus.FINISHED:
-            return RequestOutput(req.request_id, new, False)
+            return RequestOutput(req.request_id, new, False, restarted=restarted)
         if not released:
             self.scheduler.finish(seq)
         if self.drafter is not None:
@@ -276,7 +278,7 @@ class EngineCore:
             self._finished.popitem(last=False)
         if self._run is not None:
             self._run.add_finished(seq)
-        return RequestOutput(req.request_id, new, True, self._output(seq, reason))
+        return RequestOutput(req.request_id, new, True, self._output(seq, reason), restarted)
 
     def _output(self, seq: Sequence, reason: str) -> GenerationOutput:
         text = None

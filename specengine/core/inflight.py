@@ -15,9 +15,19 @@ core stamps on them (``GenerationOutput.token_weight_versions``). After a policy
   every later token is what a fresh engine with the new weights generates from that prefix.
 
 A draft-only update needs neither: a stale or rebuilt draft changes acceptance, never the
-output distribution (rejection sampling keeps the policy's). With ``max_policy_lag=N``, after
-any update a request whose oldest output token is more than N versions behind the engine
-finishes at once (``finish_reason="policy_lag"``, reported by the next step).
+output distribution (rejection sampling keeps the policy's).
+
+Policy lag: after any update, a request whose oldest output token is more than N versions
+behind the engine (N = its ``SamplingParams.max_policy_lag``, else the engine's
+``max_policy_lag``) is, by the engine's ``policy_lag_action``:
+
+- ``"finish"``: ended at once (``finish_reason="policy_lag"``, reported by the next step);
+- ``"restart"``: its tokens, KV blocks and drafter state are dropped and it waits at the
+  front of the queue to start again from its prompt, same request id and seed (the same
+  random streams: its new completion is what a fresh engine with the new weights makes for
+  that prompt and seed). Its next output has ``restarted=True``: the tokens reported for it
+  before are void, and the ``new_token_ids`` from that output on make up its final
+  ``token_ids``, all of the new version or later.
 """
 
 from __future__ import annotations
@@ -25,10 +35,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from specengine.sequence import SeqStatus
+from specengine.sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
-    from specengine.core.engine_core import EngineCore
+    from specengine.core.engine_core import EngineCore, _Request
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +49,16 @@ def after_update(core: EngineCore, which: str, version: int) -> None:
         return
     if which == "policy" and core.config.kv_on_update == "recompute":
         recompute_running(core)
-    if core.config.max_policy_lag is not None:
-        finish_lagging(core, version, core.config.max_policy_lag)
+    lagging = lagging_requests(core, version)
+    if not lagging:
+        return
+    if core.config.policy_lag_action == "restart":
+        restart_requests(core, lagging)
+    else:
+        for rid in lagging:
+            core.finish_between_steps(rid, "policy_lag")
+    logger.info("weight update v%d: %d requests exceed their max_policy_lag (%s)", version,
+                len(lagging), core.config.policy_lag_action)
 
 
 def recompute_running(core: EngineCore) -> int:
@@ -57,18 +75,50 @@ def recompute_running(core: EngineCore) -> int:
     return len(running)
 
 
-def finish_lagging(core: EngineCore, version: int, max_lag: int) -> list[str]:
-    """End every unfinished request whose oldest output token is more than ``max_lag``
-    versions behind ``version``; returns their ids."""
-    lagging = [rid for rid, req in core._requests.items()
-               if req.seq.status is not SeqStatus.FINISHED and req.seq.token_weight_versions
-               and version - req.seq.token_weight_versions[0] > max_lag]
-    for rid in lagging:
-        core.finish_between_steps(rid, "policy_lag")
-    if lagging:
-        logger.info("weight update v%d: %d requests exceed max_policy_lag=%d", version,
-                    len(lagging), max_lag)
+def max_lag_of(core: EngineCore, req: _Request) -> int | None:
+    """The request's own ``max_policy_lag``, else the engine's (None: no limit)."""
+    own = req.seq.params.max_policy_lag
+    return own if own is not None else core.config.max_policy_lag
+
+
+def lagging_requests(core: EngineCore, version: int) -> list[str]:
+    """Ids of the unfinished requests whose oldest output token is more than their
+    ``max_policy_lag`` versions behind ``version``, in the order they were added."""
+    lagging = []
+    for rid, req in core._requests.items():
+        versions = req.seq.token_weight_versions
+        if req.seq.status is SeqStatus.FINISHED or not versions:
+            continue
+        limit = max_lag_of(core, req)
+        if limit is not None and version - versions[0] > limit:
+            lagging.append(rid)
     return lagging
 
 
-__all__ = ["after_update", "finish_lagging", "recompute_running"]
+def restart_requests(core: EngineCore, request_ids: list[str]) -> None:
+    """Start each request again from its prompt (see the module docstring). The KV blocks
+    and drafter state are freed at once; the requests go to the front of the waiting queue
+    in the given order (they are the oldest work in the engine)."""
+    reqs = [core._requests[rid] for rid in request_ids]
+    for req in reqs:
+        core._release(req.seq)  # frees blocks and drafter state, leaves running / waiting
+        reset_sequence(req.seq, core.eos_token_ids)
+        req.num_reported = 0
+        req.restarted = True
+    for req in reversed(reqs):
+        core.scheduler.waiting.appendleft(req.seq)
+
+
+def reset_sequence(seq: Sequence, eos_token_ids: tuple[int, ...]) -> None:
+    """Put ``seq`` back in the state it was added in: the prompt, no tokens, blocks, counters
+    or versions, waiting. Done in place (the same object, ``seq_id`` and seed), so every
+    holder of the sequence (the persistent batch rows, the request table) stays valid; the
+    state is rebuilt by ``Sequence.__init__`` itself so no field can be forgotten."""
+    prompt = seq.token_ids[: seq.num_prompt_tokens]
+    fresh = Sequence(seq.seq_id, prompt, seq.params, seq.seed, eos_token_ids)
+    vars(seq).clear()
+    vars(seq).update(vars(fresh))
+
+
+__all__ = ["after_update", "lagging_requests", "recompute_running",
+           "reset_sequence", "restart_requests"]
