@@ -1,0 +1,326 @@
+"""``RolloutPool``: data-parallel rollout workers on Ray that one learner updates together.
+
+Each worker is a Ray actor owning a ``SpecEngine`` (``worker.RolloutWorker``). ``generate``
+shards a batch across them (``sharding``: a GRPO group stays on one worker, LPT on
+``max_tokens``) and returns outputs in prompt order, equal to one engine's (see
+:meth:`RolloutPool.generate`). The workers join the learner's weight-sync group as ranks
+``1 .. num_workers``, so one ``WeightSender.send`` updates all of them (docs/design.md
+"Rollout pool").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from specengine.cli import _merge as merge_stats  # one rule for summing EngineStats
+from specengine.distributed.calls import (
+    RESTART_HINT,
+    DonorDiedError,
+    PoolCall,
+    WorkerDiedError,
+)
+from specengine.distributed.sharding import assign
+from specengine.distributed.worker import RolloutWorker
+from specengine.outputs import EngineStats, GenerationOutput
+from specengine.requests import RequestBatch
+from specengine.sampling import SamplingParams
+from specengine.tree import DraftTree
+
+logger = logging.getLogger(__name__)
+
+RESOURCE_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_type")
+
+
+class RolloutPool:
+    """``num_workers`` engines on ``model`` (+ ``draft``), one per Ray actor.
+
+    Args:
+        num_workers: data-parallel workers (>= 1).
+        model, draft, engine_kwargs: what each worker passes to ``SpecEngine(model, draft,
+            **engine_kwargs)``; paths must exist on the workers' nodes. ``engine_kwargs["seed"]``
+            (default 0) also seeds the pool's draw of per-request seeds.
+        resources_per_worker: Ray actor resources, e.g. ``{"num_cpus": 1, "num_gpus": 1}``.
+            Default: one GPU each when the cluster has GPUs, else one CPU each.
+        address: a Ray cluster to connect to; None starts a local one (``ray.init()``) unless
+            this process is already connected. A cluster the pool started is shut down with it.
+        timeout_s: bound on every wait for the workers (start-up, rollouts, updates); None:
+            no bound.
+    """
+
+    def __init__(self, num_workers: int, model: str | Path, draft: str | Path | None = None, *,
+                 engine_kwargs: Mapping[str, Any] | None = None,
+                 resources_per_worker: Mapping[str, Any] | None = None,
+                 address: str | None = None, timeout_s: float | None = None) -> None:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
+        kwargs = dict(engine_kwargs or {})
+        if not all(isinstance(key, str) for key in kwargs):
+            raise ValueError("engine_kwargs keys must be SpecEngine keyword names")
+        bad = sorted(set(resources_per_worker or {}) - set(RESOURCE_KEYS))
+        if bad:
+            raise ValueError(f"resources_per_worker: unknown keys {bad}; use {RESOURCE_KEYS}")
+        self.num_workers, self.timeout_s = num_workers, timeout_s
+        self._model, self._draft, self._kwargs = str(model), draft, kwargs
+        self._draft = None if draft is None else str(draft)
+        self._owns_ray = False
+        if not ray.is_initialized():
+            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+            self._owns_ray = address is None
+        if resources_per_worker is None:
+            gpus = ray.cluster_resources().get("GPU", 0) > 0
+            resources_per_worker = {"num_cpus": 1, "num_gpus": 1} if gpus else {"num_cpus": 1}
+        self._resources = dict(resources_per_worker)
+        self._actor_cls = ray.remote(RolloutWorker)
+        # Per-request seeds are drawn here, in prompt order, by the engine's own rule (a
+        # random.Random(seed), 62 bits per request that gives none), so sharding changes no
+        # sample: each worker only ever sees explicit seeds.
+        self._rng = random.Random(kwargs.get("seed", 0))
+        self._workers: list[Any] = [None] * num_workers
+        self._dead: dict[int, str] = {}
+        self._version = 0
+        self._updated: set[str] = set()  # which ("policy", "draft") updates changed
+        self._group: tuple[str, int, str, float] | None = None
+        self._group_stale: set[int] = set()  # restarted workers that are not in the group
+        self._stats = EngineStats()
+        self._worker_stats: tuple[EngineStats | None, ...] = (None,) * num_workers
+        self.last_assignment: tuple[tuple[int, ...], ...] = ((),) * num_workers
+        try:
+            for i in range(num_workers):
+                self._workers[i] = self._start(i)
+            self._call("starting the pool", range(num_workers), "info", hint="").result()
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("rollout pool up: %d workers (%s each)", num_workers, self._resources)
+
+    # ---- workers ------------------------------------------------------------------------------
+    @property
+    def workers(self) -> tuple[Any, ...]:
+        """The workers' Ray actor handles, by index."""
+        return tuple(self._workers)
+
+    def describe(self, index: int) -> str:
+        """``"rollout worker i (actor <id>)"``: how errors name a worker."""
+        actor = self._workers[index]
+        actor_id = actor._actor_id.hex() if actor is not None else "none"
+        return f"rollout worker {index} (actor {actor_id})"
+
+    def _start(self, index: int) -> Any:
+        return self._actor_cls.options(**self._resources).remote(
+            index, self._model, self._draft, self._kwargs)
+
+    def _mark_dead(self, index: int, reason: str) -> None:
+        self._dead[index] = reason
+        logger.error("%s died: %s", self.describe(index), reason)
+
+    def _call(self, what: str, indices: Sequence[int] | range, method: str, *args: Any,
+              per_worker: Sequence[tuple[Any, ...]] | None = None,
+              combine: Any = list, hint: str = RESTART_HINT) -> PoolCall:
+        """Start ``method`` on every worker of ``indices`` at once (``per_worker`` args each,
+        else ``args``); refuses at once if one of them is known dead."""
+        indices = list(indices)
+        self._check_alive(what, indices)
+        refs = []
+        for n, i in enumerate(indices):
+            call_args = per_worker[n] if per_worker is not None else args
+            refs.append((i, getattr(self._workers[i], method).remote(*call_args)))
+        return PoolCall(refs, what, self.describe, self._mark_dead, combine, self.timeout_s,
+                        hint)
+
+    def _check_alive(self, what: str, indices: Sequence[int] | range) -> None:
+        dead = [i for i in indices if i in self._dead]
+        if dead:
+            raise WorkerDiedError(
+                f"{what}: " + "; ".join(f"{self.describe(i)} died earlier: {self._dead[i]}"
+                                        for i in dead)
+                + f" (restart_worker({dead[0]}) brings it back)", dead)
+
+    def restart_worker(self, index: int, *, fresh: bool = False) -> None:
+        """Replace worker ``index`` (dead or alive) by a new actor holding the pool's current
+        weights and version: a live worker's copy of every tensor the updates changed goes to
+        it through the Ray object store, exactly. ``fresh=True`` starts it from the checkpoint
+        (version 0) instead, e.g. when no worker is left alive; the learner then sends a full
+        update. The weight-sync group lost a rank either way: make a new ``WeightSender`` and
+        call :meth:`init_weight_update_group` again before the next update."""
+        if isinstance(index, bool) or not isinstance(index, int) or \
+                not 0 <= index < self.num_workers:
+            raise ValueError(f"index must be a worker index in [0, {self.num_workers}), got "
+                             f"{index!r}")
+        donors = [i for i in range(self.num_workers) if i != index and i not in self._dead]
+        need = sorted(self._updated) if self._version > 0 and not fresh else []
+        if need and not donors:
+            raise RuntimeError(f"no live worker holds the current weights (v{self._version}) to "
+                               f"restart {self.describe(index)} with: restart_worker(i, "
+                               "fresh=True) starts every worker from the checkpoint, then the "
+                               "learner sends a full update")
+        old = self._workers[index]
+        if old is not None:
+            ray.kill(old)  # a live one is replaced; killing a dead one is a no-op
+        self._workers[index] = self._start(index)
+        self._dead.pop(index, None)
+        if self._group is not None:
+            self._group_stale.add(index)
+        try:
+            self._call("restart", [index], "info").result()
+            while need:
+                # The donor's tensors travel as object refs that the new actor fetches itself,
+                # never through this process.
+                donor = donors.pop(0)
+                refs = {w: self._workers[donor].named_weights.remote(w) for w in need}
+                try:
+                    self._call("restart", [index], "restore", refs, self._version).result()
+                    break
+                except DonorDiedError as e:
+                    self._mark_dead(donor, str(e))
+                    if not donors:
+                        raise
+        except BaseException:
+            self._dead.setdefault(index, "failed to restart")
+            raise
+        logger.info("%s restarted at weight version %d", self.describe(index),
+                    self._version if need else 0)
+
+    # ---- rollouts -----------------------------------------------------------------------------
+    def generate(self, batch: Sequence[list[int] | str], k: int = 0,
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 tree: Sequence[Sequence[int]] | DraftTree | None = None
+                 ) -> list[GenerationOutput]:
+        """``SpecEngine.generate`` across the workers: same arguments, outputs in prompt order.
+
+        The call is checked first by a worker's engine (bad input raises its ``ValueError``,
+        naming the prompt by its index in ``batch``, and nothing runs). Requests without a
+        seed get one drawn here in prompt order, as one engine would draw them, so greedy
+        tokens and seeded or unseeded samples equal those of one engine built with the same
+        ``engine_kwargs`` that ran the same calls (logprobs to float rounding, which depends
+        on which requests share a batch). :attr:`last_assignment` says which worker ran what.
+        A dead worker raises :class:`WorkerDiedError` naming it (the others finish first)."""
+        t0 = time.perf_counter()
+        # A known-dead worker fails the call before anything runs or any seed is drawn.
+        self._check_alive("generate", range(self.num_workers))
+        req: RequestBatch = self._call("generate", [0], "validate", batch, k, sampling,
+                                       tree).result()[0]
+        params = [sp if sp.seed is not None else
+                  dataclasses.replace(sp, seed=self._rng.getrandbits(62)) for sp in req.params]
+        shards = assign(req.prompts, [sp.max_tokens for sp in params], self.num_workers)
+        busy = [i for i, s in enumerate(shards) if s]
+        self.last_assignment = shards
+        call = self._call("generate", busy, "generate", per_worker=[
+            ([req.prompts[j] for j in shards[i]], req.k, [params[j] for j in shards[i]],
+             req.tree) for i in busy])
+        results = call.result()
+        outs: list[GenerationOutput | None] = [None] * len(params)
+        worker_stats: list[EngineStats | None] = [None] * self.num_workers
+        for i, (shard_outs, stats) in zip(busy, results):
+            worker_stats[i] = stats
+            for j, out in zip(shards[i], shard_outs):
+                outs[j] = out
+        self._worker_stats = tuple(worker_stats)
+        # Counters and worker-seconds summed; the wall time is this call's, so that
+        # tokens_per_second is the pool's throughput.
+        merged = merge_stats([s for s in worker_stats if s is not None])
+        self._stats = dataclasses.replace(merged, wall_time_s=time.perf_counter() - t0)
+        return outs  # type: ignore[return-value]
+
+    @property
+    def stats(self) -> EngineStats:
+        """The last ``generate``'s stats over all workers: counters, per-position lists and
+        worker time summed; ``wall_time_s`` that of the whole call."""
+        return self._stats
+
+    @property
+    def worker_stats(self) -> tuple[EngineStats | None, ...]:
+        """Each worker's stats of the last ``generate`` (None: it got no request)."""
+        return self._worker_stats
+
+    # ---- weights ------------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        """The version every worker holds (set by the last update through the pool)."""
+        return self._version
+
+    def worker_weight_versions(self) -> list[int]:
+        """Each worker's own ``engine.weight_version``, asked now."""
+        return self._call("weight_version", range(self.num_workers), "weight_version").result()
+
+    @property
+    def weight_group_world_size(self) -> int:
+        """The learner's ``WeightSender`` world size: itself (rank 0) + one rank per worker."""
+        return 1 + self.num_workers
+
+    def init_weight_update_group(self, master_address: str, master_port: int,
+                                 backend: str | None = None, *, timeout_s: float = 120.0,
+                                 wait: bool = True) -> PoolCall | None:
+        """Join every worker to the learner's weight-sync group: worker ``i`` is rank ``1 + i``
+        of ``1 + num_workers`` (the learner's ``WeightSender`` is rank 0). The rendezvous
+        needs the learner at the same time: from another thread or process, or pass
+        ``wait=False``, create the sender, then call ``.result()`` on what this returns.
+        ``backend`` None: NCCL when the workers have GPUs, else gloo."""
+        if backend is None:
+            backend = "nccl" if self._resources.get("num_gpus") else "gloo"
+        world = self.weight_group_world_size
+        self._group = None  # until every worker joined
+
+        def joined(_: list[None]) -> None:
+            self._group = (master_address, master_port, backend, timeout_s)
+            self._group_stale.clear()
+
+        call = self._call("init_weight_update_group", range(self.num_workers),
+                          "init_weight_update_group", per_worker=[
+                              (master_address, master_port, 1 + i, world, backend, timeout_s)
+                              for i in range(self.num_workers)], combine=joined)
+        return call.result() if wait else call
+
+    def update_weights_from_distributed(self, which: str = "policy", *, staging: str = "auto",
+                                        wait: bool = True) -> int | PoolCall:
+        """Every worker receives the learner's next ``send`` at once; returns the new version
+        (the same on all). Run it while the learner sends (another thread or process), or pass
+        ``wait=False``, call ``sender.send(...)``, then ``.result()`` on what this returns.
+        A refused update raises the engines' ``WeightSyncError`` and changes nothing."""
+        if self._group is None:
+            raise RuntimeError("no weight-update group: call init_weight_update_group first")
+        if self._group_stale:
+            names = ", ".join(self.describe(i) for i in sorted(self._group_stale))
+            raise RuntimeError(f"{names} restarted after the weight-update group was made, so "
+                               "the group lost a rank: make a new WeightSender and call "
+                               "init_weight_update_group again")
+
+        def combine(versions: list[int]) -> int:
+            if len(set(versions)) != 1:
+                raise RuntimeError(f"workers disagree on the new version: {versions}")
+            self._version = versions[0]
+            self._updated.add(which)
+            return versions[0]
+
+        call = self._call("update_weights_from_distributed", range(self.num_workers),
+                          "update_weights_from_distributed", which, staging, combine=combine)
+        return call.result() if wait else call
+
+    # ---- lifetime -----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop every worker (and the local Ray cluster the pool started). Idempotent."""
+        for i, actor in enumerate(self._workers):
+            if actor is not None:
+                ray.kill(actor)
+                self._workers[i] = None
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+        self._owns_ray = False
+
+    def __enter__(self) -> RolloutPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+__all__ = ["RolloutPool", "WorkerDiedError"]
