@@ -121,7 +121,65 @@ def _parser() -> argparse.ArgumentParser:
                         "up to 4, unless OMP_NUM_THREADS is set)")
     g.add_argument("--no-baseline", action="store_true",
                    help="skip the k=0 comparison run (default: run it when --k > 0)")
+    _add_serve_parser(sub)
     return p
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    """``specengine serve``: the HTTP rollout server (``specengine.server``)."""
+    from specengine.config import KV_ON_UPDATE, POLICY_LAG_ACTIONS
+    from specengine.server import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
+
+    s = sub.add_parser(
+        "serve", formatter_class=_Formatter, help="run the HTTP rollout server",
+        description="Serve POST /generate (JSON or server-sent events), /abort, the weight "
+                    "updates, /health and /metrics over HTTP (docs/design.md, Server). "
+                    "SIGTERM stops it cleanly.")
+    s.add_argument("--model", type=Path, default=None, metavar="DIR",
+                   help="target checkpoint dir, HF layout (default: the bundled arithmetic "
+                        "model with its EAGLE-3 head)")
+    s.add_argument("--draft", default=None, metavar="DRAFT",
+                   help="EAGLE-3 head dir, small-LM dir, 'mtp' or 'ngram' (default: the "
+                        "bundled head with the bundled model, none otherwise)")
+    s.add_argument("--k", type=_int_at_least(0, MAX_K), default=3,
+                   help="draft length of requests that give no k (0 = plain decoding)")
+    s.add_argument("--host", default=DEFAULT_HOST,
+                   help="interface to bind (0.0.0.0 exposes it: use --api-key)")
+    s.add_argument("--port", type=_int_at_least(0, 65535), default=DEFAULT_PORT,
+                   help="TCP port (0 = any free port)")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on every endpoint (default: "
+                        f"${API_KEY_ENV} when set, else no auth)")
+    s.add_argument("--max-waiting", type=_int_at_least(1), default=4096,
+                   help="most unfinished requests; more are refused with 503")
+    s.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM, how long requests in flight may finish before they "
+                        "are aborted")
+    s.add_argument("--seed", type=int, default=0,
+                   help="engine seed (requests without a seed draw theirs from it)")
+    s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto = cuda when available")
+    s.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="auto = bfloat16 on CUDA, float32 on CPU")
+    s.add_argument("--kernel-backend", choices=KERNEL_BACKENDS, default="auto",
+                   help="auto = triton on CUDA, the PyTorch references on CPU")
+    s.add_argument("--max-model-len", type=_int_at_least(2), default=None,
+                   help="longest prompt + completion (default: the model's "
+                        "max_position_embeddings)")
+    s.add_argument("--kv-cache-tokens", type=_int_at_least(1), default=None,
+                   help="KV cache capacity in tokens (default: from free GPU memory, 1 GiB "
+                        "on CPU)")
+    s.add_argument("--threads", type=_int_at_least(1), default=None,
+                   help="torch CPU threads (default: the engine's rule)")
+    s.add_argument("--kv-on-update", choices=KV_ON_UPDATE, default="keep",
+                   help="running requests' KV after an in-flight policy update")
+    s.add_argument("--max-policy-lag", type=_int_at_least(0), default=None,
+                   help="end requests more than this many weight versions behind (default: "
+                        "no limit)")
+    s.add_argument("--policy-lag-action", choices=POLICY_LAG_ACTIONS, default="finish",
+                   help="what --max-policy-lag does to a lagging request")
+    s.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   default="info", help="server and engine logging")
 
 
 def _merge(stats: list[EngineStats]) -> EngineStats:
@@ -235,6 +293,20 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return generate_main(args)
         except (ValueError, KVCacheFullError) as e:  # bad input: a message, not a traceback
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if args.command == "serve":
+        from specengine.kv_cache import KVCacheFullError
+
+        try:
+            from specengine.server.serve import serve_main
+        except ImportError as e:
+            print(f"error: specengine serve needs the server extra (pip install "
+                  f"'specengine[server]'): {e}", file=sys.stderr)
+            return 2
+        try:
+            return serve_main(args)
+        except (ValueError, KVCacheFullError) as e:  # bad options: a message, not a traceback
             print(f"error: {e}", file=sys.stderr)
             return 2
     return 1

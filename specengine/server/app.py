@@ -1,0 +1,274 @@
+"""The rollout server's FastAPI app over an :class:`~specengine.AsyncSpecEngine`
+(docs/design.md "Server").
+
+``POST /generate`` runs one request and answers its ``GenerationOutput`` as JSON (plus its
+``request_id``), or with ``"stream": true`` server-sent events: one ``data: {json}`` per
+engine step (the request's ``RequestOutput``: ``new_token_ids``, ``finished``, ``output``
+on the last), then ``data: [DONE]``. A client that disconnects aborts its request (KV blocks
+freed at once). ``POST /abort`` ends a request by id. The weight endpoints mirror
+``SpecEngine``'s methods and run on the engine thread between two steps
+(``run_in_engine``), so an update lands while other requests stream. ``GET /health`` and
+``GET /metrics`` (Prometheus text). Errors: ``specengine.server.errors``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from specengine.async_engine import AsyncSpecEngine
+from specengine.config import MAX_K
+from specengine.engine import SpecEngine
+from specengine.outputs import GenerationOutput, RequestOutput
+from specengine.server.errors import BearerAuth, install_error_handlers, status_for
+from specengine.server.metrics import CONTENT_TYPE, ServerMetrics, read_engine
+from specengine.server.schemas import (
+    AbortRequest,
+    GenerateRequest,
+    InitWeightUpdateGroupRequest,
+    LoadWeightsRequest,
+    UpdateWeightsFromDistributedRequest,
+)
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class ServerState:
+    """What the endpoints share: the engine, the default k, the metrics, the ids of the
+    requests in flight over HTTP, and whether shutdown has begun (new requests refused)."""
+
+    engine: AsyncSpecEngine
+    default_k: int
+    metrics: ServerMetrics
+    live: set[str] = field(default_factory=set)
+    draining: bool = False
+
+    async def abort_all(self) -> int:
+        """Abort every request in flight (each handler then answers its partial output with
+        ``finish_reason="abort"``). Returns how many were aborted."""
+        n = 0
+        for rid in list(self.live):
+            with contextlib.suppress(ValueError):  # finished meanwhile
+                await self.engine.abort(rid)
+                n += 1
+        return n
+
+
+def output_dict(request_id: str, out: GenerationOutput) -> dict[str, Any]:
+    return {"request_id": request_id, **dataclasses.asdict(out)}
+
+
+def json_response(obj: object, status_code: int = 200) -> Response:
+    # Python's encoder: a (rare) -inf logprob is written as -Infinity rather than failing.
+    return Response(json.dumps(obj), status_code=status_code, media_type="application/json")
+
+
+def _event(obj: object) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _step_dict(out: RequestOutput) -> dict[str, Any]:
+    return {"request_id": out.request_id, "new_token_ids": list(out.new_token_ids),
+            "finished": out.finished, "restarted": out.restarted,
+            "output": None if out.output is None else dataclasses.asdict(out.output)}
+
+
+class _EventStream(StreamingResponse):
+    """Closes its event generator however the response ends (a client that went away
+    cancels the send, possibly while the generator waits at a ``yield``), so the request is
+    aborted now rather than when the generator is collected."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+async def _final(stream: AsyncIterator[RequestOutput]) -> GenerationOutput:
+    async with contextlib.aclosing(stream):  # type: ignore[type-var]
+        async for out in stream:
+            if out.output is not None:
+                return out.output
+    raise AssertionError("a stream ends with a finished output")  # pragma: no cover
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(work: Awaitable[T], request: Request) -> T | None:
+    """``await work``, or cancel it (its request is aborted) and return None when the client
+    disconnects first: nobody would read the answer."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
+async def _events(state: ServerState, rid: str, stream: AsyncIterator[RequestOutput],
+                  first: RequestOutput) -> AsyncIterator[bytes]:
+    done = False
+    try:
+        async with contextlib.aclosing(stream):  # type: ignore[type-var]
+            out = first
+            while True:
+                if out.output is not None:
+                    done = True
+                    state.metrics.observe_finished(out.output)
+                yield _event(_step_dict(out))
+                if done:
+                    break
+                out = await anext(stream)
+        yield b"data: [DONE]\n\n"
+    except (asyncio.CancelledError, GeneratorExit):  # the client went away
+        if not done:
+            state.metrics.disconnects.inc()
+        raise
+    except Exception as exc:  # the 200 header is out: the error is the last event
+        status = status_for(exc)
+        state.metrics.observe_error(status)
+        if status == 500:
+            logger.error("stream of request %r failed", rid, exc_info=exc)
+        yield _event({"error": str(exc), "status_code": status})
+    finally:
+        state.live.discard(rid)
+
+
+def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
+              default_k: int = 0) -> FastAPI:
+    """The server's app over ``engine`` (which it does not close: ``specengine.server.serve``
+    does at shutdown). ``api_key``: every endpoint then needs ``Authorization: Bearer
+    <api_key>``. ``default_k``: the draft length of requests that give no ``k``."""
+    if not isinstance(engine, AsyncSpecEngine):
+        raise ValueError(f"engine must be an AsyncSpecEngine, got {type(engine).__name__}")
+    if isinstance(default_k, bool) or not isinstance(default_k, int) or not (
+            0 <= default_k <= MAX_K):
+        raise ValueError(f"default_k must be an int in [0, {MAX_K}], got {default_k!r}")
+    if default_k > 0 and engine.engine.drafter is None:
+        raise ValueError(f"default_k={default_k} needs a drafter: the engine has none")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("api_key must be a non-empty string or None")
+    state = ServerState(engine, default_k, ServerMetrics())
+    app = FastAPI(title="specengine rollout server", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.server = state
+    install_error_handlers(app, state.metrics.observe_error)
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key, on_error=state.metrics.observe_error)
+
+    async def on_engine(fn: Callable[[SpecEngine], T]) -> T:
+        """``fn(engine)`` on the engine thread between steps; the engine's own state errors
+        (a plain ``RuntimeError``: no weight group yet, one already joined) are 409s."""
+        try:
+            return await engine.run_in_engine(fn)
+        except RuntimeError as exc:
+            if type(exc) is RuntimeError:
+                raise HTTPException(409, str(exc)) from exc
+            raise
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        if state.draining:
+            raise HTTPException(503, "the server is shutting down: no new requests")
+        params = body.sampling_params.to_params() if body.sampling_params else None
+        k = state.default_k if body.k is None else body.k
+        rid = body.request_id or f"http-{uuid.uuid4().hex}"
+        if rid in state.live:
+            raise ValueError(f"request_id {rid!r} is already used by an unfinished request")
+        stream = engine.generate_stream(body.prompt_value(), params, k=k, request_id=rid)
+        state.live.add(rid)
+        if not body.stream:
+            try:
+                out = await _unless_disconnected(_final(stream), request)
+            finally:
+                state.live.discard(rid)
+            if out is None:
+                state.metrics.disconnects.inc()
+                return Response(status_code=499)  # client closed the request; unread
+            state.metrics.observe_finished(out)
+            return json_response(output_dict(rid, out))
+        try:
+            first = await anext(stream)  # bad input fails here, before any byte is sent
+        except BaseException:
+            state.live.discard(rid)
+            raise
+        return _EventStream(_events(state, rid, stream, first), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache"})
+
+    @app.post("/abort")
+    async def abort(body: AbortRequest) -> Response:
+        rid = body.request_id
+        if rid not in state.live:
+            raise HTTPException(404, f"no unfinished request with id {rid!r}")
+        try:
+            out = await engine.abort(rid)
+        except ValueError as exc:  # it finished meanwhile
+            raise HTTPException(404, str(exc)) from exc
+        assert out.output is not None
+        return json_response(output_dict(rid, out.output))
+
+    @app.post("/load_weights")
+    async def load_weights(body: LoadWeightsRequest) -> Response:
+        version = await on_engine(lambda e: e.load_weights(body.path, which=body.which,
+                                                           version=body.version))
+        return json_response({"weight_version": version})
+
+    @app.post("/init_weight_update_group")
+    async def init_weight_update_group(body: InitWeightUpdateGroupRequest) -> Response:
+        await on_engine(lambda e: e.init_weight_update_group(
+            body.master_address, body.master_port, body.rank, body.world_size,
+            backend=body.backend, timeout_s=body.timeout_s))
+        return json_response({"ok": True})
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedRequest
+                                              ) -> Response:
+        version = await on_engine(lambda e: e.update_weights_from_distributed(
+            which=body.which, src_rank=body.src_rank, staging=body.staging))
+        return json_response({"weight_version": version})
+
+    @app.post("/close_weight_update_group")
+    async def close_weight_update_group() -> Response:
+        await on_engine(lambda e: e.close_weight_update_group())
+        return json_response({"ok": True})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.thread.is_alive():
+            raise HTTPException(503, "the engine thread is not running")
+        if state.draining:
+            raise HTTPException(503, "the server is shutting down")
+        return json_response({"status": "ok", "num_unfinished": engine.num_unfinished})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        snap = await engine.run_in_engine(read_engine)
+        return Response(state.metrics.render(snap, engine.num_unfinished),
+                        media_type=CONTENT_TYPE)
+
+    return app
+
+
+__all__ = ["ServerState", "build_app", "output_dict"]
