@@ -24,6 +24,7 @@ from specengine import GenerationOutput, SamplingParams, SpecEngine  # noqa: E40
 from specengine.arith_task import heldout_prompts  # noqa: E402
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
 from specengine.distributed import RolloutPool, WorkerDiedError, assign  # noqa: E402
+from specengine.distributed.placement import worker_resources  # noqa: E402
 from specengine.model.loader import hf_named_tensors  # noqa: E402
 from specengine.weights import WeightSender, WeightSyncError  # noqa: E402
 
@@ -175,6 +176,10 @@ def test_bad_input_is_refused_and_the_pool_stays_usable(pool: RolloutPool,
         RolloutPool(0, DEFAULT_TARGET)
     with pytest.raises(ValueError, match="unknown keys"):
         RolloutPool(1, DEFAULT_TARGET, resources_per_worker={"gpus": 1})
+    # workers that cannot fit in a cluster the pool started would wait forever: refused
+    with pytest.raises(ValueError, match="3 rollout workers x num_cpus=1 need 3 CPUs but the "
+                                         "Ray cluster has 2"):
+        worker_resources({"num_cpus": 1}, 3, owns_cluster=True)
     bad_prompt = PROMPTS[:5] + [[3, 99]]  # 99 is outside the 20-token vocabulary
     for bad, match in (((bad_prompt,), "prompt 5 has token ids outside the vocabulary"),
                        ((PROMPTS, 17), "k .* must be an int in"),
@@ -199,6 +204,9 @@ def test_one_send_updates_both_workers(pool: RolloutPool, ref: SpecEngine,
     sd = perturbed(ref.model, 0.05, seed=1)
     assert learner[0].push(sd, version=1) == 1
     assert pool.weight_version == 1 and pool.worker_weight_versions() == [1, 1]
+    for i in range(2):  # both hold exactly the learner's tensors
+        held = pool.get_weights("policy", index=i)
+        assert all(torch.equal(held[n], t) for n, t in sd.items())
     ref.load_weights(sd, version=1)
     after = pool.generate(PROMPTS, k=3, sampling=GREEDY)
     assert_same(after, ref.generate(PROMPTS, k=3, sampling=GREEDY))
