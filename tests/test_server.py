@@ -7,9 +7,11 @@ the ``specengine serve`` process and SIGTERM: test_serve_cli.py."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,6 +27,7 @@ from server_helpers import (
 
 from specengine import AsyncSpecEngine, SamplingParams, SpecEngine
 from specengine.arith_task import heldout_prompts
+from specengine.assets import DEFAULT_TARGET
 from specengine.client import ServerError, SpecEngineClient
 from specengine.outputs import GenerationOutput
 from specengine.server import API_KEY_ENV
@@ -328,36 +331,41 @@ def test_api_key_from_the_environment(aeng, monkeypatch: pytest.MonkeyPatch) -> 
         assert SpecEngineClient(client.base_url, api_key="from-env").health()["status"] == "ok"
 
 
-def test_text_prompt_without_a_tokenizer_is_a_400(tiny_checkpoint) -> None:
-    eng = SpecEngine(tiny_checkpoint, device="cpu", max_model_len=64, kv_cache_tokens=256)
-    assert eng.tokenizer is None
+@pytest.fixture(scope="module")
+def no_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled target without its tokenizer files."""
+    path = tmp_path_factory.mktemp("no_tokenizer")
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(DEFAULT_TARGET) / name, path / name)
+    return path
+
+
+def test_text_prompt_without_a_tokenizer_is_a_400(no_tokenizer: Path) -> None:
+    eng = SpecEngine(no_tokenizer, device="cpu", kernel_backend="torch", kv_cache_tokens=1024)
+    assert eng.tokenizer is None and eng.drafter is None
+    want = eng.generate([[5, 6, 7]], sampling=GREEDY)[0]
     a = AsyncSpecEngine(eng)
     try:
         with running_server(a) as (server, client):
-            status, answer = post_json(server.port, "/generate", {"prompt": "hello"})
+            status, answer = post_json(server.port, "/generate", {"prompt": "Q:1+2="})
             assert status == 400 and "no tokenizer" in answer["error"]
             with pytest.raises(ServerError) as err:  # k > 0 without a drafter
-                client.generate([1, 2], GREEDY, k=2)
+                client.generate([5, 6, 7], GREEDY, k=2)
             assert err.value.status == 400 and "needs a drafter" in err.value.message
-            assert client.generate([1, 2], GREEDY) == eng_reference(tiny_checkpoint)
+            assert client.generate([5, 6, 7], GREEDY) == want  # default k: 0
     finally:
         asyncio.run(a.close())
 
 
-def eng_reference(ckpt) -> GenerationOutput:
-    ref = SpecEngine(ckpt, device="cpu", max_model_len=64, kv_cache_tokens=256)
-    return ref.generate([[1, 2]], sampling=GREEDY)[0]
-
-
-def test_build_app_refuses_bad_options(aeng, tiny_checkpoint) -> None:
+def test_build_app_refuses_bad_options(aeng, no_tokenizer: Path) -> None:
     from specengine.server.app import build_app
 
     with pytest.raises(ValueError, match="default_k must be"):
         build_app(aeng, default_k=17)
     with pytest.raises(ValueError, match="api_key"):
         build_app(aeng, api_key="")
-    plain = AsyncSpecEngine(SpecEngine(tiny_checkpoint, device="cpu", max_model_len=64,
-                                       kv_cache_tokens=256))
+    plain = AsyncSpecEngine(SpecEngine(no_tokenizer, device="cpu", kernel_backend="torch",
+                                       kv_cache_tokens=1024))
     try:
         with pytest.raises(ValueError, match="needs a drafter"):
             build_app(plain, default_k=3)
