@@ -298,6 +298,29 @@ def test_metrics_parse_and_move_after_a_request(served) -> None:
     assert errors[(("status_code", "400"),)] >= 1
 
 
+def test_overload_is_a_503_and_shutdown_lets_requests_in_flight_finish(reference) -> None:
+    a = AsyncSpecEngine(bundled_engine(), max_waiting=1)
+    want = reference.generate(["Q:472*6="], k=3, sampling=LONG)[0]
+    try:
+        with running_server(a, default_k=3, shutdown_timeout_s=WAIT_S) as (server, client):
+            stream = client.generate_stream("Q:472*6=", LONG)
+            tokens = list(next(stream).new_token_ids)
+            with pytest.raises(ServerError) as err:  # max_waiting=1: the second is refused
+                client.generate([5, 6, 7], GREEDY)
+            assert err.value.status == 503 and "max_waiting=1" in err.value.message
+            server.should_exit = True  # as SIGTERM: stop accepting, let the stream finish
+            for out in stream:
+                tokens.extend(out.new_token_ids)
+            assert out.output.finish_reason == "length"
+            assert_same(out.output, want)
+            assert tuple(tokens) == want.token_ids
+        with pytest.raises(OSError):  # it no longer listens
+            client.health()
+        in_engine(a, assert_idle_and_free)
+    finally:
+        asyncio.run(a.close())
+
+
 def test_api_key_is_required_on_every_endpoint(aeng, reference) -> None:
     with running_server(aeng, api_key="s3cret", default_k=3) as (server, client):
         port = server.port

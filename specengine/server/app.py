@@ -209,11 +209,15 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
                 return Response(status_code=499)  # client closed the request; unread
             state.metrics.observe_finished(out)
             return json_response(output_dict(rid, out))
-        try:
-            first = await anext(stream)  # bad input fails here, before any byte is sent
+        try:  # bad input fails here, before any byte is sent
+            first = await _unless_disconnected(anext(stream), request)
         except BaseException:
             state.live.discard(rid)
             raise
+        if first is None:  # the client left while the request waited for its first step
+            state.live.discard(rid)
+            state.metrics.disconnects.inc()
+            return Response(status_code=499)
         return _EventStream(_events(state, rid, stream, first), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache"})
 
