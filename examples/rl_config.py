@@ -15,7 +15,9 @@ class LoopConfig:
     """One RL run. ``draft`` None picks the bundled EAGLE-3 head if present, else ``"ngram"``.
     On CUDA the learner uses GPU 0 and the engine GPU 1 when there are two; ``backend`` None is
     then NCCL, and gloo otherwise (NCCL cannot pair two ranks on one GPU; gloo goes through host
-    copies)."""
+    copies). ``workers`` 0 runs one engine process; N > 0 runs the rollouts on a
+    ``RolloutPool`` of N Ray workers (one engine each, a GPU each on CUDA), all updated by
+    one send; ``backend`` None is then gloo, as Ray may place a worker on the learner's GPU."""
 
     model: str = str(DEFAULT_TARGET)
     draft: str | None = None
@@ -33,6 +35,7 @@ class LoopConfig:
     backend: str | None = None
     timeout_s: float = 120.0
     eval_prompts: int = 0  # held-out prompts scored before and after training (0: skip)
+    workers: int = 0  # 0: one engine process; N: a RolloutPool of N Ray workers
 
     def __post_init__(self) -> None:
         for name in ("steps", "num_prompts", "max_tokens"):
@@ -44,14 +47,15 @@ class LoopConfig:
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 (sampled rollouts), got {self.temperature}")
         if not (min(self.lr, self.gain_lr) > 0 and 0 < self.clip_eps < 1
-                and self.eval_prompts >= 0):
-            raise ValueError("need lr > 0, gain_lr > 0, 0 < clip_eps < 1, eval_prompts >= 0")
+                and self.eval_prompts >= 0 and self.workers >= 0):
+            raise ValueError("need lr > 0, gain_lr > 0, 0 < clip_eps < 1, eval_prompts >= 0, "
+                             "workers >= 0")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
 
     @property
     def dist_backend(self) -> str:
-        two_gpus = self.device == "cuda" and torch.cuda.device_count() > 1
+        two_gpus = self.device == "cuda" and torch.cuda.device_count() > 1 and not self.workers
         return self.backend or ("nccl" if two_gpus else "gloo")
 
 

@@ -4,6 +4,7 @@ a learner process trains, and the new weights travel over torch.distributed ever
     python examples/rl_loop.py              # 40 steps, about a minute on 2 CPU cores
     python examples/rl_loop.py --device cuda  # learner GPU 0, engine GPU 1 (or both on one)
     python examples/rl_loop.py --quick      # 2-step smoke run
+    python examples/rl_loop.py --workers 2  # rollouts on a RolloutPool of 2 Ray workers
 
 Two processes (``torch.multiprocessing``, spawn), joined by a Pipe for rollouts (plain lists)
 and by a process group for weights (gloo on CPU, NCCL between two GPUs):
@@ -16,6 +17,11 @@ and by a process group for weights (gloo on CPU, NCCL between two GPUs):
   engine's log-probabilities as the old policy, and broadcasts its weights
   (``WeightSender.send``) while the engine receives them
   (``engine.update_weights_from_distributed``).
+
+With ``--workers N`` the engine process is replaced by a ``specengine.distributed.RolloutPool``
+of N Ray workers (a local Ray cluster, one engine per actor, ranks 1..N of the weight group):
+each step's P x G rollouts are sharded across them (each group of G on one worker) and one
+``send`` updates all of them.
 
 Every step the learner also recomputes log pi(token) = log_softmax(logits / T) at the sampled
 tokens under its own (not yet updated) weights and prints the largest difference from the
@@ -47,10 +53,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from grpo import grpo_step
 from rl_config import LoopConfig, pick_draft
-from rl_engine import MASTER_ADDRESS, WORLD_SIZE, EngineClient, engine_worker, free_port
+from rl_engine import MASTER_ADDRESS, EngineClient, PoolClient, free_port, start_engine
 
 from specengine.arith_task import decode, encode, heldout_prompts, reward, training_problems
 
@@ -111,11 +116,7 @@ def run(cfg: LoopConfig, on_step: Callable[[StepRecord], None] | None = None,
     torch.set_num_threads(1)
     draft = pick_draft(cfg)
     port = free_port()
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=engine_worker, args=(cfg, draft, port, child), daemon=True)
-    proc.start()
-    engine = EngineClient(parent, proc, cfg.timeout_s)
+    engine = start_engine(cfg, draft, port)  # an engine process, or a pool of Ray workers
     sender = None
     try:
         model = load_learner(cfg)
@@ -123,10 +124,11 @@ def run(cfg: LoopConfig, on_step: Callable[[StepRecord], None] | None = None,
         opt = torch.optim.Adam([{"params": [p for p in params if p.dim() > 1]},
                                 {"params": [p for p in params if p.dim() == 1],
                                  "lr": cfg.gain_lr}], lr=cfg.lr)
-        engine.recv("built")
-        # rendezvous: this constructor and the engine's init_weight_update_group meet here
-        sender = WeightSender(MASTER_ADDRESS, port, WORLD_SIZE, backend=cfg.dist_backend,
+        # rendezvous: this constructor and the engines' init_weight_update_group meet here
+        engine.join_begin()
+        sender = WeightSender(MASTER_ADDRESS, port, engine.world_size, backend=cfg.dist_backend,
                               timeout_s=cfg.timeout_s)
+        engine.join_end()
         records: list[StepRecord] = []
         eval_rewards = engine_params = learner_params = None
         if cfg.eval_prompts:
@@ -146,12 +148,12 @@ def run(cfg: LoopConfig, on_step: Callable[[StepRecord], None] | None = None,
             loss, max_diff, num_tokens = grpo_step(
                 model, opt, prompt_ids, ro["token_ids"], ro["logprobs"], rewards,
                 temperature=cfg.temperature, group_size=cfg.group_size, clip_eps=cfg.clip_eps)
-            # push: the engine starts receiving, then this process broadcasts
+            # push: the engines start receiving, then this process broadcasts to all of them
             t0 = time.perf_counter()
-            engine.conn.send(("sync", None))
+            engine.sync_begin()
             sender.send(((n, p.detach()) for n, p in model.named_parameters()), version + 1,
                         which="policy")
-            new_version = engine.recv("synced")
+            new_version = engine.sync_end()
             rec = StepRecord(step, sum(rewards) / len(rewards), ro["accepted_length"],
                              ro["gen_s"], time.perf_counter() - t0, version, new_version,
                              max_diff, loss, num_tokens)
@@ -164,18 +166,15 @@ def run(cfg: LoopConfig, on_step: Callable[[StepRecord], None] | None = None,
         if fetch_params:
             engine_params = engine.call("params")
             learner_params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-        parent.send(("stop", None))
-        proc.join(cfg.timeout_s)
+        engine.stop()
         return RunResult(tuple(records), draft, eval_rewards, engine_params, learner_params)
     finally:
         if sender is not None:
             sender.close()
-        if proc.is_alive():
-            proc.terminate()
-            proc.join()
+        engine.close()
 
 
-def evaluate(engine: EngineClient, cfg: LoopConfig) -> float:
+def evaluate(engine: EngineClient | PoolClient, cfg: LoopConfig) -> float:
     """Mean reward of one sample per held-out prompt at the training temperature, with fixed
     seeds so that the before/after numbers differ only by the weights."""
     prompts = heldout_prompts(cfg.eval_prompts)
@@ -190,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--eval-prompts", type=int, default=256,
                    help="held-out prompts scored before and after (0: skip)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="roll out on a RolloutPool of N Ray workers, all updated by one send "
+                        "(0: one engine process)")
     defaults = LoopConfig()
     for name in ("steps", "num_prompts", "group_size", "k", "temperature", "max_tokens", "lr",
                  "gain_lr", "seed"):  # defaults and help from LoopConfig, one source of truth
@@ -202,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = LoopConfig(**a)
     print(f"GRPO: {cfg.steps} steps x {cfg.num_prompts} prompts x {cfg.group_size} samples, "
           f"T={cfg.temperature}, k={cfg.k}, drafter {Path(pick_draft(cfg)).name}, lr {cfg.lr} "
-          f"(gains {cfg.gain_lr}), weights over {cfg.dist_backend}", flush=True)
+          f"(gains {cfg.gain_lr}), weights over {cfg.dist_backend}"
+          + (f" to {cfg.workers} Ray workers" if cfg.workers else ""), flush=True)
     t0 = time.perf_counter()
     res = run(cfg, on_step=lambda r: print(r.line(), flush=True))
     recs = res.records

@@ -251,3 +251,24 @@ def test_killed_worker_is_reported_and_restarted_with_current_weights(
     ref.load_weights(sd, version=3)
     assert_same(pool.generate(PROMPTS, k=3, sampling=GREEDY),
                 ref.generate(PROMPTS, k=3, sampling=GREEDY))
+
+
+# ---- the RL example through a pool ------------------------------------------------------------
+def test_rl_loop_with_two_workers(pool: RolloutPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+    from pathlib import Path
+
+    pool.shutdown()  # last test: frees the cluster's 2 CPUs for the example's own pool
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
+    rl_loop = importlib.import_module("rl_loop")
+    cfg = rl_loop.LoopConfig(steps=2, num_prompts=2, group_size=4, max_tokens=48, lr=1e-3,
+                             timeout_s=60, workers=2)
+    res = rl_loop.run(cfg, fetch_params=True)
+    recs = res.records
+    # the workers' logprobs are the learner's, before and after a push; each push reached both
+    assert [r.max_logprob_diff <= 1e-4 for r in recs] == [True, True]
+    assert [(r.version, r.new_version) for r in recs] == [(0, 1), (1, 2)]
+    # both workers hold exactly the learner's final parameters (the client checks they agree)
+    learner, engine = res.learner_params, res.engine_params
+    assert engine is not None and learner is not None and set(learner) <= set(engine)
+    assert all(torch.equal(engine[n], learner[n]) for n in learner)
