@@ -1,4 +1,4 @@
-"""Scaling out (docs/design.md "Rollout pool"): :class:`RolloutPool`, data-parallel rollout
+"""Scaling out (docs/design.md §12): :class:`RolloutPool`, data-parallel rollout
 workers on Ray, each a ``SpecEngine`` in its own actor, updated together by one learner.
 
 Needs Ray: ``pip install "specengine[ray]"``.

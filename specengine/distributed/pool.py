@@ -5,7 +5,7 @@ shards a batch across them (``sharding``: a GRPO group stays on one worker, LPT 
 ``max_tokens``) and returns outputs in prompt order, equal to one engine's (see
 :meth:`RolloutPool.generate`). The workers join the learner's weight-sync group as ranks
 ``1 .. num_workers``, so one ``WeightSender.send`` updates all of them (docs/design.md
-"Rollout pool").
+§12).
 """
 
 from __future__ import annotations

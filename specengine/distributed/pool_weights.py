@@ -4,7 +4,7 @@ The workers join the learner's weight-sync group (``specengine.weights``) as ran
 ``1 .. num_workers`` of ``1 + num_workers``; the learner's ``WeightSender`` is rank 0 and one
 ``send`` broadcasts to all of them (the protocol's broadcasts and agreements span every rank).
 A restarted worker gets the current weights from a live worker, exactly (docs/design.md
-"Rollout pool").
+§12).
 """
 
 from __future__ import annotations

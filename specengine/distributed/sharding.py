@@ -1,6 +1,6 @@
 """How a ``RolloutPool`` splits one batch across its data-parallel workers.
 
-Two rules (docs/design.md "Rollout pool"):
+Two rules (docs/design.md §12):
 
 - A GRPO group (the same prompt repeated: identical token ids) stays on one worker, so a
   group-aware drafter on that worker sees every sibling of the group.
