@@ -259,6 +259,9 @@ def test_rl_loop_with_two_workers(pool: RolloutPool, monkeypatch: pytest.MonkeyP
     from pathlib import Path
 
     pool.shutdown()  # last test: frees the cluster's 2 CPUs for the example's own pool
+    for call in (lambda: pool.generate(PROMPTS, sampling=GREEDY), lambda: pool.restart_worker(0)):
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
     rl_loop = importlib.import_module("rl_loop")
     cfg = rl_loop.LoopConfig(steps=2, num_prompts=2, group_size=4, max_tokens=48, lr=1e-3,

@@ -129,7 +129,12 @@ class RolloutPool(PoolWeights):
         return PoolCall(refs, what, self.describe, self._mark_dead, combine, self.timeout_s,
                         hint)
 
+    def _check_open(self, what: str) -> None:
+        if all(w is None for w in self._workers):
+            raise RuntimeError(f"{what}: the rollout pool is shut down")
+
     def _check_alive(self, what: str, indices: Sequence[int] | range) -> None:
+        self._check_open(what)
         dead = [i for i in indices if i in self._dead]
         if dead:
             raise WorkerDiedError(

@@ -21,8 +21,9 @@ logger = logging.getLogger(__name__)
 
 
 class PoolWeights:
-    """Mixed into ``RolloutPool``, whose state it shares: ``_workers``, ``_dead``, ``_call``,
-    ``_start``, ``_mark_dead``, ``describe`` and the fields set in :meth:`_init_weights`."""
+    """Mixed into ``RolloutPool``, whose state it shares: the fields below and those set in
+    :meth:`_init_weights`, and the pool's ``_call``, ``_check_open``, ``_start``,
+    ``_mark_dead`` and ``describe``."""
 
     num_workers: int
     _workers: list[Any]
@@ -114,6 +115,7 @@ class PoolWeights:
                 not 0 <= index < self.num_workers:
             raise ValueError(f"index must be a worker index in [0, {self.num_workers}), got "
                              f"{index!r}")
+        self._check_open("restart_worker")
         donors = [i for i in range(self.num_workers) if i != index and i not in self._dead]
         need = sorted(self._updated) if self._version > 0 and not fresh else []
         if need and not donors:
