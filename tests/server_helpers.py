@@ -11,13 +11,18 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from specengine import AsyncSpecEngine, SpecEngine
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specengine import AsyncSpecEngine, SamplingParams, SpecEngine
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
 from specengine.client import SpecEngineClient
+from specengine.outputs import GenerationOutput
 from specengine.server.serve import RolloutServer, make_server
 
 T = TypeVar("T")
 WAIT_S = 60.0  # bound on every wait (server start, a request leaving)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
 def bundled_engine() -> SpecEngine:
@@ -112,3 +117,28 @@ def raw_request(port: int, method: str, path: str, body: bytes | None = None,
 def post_json(port: int, path: str, obj: object, headers: dict[str, str] | None = None
               ) -> tuple[int, dict[str, Any]]:
     return raw_request(port, "POST", path, json.dumps(obj).encode(), headers)
+
+
+def mixed_params(n: int) -> list[SamplingParams]:
+    """Greedy and seeded sampling, 8..16 tokens."""
+    return [SamplingParams(temperature=0.0 if i % 2 else 1.0, max_tokens=8 + i % 9,
+                           seed=2000 + i) for i in range(n)]
+
+
+def assert_same(got: GenerationOutput, want: GenerationOutput) -> None:
+    assert got.token_ids == want.token_ids
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert got.finish_reason == want.finish_reason
+    assert got.text == want.text
+    assert got.token_weight_versions == want.token_weight_versions
+    assert got.weight_version == want.weight_version
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+
+
+def families(text: str) -> dict[str, dict[tuple, float]]:
+    """Prometheus text -> {sample name: {sorted labels: value}} (parsing fails on bad text)."""
+    out: dict[str, dict[tuple, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
