@@ -149,7 +149,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="TCP port (0 = any free port)")
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on every endpoint (default: "
-                        f"${API_KEY_ENV} when set, else no auth)")
+                        f"${API_KEY_ENV} when set, which other users cannot read in the "
+                        f"process list; else no auth)")
     s.add_argument("--max-waiting", type=_int_at_least(1), default=4096,
                    help="most unfinished requests; more are refused with 503")
     s.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
