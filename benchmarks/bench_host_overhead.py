@@ -98,7 +98,7 @@ def run_pass(engine, prompts: list, k: int, tree, steps: int, counting: bool) ->
     orig = engine._decode_step
     layers = engine.model.model.layers
 
-    def step(seqs, k_, tree_, times):
+    def step(seqs, k_, tree_, times, *rest):
         if len(records) >= steps:
             raise _Done
         if cuda:
@@ -109,7 +109,7 @@ def run_pass(engine, prompts: list, k: int, tree, steps: int, counting: bool) ->
         prof.layers.launches = prof.layers.calls = 0
         phases0 = {p: getattr(times, p, 0.0) for p in PHASES}
         t0, c0 = time.perf_counter(), time.thread_time()
-        orig(seqs, k_, tree_, times)
+        orig(seqs, k_, tree_, times, *rest)
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         c = prof.reset()
         phases = {p: getattr(times, p, 0.0) - phases0[p] for p in PHASES}

@@ -304,11 +304,11 @@ class SpecEngine:
             self._weight_receiver = None
 
     def _decode_step(self, seqs: tuple[Sequence, ...], k: int, tree: DraftTree | None,
-                     times: StepTimes) -> None:
+                     times: StepTimes, version: int) -> None:
         """One decode / verify step of the running ``seqs`` (the unit the host-overhead
         benchmark times)."""
         speculative_step(seqs, k, tree, self.drafter, self.graphs, self.kv_cache,
-                         self.config.max_model_len, times)
+                         self.config.max_model_len, times, self.core.arena, version)
 
 
 __all__ = ["SpecEngine", "num_drafts_for"]

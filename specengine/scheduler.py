@@ -5,6 +5,13 @@ sequence takes a decode / verify step. Blocks are allocated lazily, a step at a 
 run out the most recently admitted sequence is preempted: its blocks are freed and it waits to
 be prefilled again over all its tokens (recompute). Sampling is keyed by (seed, position), so a
 preempted sequence keeps its tokens and continues from the same random streams.
+
+With a :class:`~specengine.core.seq_arena.SeqArena`, a sequence is attached to a slot when it
+is admitted and detached when it is preempted or finishes, and the decode path is vectorised:
+the room every running sequence needs (its length plus its lookahead, capped by the context)
+is compared with its blocks in one numpy expression, and only the sequences that need a new
+block are visited. When nothing changed, the same ``ScheduledBatch`` object comes back, so the
+step's later stages can tell by identity that the batch is unchanged.
 """
 
 from __future__ import annotations
@@ -13,6 +20,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
+from specengine.core.seq_arena import SeqArena
 from specengine.kv_cache import KVCache
 from specengine.sequence import SeqStatus, Sequence
 
@@ -25,16 +35,27 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, kv_cache: KVCache, max_batch_size: int, max_num_batched_tokens: int,
-                 on_preempt: Callable[[Sequence], None] | None = None) -> None:
+                 on_preempt: Callable[[Sequence], None] | None = None,
+                 arena: SeqArena | None = None,
+                 lookahead_of: Callable[[Sequence], int] | None = None) -> None:
         """``on_preempt(seq)`` runs after a sequence lost its blocks (the drafter drops its
-        per-sequence state there)."""
+        per-sequence state there). With ``arena`` (capacity >= ``max_batch_size``), running
+        sequences live in its slots and ``lookahead_of(seq)`` (draft tokens a verify step
+        feeds after the newest token, uncapped) is recorded at admission."""
+        if arena is not None and arena.capacity < max_batch_size:
+            raise ValueError(f"the arena holds {arena.capacity} sequences, fewer than "
+                             f"max_batch_size {max_batch_size}")
         self.kv_cache = kv_cache
         self.on_preempt = on_preempt
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.arena = arena
+        self.lookahead_of = lookahead_of
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._decode: ScheduledBatch | None = None  # the last decode batch, while unchanged
+        self._slots: np.ndarray | None = None  # slots of ``running``, in order
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -44,7 +65,8 @@ class Scheduler:
 
     def schedule(self, lookahead: Callable[[Sequence], int]) -> ScheduledBatch:
         """The next batch. ``lookahead(seq)`` is how many draft tokens the seq's next verify
-        step feeds after its newest token (0 for plain decoding)."""
+        step feeds after its newest token (0 for plain decoding), capped by the context (the
+        arena path computes the same from ``lookahead_of`` and the arena's lengths)."""
         batch: list[Sequence] = []
         num_tokens = 0
         while self.waiting and len(self.running) + len(batch) < self.max_batch_size:
@@ -56,47 +78,100 @@ class Scheduler:
             self.kv_cache.ensure(seq, len(seq))
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
+            self._admit(seq)
             batch.append(seq)
             num_tokens += len(seq)
         if batch:
             self.running.extend(batch)
+            self._changed()
             return ScheduledBatch(tuple(batch), is_prefill=True)
+        if self.arena is not None:
+            return self._schedule_decode()
 
         scheduled: list[Sequence] = []
-        block_size = self.kv_cache.block_size
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted below while making room for an earlier sequence
-            need = len(seq) + lookahead(seq)  # context (len-1) + the newest token + drafts
-            if need <= len(seq.block_table) * block_size:  # the common case: room already
-                scheduled.append(seq)
-                continue
-            while not self.kv_cache.can_ensure(seq, need):
-                victim = self._last_running(exclude=(seq, *scheduled))
-                self._preempt(victim if victim is not None else seq)
-                if victim is None:
-                    break
-            if seq.status is SeqStatus.RUNNING:
-                self.kv_cache.ensure(seq, need)
+            if self._make_room(seq, len(seq) + lookahead(seq), scheduled):
                 scheduled.append(seq)
         if not scheduled:
             raise RuntimeError("scheduler: no sequence can run (KV cache too small for one)")
         return ScheduledBatch(tuple(scheduled), is_prefill=False)
 
+    def _schedule_decode(self) -> ScheduledBatch:
+        """Every running sequence, visiting only those that need a new block."""
+        arena = self.arena
+        assert arena is not None
+        if self._slots is None:
+            self._slots = np.fromiter((s.slot for s in self.running), np.int64,
+                                      len(self.running))
+        slots = self._slots
+        lens = arena.lens[slots]
+        # context (len - 1) + the newest token + drafts, the drafts capped by the context
+        need = lens + np.minimum(arena.lookahead[slots], arena.max_model_len - lens)
+        short = np.flatnonzero(need > arena.num_blocks[slots] * self.kv_cache.block_size)
+        if short.size == 0 and self._decode is not None:
+            return self._decode
+        running = list(self.running)
+        short_set = set(short.tolist())
+        scheduled: list[Sequence] = []
+        for i, seq in enumerate(running):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted while making room for an earlier sequence
+            if i not in short_set or self._make_room(seq, int(need[i]), scheduled):
+                scheduled.append(seq)
+        if not scheduled:
+            raise RuntimeError("scheduler: no sequence can run (KV cache too small for one)")
+        self._decode = ScheduledBatch(tuple(scheduled), is_prefill=False)
+        return self._decode
+
+    def _make_room(self, seq: Sequence, need: int, scheduled: list[Sequence]) -> bool:
+        """Blocks for ``need`` tokens of ``seq``, preempting the latest admitted others (or
+        ``seq`` itself) when they run out. True if ``seq`` still runs."""
+        if need > len(seq.block_table) * self.kv_cache.block_size:
+            if not self._grow(seq, need, scheduled):
+                return False
+        if self.arena is not None:
+            self.arena.num_blocks[seq.slot] = len(seq.block_table)
+        return True
+
+    def _grow(self, seq: Sequence, need: int, scheduled: list[Sequence]) -> bool:
+        while not self.kv_cache.can_ensure(seq, need):
+            victim = self._last_running(exclude=(seq, *scheduled))
+            self._preempt(victim if victim is not None else seq)
+            if victim is None:
+                return False
+        self.kv_cache.ensure(seq, need)
+        return True
+
     def finish(self, seq: Sequence) -> None:
         self.kv_cache.free(seq)
         if seq in self.running:
             self.running.remove(seq)
+            self._changed()
+        seq.detach()
 
     def abort_all(self) -> list[Sequence]:
         """Drop every request and free its blocks (after an error mid-generate)."""
         seqs = list(self.running) + list(self.waiting)
         for seq in seqs:
             self.kv_cache.free(seq)
+            seq.detach()
             seq.status = SeqStatus.FINISHED
         self.running.clear()
         self.waiting.clear()
+        self._changed()
         return seqs
+
+    def _admit(self, seq: Sequence) -> None:
+        if self.arena is None:
+            return
+        slot = seq.attach(self.arena)
+        self.arena.lookahead[slot] = self.lookahead_of(seq) if self.lookahead_of else 0
+        self.arena.num_blocks[slot] = len(seq.block_table)
+
+    def _changed(self) -> None:
+        self._decode, self._slots = None, None
 
     def _last_running(self, exclude: tuple[Sequence, ...]) -> Sequence | None:
         for seq in reversed(self.running):
@@ -107,8 +182,10 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self.kv_cache.free(seq)
+        seq.detach()
         seq.status = SeqStatus.WAITING
         self.running.remove(seq)
+        self._changed()
         self.waiting.appendleft(seq)
         if self.on_preempt is not None:
             self.on_preempt(seq)

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from specengine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specengine.core.seq_arena import SeqArena
 
 
 class SeqStatus(enum.Enum):
@@ -13,18 +19,27 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+_COUNTERS = ("num_steps", "num_draft_tokens", "num_accepted_tokens")
+
+
 class Sequence:
     """Tokens, KV blocks and counters of one request.
 
     Invariant between steps: the KV of ``token_ids[:num_cached_tokens]`` is in the cache and
     ``num_cached_tokens == len(token_ids) - 1`` while running (the newest token is fed to the
     next step), 0 while waiting.
+
+    Storage: plain lists while waiting or finished; while running the sequence is *attached*
+    to a slot of the engine's :class:`~specengine.core.seq_arena.SeqArena`, which is then the
+    only copy of its tokens, logprobs, per-token versions and counters (a step appends every
+    sequence's tokens at once). The accessors below read whichever holds them;
+    :meth:`token_slice` and :meth:`token_array` read a part without copying the whole list.
     """
 
     def __init__(self, seq_id: int, prompt: list[int], params: SamplingParams, seed: int,
                  eos_token_ids: tuple[int, ...]) -> None:
         self.seq_id = seq_id
-        self.token_ids: list[int] = list(prompt)
+        self._token_ids: list[int] = list(prompt)
         self.num_prompt_tokens = len(prompt)
         self.params = params
         self.seed = seed
@@ -32,54 +47,153 @@ class Sequence:
         if not params.ignore_eos:
             stop.update(eos_token_ids)
         self.stop_token_ids = frozenset(stop)
-        self.logprobs: list[float] = []
-        #: per output token, the weight version that produced it (``stamp``)
-        self.token_weight_versions: list[int] = []
+        self._logprobs: list[float] = []
+        #: per output token, the weight version that produced it
+        self._versions: list[int] = []
+        self._counters = [0, 0, 0]
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
-        self.num_steps = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
+        self.arena: SeqArena | None = None
+        self.slot = -1
 
+    # ---- arena attachment ------------------------------------------------------------------
+    def attach(self, arena: SeqArena) -> int:
+        """Move the lists into a slot of ``arena`` (the sequence starts running)."""
+        if self.arena is not None:
+            raise RuntimeError(f"seq {self.seq_id} is already attached to slot {self.slot}")
+        s = arena.take(self._token_ids, self.num_prompt_tokens, self.params.max_tokens,
+                       self.stop_token_ids)
+        p, n = self.num_prompt_tokens, len(self._token_ids)
+        arena.logprobs[s, p:n] = self._logprobs
+        arena.versions[s, p:n] = self._versions if len(self._versions) == n - p else 0
+        arena.counters[:, s] = self._counters
+        self.arena, self.slot = arena, s
+        return s
+
+    def detach(self) -> None:
+        """Copy the slot back into lists and give the slot back (finished or preempted)."""
+        a, s = self.arena, self.slot
+        if a is None:
+            return
+        n, p = int(a.lens[s]), self.num_prompt_tokens
+        self._token_ids = a.tokens[s, :n].tolist()
+        self._logprobs = a.logprobs[s, p:n].tolist()
+        self._versions = a.versions[s, p:n].tolist()
+        self._counters = a.counters[:, s].tolist()
+        a.give_back(s)
+        self.arena, self.slot = None, -1
+
+    # ---- tokens ------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self.token_ids)
+        a = self.arena
+        return len(self._token_ids) if a is None else int(a.lens[self.slot])
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All tokens, prompt first (a copy while attached: prefer :meth:`token_slice`)."""
+        a = self.arena
+        if a is None:
+            return self._token_ids
+        return a.tokens[self.slot, : a.lens[self.slot]].tolist()
+
+    @token_ids.setter
+    def token_ids(self, tokens: list[int]) -> None:
+        if self.arena is not None:
+            raise RuntimeError(f"seq {self.seq_id} is running: its tokens live in the arena")
+        self._token_ids = list(tokens)
+
+    def token_slice(self, start: int, end: int | None = None) -> list[int]:
+        """``token_ids[start:end]`` without copying the rest."""
+        a = self.arena
+        if a is None:
+            return self._token_ids[start:end]
+        n = int(a.lens[self.slot])
+        return a.tokens[self.slot, :n][start:end].tolist()
+
+    def token_array(self) -> np.ndarray:
+        """All tokens as an int64 array (a view of the slot while attached: do not keep it
+        across steps)."""
+        a = self.arena
+        if a is None:
+            return np.asarray(self._token_ids, dtype=np.int64)
+        return a.tokens[self.slot, : a.lens[self.slot]]
+
+    @property
+    def logprobs(self) -> list[float]:
+        a = self.arena
+        if a is None:
+            return self._logprobs
+        return a.logprobs[self.slot, self.num_prompt_tokens: a.lens[self.slot]].tolist()
+
+    @property
+    def token_weight_versions(self) -> list[int]:
+        a = self.arena
+        if a is None:
+            return self._versions
+        return a.versions[self.slot, self.num_prompt_tokens: a.lens[self.slot]].tolist()
 
     @property
     def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_slice(self.num_prompt_tokens)
 
     @property
     def last_token(self) -> int:
-        return self.token_ids[-1]
+        a = self.arena
+        if a is None:
+            return self._token_ids[-1]
+        return int(a.tokens[self.slot, a.lens[self.slot] - 1])
+
+    def _counter(i: int) -> property:  # noqa: N805 -- a property factory in the class body
+        def get(self: Sequence) -> int:
+            a = self.arena
+            return self._counters[i] if a is None else int(a.counters[i, self.slot])
+
+        def put(self: Sequence, value: int) -> None:
+            if self.arena is None:
+                self._counters[i] = value
+            else:
+                self.arena.counters[i, self.slot] = value
+
+        return property(get, put)
+
+    num_steps = _counter(0)
+    num_draft_tokens = _counter(1)
+    num_accepted_tokens = _counter(2)
+    del _counter
 
     def stamp(self, version: int) -> None:
-        """Record ``version`` for every output token not stamped yet. Called once after each
-        step that appended (weights change only between steps, so all of a step's tokens
-        come from one version); keeping it out of :meth:`append` keeps the step's hot loop
-        unchanged."""
-        missing = self.num_generated - len(self.token_weight_versions)
+        """Record ``version`` for every output token not stamped yet (detached sequences;
+        attached ones get their versions in ``SeqArena.append``)."""
+        if self.arena is not None:
+            return
+        missing = self.num_generated - len(self._versions)
         if missing > 0:
-            self.token_weight_versions.extend([version] * missing)
+            self._versions.extend([version] * missing)
 
-    def append(self, tokens: list[int], logprobs: list[float], max_model_len: int) -> None:
+    def append(self, tokens: list[int], logprobs: list[float], max_model_len: int,
+               version: int | None = None) -> None:
         """Add this step's emitted tokens, stopping at the first stop token, at ``max_tokens``
-        or at ``max_model_len`` (nothing after that point is kept)."""
-        n = len(tokens)
-        if (self.num_generated + n < self.params.max_tokens
-                and len(self.token_ids) + n < max_model_len
-                and self.stop_token_ids.isdisjoint(tokens)):  # the common case: no end here
-            self.token_ids.extend(tokens)
-            self.logprobs.extend(logprobs)
+        or at ``max_model_len`` (nothing after that point is kept). Attached sequences go
+        through ``SeqArena.append`` (one row; the engine's step appends all rows at once)."""
+        a = self.arena
+        if a is not None:
+            ids = np.asarray([tokens], dtype=np.int64)
+            kept, ended = a.append(np.array([self.slot]), ids, np.asarray([logprobs]),
+                                   np.array([len(tokens)]), 0 if version is None else version)
+            if ended[0]:
+                self.finish("stop" if ended[0] == 1 else "length")
             return
         for token, logprob in zip(tokens, logprobs):
-            self.token_ids.append(token)
-            self.logprobs.append(logprob)
+            self._token_ids.append(token)
+            self._logprobs.append(logprob)
+            if version is not None:
+                self._versions.append(version)
             if token in self.stop_token_ids:
                 self.finish_reason = "stop"
             elif self.num_generated >= self.params.max_tokens or len(self) >= max_model_len:
@@ -87,3 +201,7 @@ class Sequence:
             if self.finish_reason is not None:
                 self.status = SeqStatus.FINISHED
                 return
+
+    def finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.status = SeqStatus.FINISHED

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specengine.core.graphs import GraphRunner
+from specengine.core.seq_arena import SeqArena
 from specengine.core.transfer import to_device, to_host
 from specengine.core.verify import VerifyShape, forward_output
 from specengine.drafters.base import Drafter
@@ -71,6 +72,8 @@ def speculative_step(
     kv_cache: KVCache,
     max_model_len: int,
     times: StepTimes,
+    arena: SeqArena,
+    version: int,
 ) -> None:
     """Advance every sequence of ``seqs`` by one verified step (1 .. k+1 new tokens each)."""
     t0 = time.perf_counter()
@@ -123,33 +126,39 @@ def speculative_step(
     t2 = time.perf_counter()
 
     # 4. Keep the accepted path: tree nodes move to contiguous slots (chains are already
-    #    contiguous); rejected slots are simply reused by the next step.
+    #    contiguous); rejected slots are simply reused by the next step. Every row's tokens
+    #    are appended at once (the arena cuts at stop tokens / max_tokens / the context).
     if tree is not None:
         _compact_tree_path(seqs, result, kv_cache)
     depths = num_drafts if tree is None else np.where(num_drafts > 0, tree.max_depth, 0)
     times.count(depths, result.num_accepted)
-    accepted_rows: list[list[int]] = []
-    # One conversion per array (not per row): this loop is the step's per-sequence host work.
-    out_ids, out_lps = result.output_ids.tolist(), result.logprobs.tolist()
-    out_rows, drafted = result.row_ids.tolist(), num_drafts.tolist()
-    for seq, n, ids, lps, rows_b, d in zip(seqs, result.num_accepted.tolist(), out_ids, out_lps,
-                                          out_rows, drafted):
-        accepted_rows.append(rows_b[: n + 1])
-        seq.num_steps += 1
-        seq.num_draft_tokens += d
-        seq.num_accepted_tokens += n
-        seq.num_cached_tokens = len(seq) + n  # root + accepted drafts are cached
-        before = len(seq)
-        seq.append(ids[: n + 1], lps[: n + 1], max_model_len)
-        times.num_step_tokens += len(seq) - before
+    kept = append_step(arena, seqs, state.row_slots[:batch], result.output_ids,
+                       result.logprobs, result.num_accepted, num_drafts, version)
+    times.num_step_tokens += int(kept.sum())
     times.num_seq_steps += batch
     if drafter is not None and k > 0:  # also after a fallback step: the drafter catches up
         if not drafter.observe_step(seqs, out, shape, result.num_accepted):
+            accepted_rows = [rows_b[: n + 1] for rows_b, n in
+                             zip(result.row_ids.tolist(), result.num_accepted.tolist())]
             drafter.observe(seqs, forward_output(out, batch, num_tokens), accepted_rows)
     times.num_steps += 1
     times.draft += t1 - t0
     times.verify += t2 - t1
     times.bookkeeping += time.perf_counter() - t2
+
+
+def append_step(arena: SeqArena, seqs: tuple[Sequence, ...], slots: np.ndarray,
+                ids: np.ndarray, logprobs: np.ndarray, num_accepted: np.ndarray,
+                num_drafts: np.ndarray, version: int) -> np.ndarray:
+    """Row ``b`` emitted ``ids[b, :num_accepted[b] + 1]``: append them all at once to the
+    arena (attached ``seqs`` in row order, ``slots`` theirs), count the step, and finish the
+    sequences that reached a stop token or their length limit. Returns the tokens kept per
+    row (fewer than emitted where a sequence ended)."""
+    kept, ended = arena.append(slots, ids, logprobs, num_accepted + 1, version)
+    arena.count(slots, num_drafts, num_accepted)
+    for b in np.flatnonzero(ended).tolist():  # only the rows that finished this step
+        seqs[b].finish("stop" if ended[b] == 1 else "length")
+    return kept
 
 
 def _compact_tree_path(seqs: tuple[Sequence, ...], result: StepResult, kv_cache: KVCache) -> None:

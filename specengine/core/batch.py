@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from specengine.core.block_rows import BlockRows
+from specengine.core.seq_arena import SeqArena
 from specengine.sequence import Sequence
 
 # Rows of the int64 step-field array (one copy per step).
@@ -58,6 +59,12 @@ class BatchState:
         self.block_tables = self.blocks.table
         self.seqs: list[Sequence] = []
         self._rows: dict[int, int] = {}  # seq_id -> row
+        # Each row's slot in the sequences' arena (``core.seq_arena``; -1: a detached one),
+        # and the arena (None until an attached sequence joins).
+        self.row_slots = np.full(capacity, -1, dtype=np.int64)
+        self.arena: SeqArena | None = None
+        self._arranged: tuple[tuple[Sequence, ...] | None, tuple[Sequence, ...]] = (None, ())
+        self._changed_rows: set[int] = set()  # rows whose owner changed since the last stage
         for r in range(capacity):
             self._neutral(r)
 
@@ -69,25 +76,38 @@ class BatchState:
     def arrange(self, seqs: tuple[Sequence, ...]) -> tuple[Sequence, ...]:
         """Make ``seqs`` the batch: drop rows of sequences not in it, add the new ones, and
         return ``seqs`` in row order (the order every buffer of the step uses)."""
+        if self._arranged[0] is seqs:  # the scheduler's unchanged batch: rows are as they were
+            return self._arranged[1]
         if len(seqs) > self.capacity:
             raise ValueError(f"{len(seqs)} sequences exceed the batch capacity {self.capacity}")
         live = {s.seq_id for s in seqs}
         for sid in [sid for sid in self._rows if sid not in live]:
             self._remove(sid)
         for seq in seqs:
-            if seq.seq_id not in self._rows:
+            r = self._rows.get(seq.seq_id)
+            if r is None:
                 self._add(seq)
-        return tuple(self.seqs)
+            elif self.row_slots[r] != seq.slot:  # preempted and admitted again meanwhile
+                self.row_slots[r] = seq.slot
+                self._changed_rows.add(r)
+        arranged = tuple(self.seqs)
+        self._arranged = (seqs, arranged)
+        return arranged
 
     def clear(self) -> None:
         """Forget every row (after an aborted generate)."""
         for sid in list(self._rows):
             self._remove(sid)
+        self._arranged = (None, ())
 
     def _add(self, seq: Sequence) -> None:
         r = len(self.seqs)
         self.seqs.append(seq)
         self._rows[seq.seq_id] = r
+        self.row_slots[r] = seq.slot
+        self._changed_rows.add(r)
+        if seq.arena is not None:
+            self.arena = seq.arena
         p = seq.params
         self.host_ints[TOP_K, r] = p.top_k
         self.host_ints[SEED, r] = seq.seed
@@ -106,7 +126,11 @@ class BatchState:
             self.host_ints[:, r] = self.host_ints[:, last]
             self.host_floats[:, r] = self.host_floats[:, last]
             self.host_limits[:, r] = self.host_limits[:, last]
+            self.row_slots[r] = self.row_slots[last]
+            self._changed_rows.add(r)
         self.seqs.pop()
+        self.row_slots[last] = -1
+        self._changed_rows.discard(last)
         self._neutral(last)
 
     def _neutral(self, r: int) -> None:
@@ -118,6 +142,9 @@ class BatchState:
     # ---- per step ----------------------------------------------------------------------------
     def lengths(self) -> np.ndarray:
         """``len(seq)`` of rows ``0 .. B-1``."""
+        n = len(self.seqs)
+        if self._attached():
+            return self.arena.lens[self.row_slots[:n]]  # type: ignore[union-attr]
         return np.fromiter((len(s) for s in self.seqs), dtype=np.int64, count=len(self.seqs))
 
     def chain_drafts(self, k: int, lens: np.ndarray, max_model_len: int) -> np.ndarray:
@@ -139,12 +166,26 @@ class BatchState:
         lens = self.lengths() if lens is None else lens
         self.host_ints[CTX, :n] = lens - 1
         self.host_ints[OFFSET, :n] = lens
-        self.host_ints[LAST, :n] = np.fromiter((s.last_token for s in seqs), np.int64, count=n)
+        if self._attached():  # newest tokens and grown block tables straight from the arena
+            arena, slots = self.arena, self.row_slots[:n]
+            self.host_ints[LAST, :n] = arena.tokens[slots, lens - 1]  # type: ignore[union-attr]
+            grown = np.flatnonzero(arena.num_blocks[slots] != self.blocks.sent[:n])  # type: ignore
+            rows = self._changed_rows.union(grown.tolist())
+            self.blocks.sync_some(n, [(r, seqs[r].seq_id, seqs[r].block_table) for r in rows])
+        else:
+            self.host_ints[LAST, :n] = np.fromiter((s.last_token for s in seqs), np.int64, n)
+            self.blocks.sync([(s.seq_id, s.block_table) for s in seqs])
+        self._changed_rows.clear()
         self.host_ints[NUM_DRAFT, :n] = num_drafts
-        self.blocks.sync([(s.seq_id, s.block_table) for s in seqs])
         nb = self.device.type == "cuda"
         self.ints[:, :padded_rows].copy_(self._host_ints_t[:, :padded_rows], non_blocking=nb)
         self.floats[:, :padded_rows].copy_(self._host_floats_t[:, :padded_rows], non_blocking=nb)
+
+    def _attached(self) -> bool:
+        """Every row's sequence sits in the arena (the engine's case; tests may use detached
+        sequences)."""
+        n = len(self.seqs)
+        return self.arena is not None and n > 0 and bool((self.row_slots[:n] >= 0).all())
 
     def restage_num_drafts(self, num_drafts: np.ndarray) -> None:
         """Send new draft counts of rows ``0 .. B-1`` (a drafter proposed fewer than asked)."""

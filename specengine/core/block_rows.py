@@ -29,37 +29,43 @@ class BlockRows:
         self.table = torch.zeros(capacity, max_blocks, dtype=torch.int32, device=device)
         self._keys: list[int | None] = [None] * capacity  # owner of each row
         self._tables: list[list[int] | None] = [None] * capacity  # the table list it mirrors
-        self._sent = [0] * capacity  # ids of that table the device has
+        self.sent = np.zeros(capacity, dtype=np.int64)  # ids of that table the device has
         self._used = 0
 
     def sync(self, rows: Sequence[tuple[int, list[int]]]) -> None:
         """Make row ``r`` hold ``rows[r] = (owner key, block table)``; rows past
         ``len(rows)`` become empty."""
-        if len(rows) > self.capacity:
-            raise ValueError(f"{len(rows)} rows exceed the capacity {self.capacity}")
+        self.sync_some(len(rows), [(r, key, table) for r, (key, table) in enumerate(rows)])
+
+    def sync_some(self, num_rows: int, changed: Sequence[tuple[int, int, list[int]]]) -> None:
+        """Like :meth:`sync` for ``num_rows`` rows of which only ``changed = [(row, owner
+        key, block table)]`` may differ from what the device has (the others are unchanged
+        owners whose tables did not grow)."""
+        if num_rows > self.capacity:
+            raise ValueError(f"{num_rows} rows exceed the capacity {self.capacity}")
         dirty: list[int] = []
-        keys, tables, sent_ = self._keys, self._tables, self._sent
-        for r, (key, table) in enumerate(rows):
+        keys, tables, sent_ = self._keys, self._tables, self.sent
+        for r, key, table in changed:
             if tables[r] is table and keys[r] == key and len(table) == sent_[r]:
                 continue  # the common case: nothing changed
             if tables[r] is not table or keys[r] != key:
                 keys[r], tables[r], sent_[r] = key, table, 0
                 self.host[r] = 0
                 dirty.append(r)
-            sent = sent_[r]
+            sent = int(sent_[r])
             if len(table) > sent:
                 if len(table) > self.max_blocks:
                     raise ValueError(f"row {r} holds {len(table)} KV blocks, more than the "
                                      f"{self.max_blocks} of a block-table row")
                 self.host[r, sent:len(table)] = table[sent:]
-                self._sent[r] = len(table)
+                sent_[r] = len(table)
                 if not dirty or dirty[-1] != r:
                     dirty.append(r)
-        for r in range(len(rows), self._used):
+        for r in range(num_rows, self._used):
             keys[r], tables[r], sent_[r] = None, None, 0
             self.host[r] = 0
             dirty.append(r)
-        self._used = len(rows)
+        self._used = num_rows
         if dirty:
             idx = np.asarray(dirty, dtype=np.int64)
             self.table[to_device(idx, self.device)] = to_device(self.host[idx], self.device)

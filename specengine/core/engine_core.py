@@ -21,10 +21,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specengine.config import EngineConfig
 from specengine.core.graphs import GraphRunner
+from specengine.core.seq_arena import SeqArena
 from specengine.core.transfer import to_host
 from specengine.drafters.base import Drafter
 from specengine.kv_cache import KVCache
@@ -35,7 +37,7 @@ from specengine.sampler import Sampler, SamplingTensors, StepResult
 from specengine.sampling import SamplingParams
 from specengine.scheduler import Scheduler
 from specengine.sequence import SeqStatus, Sequence
-from specengine.speculate import StepTimes
+from specengine.speculate import StepTimes, append_step
 from specengine.tokenizer import TextTokenizer
 from specengine.tree import DraftTree
 
@@ -44,7 +46,8 @@ logger = logging.getLogger(__name__)
 #: finished request ids remembered so ``abort`` of one says "finished", not "unknown"
 MAX_REMEMBERED_FINISHED = 1 << 16
 
-DecodeStep = Callable[[tuple[Sequence, ...], int, "DraftTree | None", StepTimes], None]
+# (seqs, k, tree, times, weight version): one verify step of one (k, tree) group
+DecodeStep = Callable[[tuple[Sequence, ...], int, "DraftTree | None", StepTimes, int], None]
 
 
 @dataclass
@@ -86,10 +89,14 @@ class EngineCore:
         self.device = torch.device(config.device)
         self._decode_step = decode_step
         self._weight_version = weight_version
+        # Running sequences' tokens and counters: a step appends all rows at once.
+        self.arena = SeqArena(config.max_batch_size, config.max_model_len)
         self.scheduler = Scheduler(
             kv_cache, config.max_batch_size, config.max_num_batched_tokens,
             on_preempt=drafter.release if drafter is not None else None,
+            arena=self.arena, lookahead_of=lambda seq: self._by_seq[seq.seq_id].lookahead,
         )
+        self._groups_of: tuple[tuple[Sequence, ...] | None, list] = (None, [])
         self._rng = random.Random(config.seed)
         self._next_seq_id = 0
         self._requests: dict[str, _Request] = {}
@@ -200,15 +207,13 @@ class EngineCore:
             seqs = scheduled.seqs
             if scheduled.is_prefill:
                 t0 = time.perf_counter()
-                self._prefill(seqs, observe=any(self._by_seq[s.seq_id].k > 0 for s in seqs))
+                self._prefill(seqs, any(self._by_seq[s.seq_id].k > 0 for s in seqs), version)
                 run.prefill_s += time.perf_counter() - t0
                 run.num_forwards += 1
             else:
                 for (k, tree), group in self._groups(seqs):
-                    self._decode_step(group, k, tree, run.times)
+                    self._decode_step(group, k, tree, run.times, version)
                     run.num_forwards += 1
-            for s in seqs:
-                s.stamp(version)
             outputs += [self._report(self._by_seq[s.seq_id], released=False) for s in seqs]
         except BaseException:
             self.abort_all()
@@ -228,16 +233,25 @@ class EngineCore:
 
     def _groups(self, seqs: tuple[Sequence, ...]
                 ) -> list[tuple[tuple[int, DraftTree | None], tuple[Sequence, ...]]]:
-        """Running sequences by (k, tree), in first-seen order."""
+        """Running sequences by (k, tree), in first-seen order (the same batch object as last
+        step, which the scheduler returns while nothing changed, has the same groups)."""
+        if self._groups_of[0] is seqs:
+            return self._groups_of[1]
         groups: dict[tuple[int, object], tuple[tuple[int, DraftTree | None], list[Sequence]]] = {}
         for seq in seqs:
             req = self._by_seq[seq.seq_id]
             # Trees compare by their (sorted) paths: equal trees of separate requests share a step.
             key = (req.k, None if req.tree is None else req.tree.paths)
             groups.setdefault(key, ((req.k, req.tree), []))[1].append(seq)
-        return [(kt, tuple(group)) for kt, group in groups.values()]
+        if len(groups) == 1:  # the RL case: one k for all, the batch is the group
+            (kt, _), = groups.values()
+            out = [(kt, seqs)]
+        else:
+            out = [(kt, tuple(group)) for kt, group in groups.values()]
+        self._groups_of = (seqs, out)
+        return out
 
-    def _prefill(self, seqs: tuple[Sequence, ...], observe: bool) -> None:
+    def _prefill(self, seqs: tuple[Sequence, ...], observe: bool, version: int) -> None:
         """Prompt pass + first token; the drafter catches up only when some request will
         draft (a k=0 baseline on an engine with a drafter costs exactly a plain engine's)."""
         logits, target_out = self.runner.prefill(seqs)  # [B, V]
@@ -246,13 +260,11 @@ class EngineCore:
         out = self.sampler(logits[:, None, :], empty, zeros, None, None,
                            SamplingTensors.from_seqs(seqs, self.device))
         result = StepResult.unpack(to_host(out.pack()), len(seqs))  # one host sync
-        tokens = result.output_ids[:, 0].tolist()
-        logprobs = result.logprobs[:, 0].tolist()
-        rows = []
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
-            rows.append(list(range(len(seq))))
-            seq.num_steps += 1
-            seq.append([token], [logprob], self.config.max_model_len)
+        rows = [list(range(len(seq))) for seq in seqs]
+        none = np.zeros(len(seqs), dtype=np.int64)  # no drafts: one emitted token per row
+        slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
+        append_step(self.arena, seqs, slots, result.output_ids[:, :1], result.logprobs[:, :1],
+                    none, none, version)
         if observe and self.drafter is not None:
             self.drafter.observe(seqs, target_out, rows)
 
@@ -261,7 +273,7 @@ class EngineCore:
         """This step's new tokens of ``req``; a finished request is released (blocks, drafter
         state) and forgotten, and its output made."""
         seq = req.seq
-        new = tuple(seq.token_ids[seq.num_prompt_tokens + req.num_reported:])
+        new = tuple(seq.token_slice(seq.num_prompt_tokens + req.num_reported))
         req.num_reported = seq.num_generated
         restarted, req.restarted = req.restarted, False  # core.inflight restarts
         if seq.status is not SeqStatus.FINISHED:
