@@ -264,3 +264,55 @@ def test_update_through_run_in_engine_while_streaming(
     # case must give is not: running, the tokens after it are the new version's.
     assert (n_old < total) == running
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_recompute_tokens_are_exactly_their_versions_policy(cuda_graphs: bool) -> None:
+    """Many sampled requests with EAGLE-3 drafts and a run of updates between steps (as an
+    async RL learner pushes them), some of them while sequences wait for a re-prefill: with
+    ``kv_on_update="recompute"`` every token stamped v has exactly the log-probability that
+    policy v (a transformers model with those weights) gives it after its prefix."""
+    from transformers import AutoModelForCausalLM
+
+    temperature, num_requests = 2.0, 32
+    learner = AutoModelForCausalLM.from_pretrained(str(DEFAULT_TARGET), dtype=torch.float32)
+    learner.eval()
+    engine = SpecEngine(DEFAULT_TARGET, draft=DEFAULT_DRAFT, device="cpu", dtype="float32",
+                        kernel_backend="torch", max_model_len=96, kv_on_update="recompute",
+                        cuda_graphs=cuda_graphs)
+    states = {0: {n: p.detach().clone() for n, p in learner.named_parameters()}}
+    prompts = [engine.tokenizer.encode(p) for p in heldout_prompts(num_requests, seed=9)]
+    ids = [engine.add_request(p, SamplingParams(temperature=temperature, max_tokens=48,
+                                                seed=1000 + i), k=3)
+           for i, p in enumerate(prompts)]
+    seen: dict[str, list[int]] = {}
+    done: dict[str, GenerationOutput] = {}
+    gen = torch.Generator().manual_seed(0)
+    for num_steps in (2, 1, 1, 3, 2, 1, 4):  # steps between updates; some right after one
+        step_n(engine, num_steps, seen, done)
+        v = len(states)
+        states[v] = {n: t + (0.02 if t.dim() == 1 else 0.002) * torch.randn(t.shape,
+                                                                              generator=gen)
+                     for n, t in states[v - 1].items()}
+        assert engine.load_weights(states[v]) == v
+    step_n(engine, 1000, seen, done)
+    assert_no_leak(engine)
+    outs = [done[rid] for rid in ids]
+    assert len({v for o in outs for v in o.token_weight_versions}) >= 4
+    width = max(len(p) + len(o.token_ids) for p, o in zip(prompts, outs))
+    input_ids = torch.zeros(len(outs), width, dtype=torch.long)
+    for i, (p, o) in enumerate(zip(prompts, outs)):  # right-padded: causal, nothing leaks
+        input_ids[i, :len(p) + len(o.token_ids)] = torch.tensor(p + list(o.token_ids))
+    checked = 0
+    for v, state in states.items():
+        with torch.no_grad():
+            for n, p in learner.named_parameters():
+                p.copy_(state[n])
+            logp = torch.log_softmax(learner(input_ids=input_ids).logits / temperature, -1)
+        for i, (p, o) in enumerate(zip(prompts, outs)):
+            for j, (tv, lp) in enumerate(zip(o.token_weight_versions, o.logprobs)):
+                if tv == v:
+                    want = logp[i, len(p) + j - 1, o.token_ids[j]].item()
+                    assert lp == pytest.approx(want, abs=1e-4), (i, j, v)
+                    checked += 1
+    assert checked == sum(len(o.token_ids) for o in outs)
