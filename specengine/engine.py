@@ -228,7 +228,7 @@ class SpecEngine:
             bar = tqdm(total=len(ids), desc=f"generate k={req.k}", unit="seq")
         try:
             while self.core.has_unfinished():
-                for out in self.core.step():
+                for out in self.core.step(report_unfinished=False):  # finished ones only
                     if out.output is not None:
                         done[out.request_id] = out.output
                         if bar is not None:

@@ -110,7 +110,7 @@ class Scheduler:
         # context (len - 1) + the newest token + drafts, the drafts capped by the context
         need = lens + np.minimum(arena.lookahead[slots], arena.max_model_len - lens)
         short = np.flatnonzero(need > arena.num_blocks[slots] * self.kv_cache.block_size)
-        if short.size == 0 and self._decode is not None:
+        if self._decode is not None and (short.size == 0 or self._grow_all(short, need)):
             return self._decode
         running = list(self.running)
         short_set = set(short.tolist())
@@ -124,6 +124,19 @@ class Scheduler:
             raise RuntimeError("scheduler: no sequence can run (KV cache too small for one)")
         self._decode = ScheduledBatch(tuple(scheduled), is_prefill=False)
         return self._decode
+
+    def _grow_all(self, short: np.ndarray, need: np.ndarray) -> bool:
+        """Grow the tables of ``running[short]`` to ``need`` when the free blocks cover them
+        all (no preemption: the batch is unchanged). False, with nothing allocated, if not."""
+        arena, bs = self.arena, self.kv_cache.block_size
+        seqs = [self.running[i] for i in short.tolist()]
+        missing = -(-need[short] // bs) - arena.num_blocks[self._slots[short]]  # type: ignore
+        if int(missing.sum()) > self.kv_cache.num_free_blocks:
+            return False
+        for seq, n in zip(seqs, need[short].tolist()):
+            self.kv_cache.ensure(seq, n)
+            arena.num_blocks[seq.slot] = len(seq.block_table)
+        return True
 
     def _make_room(self, seq: Sequence, need: int, scheduled: list[Sequence]) -> bool:
         """Blocks for ``need`` tokens of ``seq``, preempting the latest admitted others (or

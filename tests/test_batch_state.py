@@ -16,11 +16,13 @@ from specengine.core.batch import (
     NUM_DRAFT,
     OFFSET,
     SEED,
+    SLOT,
     TEMPERATURE,
     TOP_K,
     TOP_P,
     BatchState,
 )
+from specengine.core.seq_arena import SeqArena
 from specengine.sampling import SamplingParams
 from specengine.sequence import Sequence
 from specengine.speculate import num_drafts_for
@@ -30,23 +32,53 @@ CAPACITY, MAX_BLOCKS = 8, 6
 
 def expected_rows(seqs: tuple[Sequence, ...], num_drafts: np.ndarray, padded: int
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    ints = np.zeros((7, padded), np.int64)
-    ints[TOP_K] = -1
+    ints = np.zeros((8, padded), np.int64)
+    ints[TOP_K] = ints[SLOT] = -1
     floats = np.zeros((2, padded), np.float32)
     floats[TOP_P] = 1.0
     blocks = np.zeros((padded, MAX_BLOCKS), np.int32)
     for r, s in enumerate(seqs):
-        ints[[CTX, LAST, OFFSET, NUM_DRAFT, ACTIVE, TOP_K, SEED], r] = (
-            len(s) - 1, s.token_ids[-1], len(s), num_drafts[r], 1, s.params.top_k, s.seed)
+        ints[[CTX, LAST, OFFSET, NUM_DRAFT, ACTIVE, TOP_K, SEED, SLOT], r] = (
+            len(s) - 1, s.token_ids[-1], len(s), num_drafts[r], 1, s.params.top_k, s.seed,
+            s.slot)
         floats[[TEMPERATURE, TOP_P], r] = (s.params.temperature, s.params.top_p)
         blocks[r, : len(s.block_table)] = s.block_table
     return ints, floats, blocks
 
 
+def _grow(seq: Sequence, tokens: list[int]) -> None:
+    """Append tokens as a step would (through the arena when attached; its cuts apply)."""
+    if seq.arena is None:
+        seq.token_ids.extend(tokens)
+    else:
+        seq.arena.append(np.array([seq.slot]), np.array([tokens]), np.zeros((1, len(tokens))),
+                         np.array([len(tokens)]), 0)
+
+
+def _new_table(seq: Sequence, table: list[int]) -> None:
+    """A new block table (preempted and prefilled again: an attached sequence also gets a new
+    slot, as the scheduler does)."""
+    if seq.arena is not None:
+        arena = seq.arena
+        seq.detach()
+        seq.attach(arena)
+    seq.block_table = table
+    _blocks_changed(seq)
+
+
+def _blocks_changed(seq: Sequence) -> None:
+    if seq.arena is not None:  # the scheduler keeps the arena's block counts current
+        seq.arena.num_blocks[seq.slot] = len(seq.block_table)
+
+
+@pytest.mark.parametrize("attached", [False, True], ids=["lists", "arena"])
 @pytest.mark.parametrize("seed", range(3))
-def test_incremental_updates_equal_a_rebuild(seed: int) -> None:
+def test_incremental_updates_equal_a_rebuild(seed: int, attached: bool) -> None:
+    """Detached sequences (lists) and sequences in an arena (the engine's case: lengths,
+    newest tokens and grown tables come from the arena) give the same rows as a rebuild."""
     rng = random.Random(seed)
     state = BatchState(CAPACITY, MAX_BLOCKS, torch.device("cpu"))
+    arena = SeqArena(CAPACITY, 1000, width=4) if attached else None
     live: list[Sequence] = []
     next_id = 0
     rows_before: dict[int, int] = {}
@@ -59,16 +91,20 @@ def test_incremental_updates_equal_a_rebuild(seed: int) -> None:
             seq = Sequence(next_id, [rng.randrange(100) for _ in range(rng.randint(1, 9))],
                            params, rng.randrange(1 << 62), ())
             seq.block_table = [rng.randrange(1000) for _ in range(rng.randint(1, 3))]
+            if arena is not None:
+                seq.attach(arena)
+                _blocks_changed(seq)
             live.append(seq)
             next_id += 1
         elif event < 0.4 and live:  # one finishes or is preempted out of the batch
-            live.pop(rng.randrange(len(live)))
+            live.pop(rng.randrange(len(live))).detach()
         elif event < 0.5 and live:  # preempted and re-prefilled: a new table object
-            rng.choice(live).block_table = [rng.randrange(1000) for _ in range(2)]
+            _new_table(rng.choice(live), [rng.randrange(1000) for _ in range(2)])
         for seq in live:  # every running sequence grows
-            seq.token_ids.extend(rng.randrange(100) for _ in range(rng.randint(1, 3)))
+            _grow(seq, [rng.randrange(100) for _ in range(rng.randint(1, 3))])
             if rng.random() < 0.3 and len(seq.block_table) < MAX_BLOCKS:
                 seq.block_table.append(rng.randrange(1000))
+                _blocks_changed(seq)
         if not live:
             continue
         batch = tuple(rng.sample(live, len(live)))  # the scheduler's order does not matter

@@ -157,7 +157,7 @@ def test_abort_mid_generation_frees_at_once(engine: SpecEngine) -> None:
     assert aborted.output.token_ids == tuple(seen[ids[1]])  # what was made so far
     assert aborted.output.token_ids == expected[1].token_ids[:len(seen[ids[1]])]
     assert aborted.new_token_ids == ()
-    assert len(engine.drafter._states) == 2  # the drafter let go of its state too
+    assert engine.drafter.num_states == 2  # the drafter let go of its state too
     done = {}
     while engine.has_unfinished():
         for out in engine.step():

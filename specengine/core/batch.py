@@ -26,8 +26,8 @@ from specengine.core.seq_arena import SeqArena
 from specengine.sequence import Sequence
 
 # Rows of the int64 step-field array (one copy per step).
-CTX, LAST, OFFSET, NUM_DRAFT, ACTIVE, TOP_K, SEED = range(7)
-NUM_INT_FIELDS = 7
+CTX, LAST, OFFSET, NUM_DRAFT, ACTIVE, TOP_K, SEED, SLOT = range(8)
+NUM_INT_FIELDS = 8
 # Rows of the float32 sampling-field array.
 TEMPERATURE, TOP_P = range(2)
 # Rows of the host-only limits (they plan draft lengths; the device never needs them).
@@ -62,6 +62,8 @@ class BatchState:
         # Each row's slot in the sequences' arena (``core.seq_arena``; -1: a detached one),
         # and the arena (None until an attached sequence joins).
         self.row_slots = np.full(capacity, -1, dtype=np.int64)
+        self.row_seq_ids = np.full(capacity, -1, dtype=np.int64)
+        self.row_epochs = np.zeros(capacity, dtype=np.int64)  # ``SeqArena.epoch`` at joining
         self.arena: SeqArena | None = None
         self._arranged: tuple[tuple[Sequence, ...] | None, tuple[Sequence, ...]] = (None, ())
         self._changed_rows: set[int] = set()  # rows whose owner changed since the last stage
@@ -87,8 +89,10 @@ class BatchState:
             r = self._rows.get(seq.seq_id)
             if r is None:
                 self._add(seq)
-            elif self.row_slots[r] != seq.slot:  # preempted and admitted again meanwhile
-                self.row_slots[r] = seq.slot
+            elif self.row_slots[r] != seq.slot or (  # preempted and admitted again meanwhile
+                    seq.arena is not None and self.row_epochs[r] != seq.arena.epoch[seq.slot]):
+                self.row_slots[r] = self.host_ints[SLOT, r] = seq.slot
+                self.row_epochs[r] = seq.arena.epoch[seq.slot] if seq.arena is not None else 0
                 self._changed_rows.add(r)
         arranged = tuple(self.seqs)
         self._arranged = (seqs, arranged)
@@ -104,10 +108,12 @@ class BatchState:
         r = len(self.seqs)
         self.seqs.append(seq)
         self._rows[seq.seq_id] = r
-        self.row_slots[r] = seq.slot
+        self.row_slots[r] = self.host_ints[SLOT, r] = seq.slot
+        self.row_seq_ids[r] = seq.seq_id
         self._changed_rows.add(r)
         if seq.arena is not None:
             self.arena = seq.arena
+            self.row_epochs[r] = seq.arena.epoch[seq.slot]
         p = seq.params
         self.host_ints[TOP_K, r] = p.top_k
         self.host_ints[SEED, r] = seq.seed
@@ -127,15 +133,18 @@ class BatchState:
             self.host_floats[:, r] = self.host_floats[:, last]
             self.host_limits[:, r] = self.host_limits[:, last]
             self.row_slots[r] = self.row_slots[last]
+            self.row_seq_ids[r] = self.row_seq_ids[last]
+            self.row_epochs[r] = self.row_epochs[last]
             self._changed_rows.add(r)
         self.seqs.pop()
-        self.row_slots[last] = -1
+        self.row_slots[last] = self.row_seq_ids[last] = -1
         self._changed_rows.discard(last)
         self._neutral(last)
 
     def _neutral(self, r: int) -> None:
         self.host_ints[:, r] = 0
         self.host_ints[TOP_K, r] = -1
+        self.host_ints[SLOT, r] = -1  # no arena slot: a padded row
         self.host_floats[TEMPERATURE, r] = 0.0  # greedy: the cheapest row for the sampler
         self.host_floats[TOP_P, r] = 1.0
 

@@ -187,9 +187,11 @@ class EngineCore:
         self._end_run_if_idle()
 
     # ---- the step ----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, report_unfinished: bool = True) -> list[RequestOutput]:
         """One engine step: a prefill batch (new or preempted requests first) or one verify
-        step of every running sequence. Returns an output for each request that advanced.
+        step of every running sequence. Returns an output for each request that advanced
+        (with ``report_unfinished=False``, as ``generate`` runs it: for each request that
+        finished, so a step builds no per-sequence output while nothing ends).
         An error inside the step aborts every request (blocks freed) and is raised."""
         if not self._requests:
             return []
@@ -214,13 +216,27 @@ class EngineCore:
                 for (k, tree), group in self._groups(seqs):
                     self._decode_step(group, k, tree, run.times, version)
                     run.num_forwards += 1
-            outputs += [self._report(self._by_seq[s.seq_id], released=False) for s in seqs]
+            if report_unfinished:
+                outputs += [self._report(self._by_seq[s.seq_id], released=False) for s in seqs]
+            else:
+                outputs += [self._report(self._by_seq[s.seq_id], released=False)
+                            for s in self._ended_in_step(seqs, scheduled.is_prefill)]
         except BaseException:
             self.abort_all()
             raise
         run.end = time.perf_counter()
         self._end_run_if_idle()
         return outputs
+
+    def _ended_in_step(self, seqs: tuple[Sequence, ...], prefill: bool) -> list[Sequence]:
+        """The sequences of this step that finished. A decode step of one group reads the
+        arena's flags through the batch state's rows (its rows are exactly ``seqs``), so no
+        sequence is visited unless it ended."""
+        state = self.graphs.verifier.state
+        if prefill or len(state.seqs) != len(seqs) or len(self._groups(seqs)) != 1:
+            return [s for s in seqs if s.status is SeqStatus.FINISHED]
+        ended = np.flatnonzero(self.arena.done[state.row_slots[: len(seqs)]])
+        return [state.seqs[r] for r in ended.tolist()]
 
     @property
     def stats(self) -> RunStats:

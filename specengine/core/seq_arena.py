@@ -43,6 +43,10 @@ class SeqArena:
         # KV blocks owned (kept current by the scheduler; the batch state sends grown rows).
         self.lookahead = np.zeros(capacity, dtype=np.int64)
         self.num_blocks = np.zeros(capacity, dtype=np.int64)
+        self.done = np.zeros(capacity, dtype=bool)  # ended in its last step (not released yet)
+        # Takes of each slot so far: a sequence that left and came back to the same slot
+        # (preempted, prefilled again) is told apart from one that stayed.
+        self.epoch = np.zeros(capacity, dtype=np.int64)
         self.stop_ids = np.full((capacity, 1), -1, dtype=np.int64)  # -1 pads (never a token)
         self._free = list(range(capacity - 1, -1, -1))
 
@@ -70,6 +74,8 @@ class SeqArena:
         self.limit[s] = min(num_prompt + max_tokens, self.max_model_len)
         self.counters[:, s] = 0
         self.lookahead[s] = self.num_blocks[s] = 0
+        self.done[s] = False
+        self.epoch[s] += 1
         if len(stop_ids) > self.stop_ids.shape[1]:
             pad = np.full((self.capacity, len(stop_ids) - self.stop_ids.shape[1]), -1, np.int64)
             self.stop_ids = np.concatenate([self.stop_ids, pad], axis=1)
@@ -121,6 +127,7 @@ class SeqArena:
         self.versions[rows, cols] = version
         self.lens[slots] = lens + kept
         ended = np.where(first_stop == kept, 1, np.where(lens + kept >= self.limit[slots], 2, 0))
+        self.done[slots] = ended > 0
         return kept, ended.astype(np.int8)
 
     def count(self, slots: np.ndarray, num_draft: np.ndarray, num_accepted: np.ndarray) -> None:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from specengine.core.transfer import to_device
 from specengine.drafters.base import Drafter, DraftProposal
 from specengine.drafters.drafting import draft_kv_cache, expand_tree, run_chain, tree_level_mask
+from specengine.kv_cache import KVCache
 from specengine.model.attention import make_attention_backend
 from specengine.model_runner import ForwardOutput, ModelRunner
 from specengine.sequence import SeqStatus, Sequence
@@ -66,6 +67,10 @@ class FeatureDrafter(Drafter):
                                   make_attention_backend(cfg.kernel_backend), self.device)
         self._states: dict[int, FeatureState] = {}
         self._static: StaticFeatureChain | None = None
+        self.max_model_len = cfg.max_model_len
+        # True once bound to the static path: entries use the target's block tables (the
+        # sequences' own), roots live in ``_static.root`` by arena slot; no own allocation.
+        self.shared_tables = False
 
     def bind_static(self, graphs: GraphRunner) -> None:
         """Chains then run as ``StaticFeatureChain`` (one CUDA graph per bucket and k)."""
@@ -74,6 +79,16 @@ class FeatureDrafter(Drafter):
 
             self._static = StaticFeatureChain(self, graphs)
 
+    def share_block_tables(self, num_blocks: int) -> None:
+        """Use the target's block tables from now on; the cache gets ``num_blocks`` blocks
+        (the target's count) if it has fewer. Called before any sequence is observed."""
+        if self.kv_cache.num_blocks < num_blocks:
+            kv = self.kv_cache.kv
+            self.kv_cache = KVCache(num_blocks, self.kv_cache.block_size, kv.shape[1],
+                                    kv.shape[4], kv.shape[5], kv.dtype, kv.device)
+            self.runner.kv_cache = self.kv_cache
+        self.shared_tables = True
+
     @abstractmethod
     def features(self, target: ForwardOutput, rows: Tensor) -> Tensor:
         """The target features the module reads for the fed ``rows`` of a target pass."""
@@ -81,11 +96,22 @@ class FeatureDrafter(Drafter):
     def drop_states(self) -> None:
         """Forget every sequence's entries (after a weight update they are stale): the next
         ``observe`` of a sequence rewrites them from the target's features it gets then."""
+        if self.shared_tables:
+            self._static.drop_roots()  # type: ignore[union-attr]
         for st in self._states.values():
             self.kv_cache.free(st)  # type: ignore[arg-type]
         self._states.clear()
 
+    @property
+    def num_states(self) -> int:
+        """Sequences the drafter holds state for (a root and cache entries)."""
+        if self.shared_tables:
+            return self._static.num_roots  # type: ignore[union-attr]
+        return len(self._states)
+
     def release(self, seq: Sequence) -> None:
+        if self.shared_tables:
+            self._static.release(seq.seq_id)  # type: ignore[union-attr]
         st = self._states.pop(seq.seq_id, None)
         if st is not None:
             self.kv_cache.free(st)  # type: ignore[arg-type]
@@ -117,18 +143,22 @@ class FeatureDrafter(Drafter):
         live = [b for b, s in enumerate(seqs) if s.status is not SeqStatus.FINISHED]
         if not live:
             return
+        shared = self.shared_tables
         states, ctx, tokens, positions, rows = [], [], [], [], []
         for b in live:
             seq, acc = seqs[b], accepted_rows[b]
-            st = self._states.setdefault(seq.seq_id, FeatureState())
             start = len(seq) - len(acc) - 1  # position of the first accepted row
-            if st.num_cached < start:
-                logger.debug("%s: seq %d misses entries %d..%d", type(self).__name__,
-                             seq.seq_id, st.num_cached, start)
-            self.kv_cache.ensure(st, len(seq) - 1)  # type: ignore[arg-type]
-            states.append(st)
+            if shared:  # entries go where the target's tokens are
+                states.append(seq)
+            else:
+                st = self._states.setdefault(seq.seq_id, FeatureState())
+                if st.num_cached < start:
+                    logger.debug("%s: seq %d misses entries %d..%d", type(self).__name__,
+                                 seq.seq_id, st.num_cached, start)
+                self.kv_cache.ensure(st, len(seq) - 1)  # type: ignore[arg-type]
+                states.append(st)
             ctx.append(start)
-            tokens.append(seq.token_ids[start + 1: len(seq)])
+            tokens.append(seq.token_slice(start + 1))
             positions.append(np.arange(start, len(seq) - 1, dtype=np.int64))
             rows.extend(target.qo_indptr[b] + r for r in acc)
         feats = self.features(target, to_device(np.array(rows, np.int64), target.hidden.device))
@@ -136,13 +166,17 @@ class FeatureDrafter(Drafter):
         out = self._forward(states, ctx, ids, feats, positions)  # feats: on the engine device
         ends = to_device(np.cumsum([len(t) for t in tokens]) - 1, self.device)
         last = out[ends]  # a copy: the states must not keep the whole pass alive
+        if shared:
+            self._static.set_roots([seqs[b] for b in live], last)  # type: ignore[union-attr]
+            return
         for i, (st, b) in enumerate(zip(states, live)):
             st.num_cached = len(seqs[b]) - 1
             st.hidden = last[i]
 
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int],
                 tree: DraftTree | None) -> DraftProposal:
-        if any(s.seq_id not in self._states for s, n in zip(seqs, num_drafts) if n > 0):
+        if (not self._static.has_roots(len(seqs)) if self.shared_tables  # type: ignore
+                else any(s.seq_id not in self._states for s, n in zip(seqs, num_drafts) if n > 0)):
             # A draft update between steps dropped the states: no drafts this step (a plain
             # decode step); the observe after it starts the states again.
             return DraftProposal(torch.zeros(len(seqs), max(num_drafts), dtype=torch.int64,
@@ -151,6 +185,12 @@ class FeatureDrafter(Drafter):
         if tree is None and self._static is not None:
             return self._static.propose(seqs, num_drafts)
         counts = np.asarray(num_drafts, dtype=np.int64)
+        if self.shared_tables:  # a tree on the static path: every row drafts the whole tree
+            hidden = self._static.roots(len(seqs))  # type: ignore[union-attr]
+            ids = torch.zeros(len(seqs), max(num_drafts), dtype=torch.int64, device=self.device)
+            ids[:, : tree.num_nodes - 1] = self._propose_tree(  # type: ignore[union-attr]
+                seqs, tree, hidden, self.module.compute_logits(hidden))  # type: ignore[arg-type]
+            return DraftProposal(ids, counts, None)
         rows = [b for b, n in enumerate(num_drafts) if n > 0]
         for b in rows:  # the last proposals' entries sit after num_cached; room for k - 1 more
             st = self._states[seqs[b].seq_id]
@@ -177,7 +217,7 @@ class FeatureDrafter(Drafter):
                       root_logits: Tensor) -> Tensor:
         """Level by level: each pass feeds the entries of the nodes down to depth d (ancestor
         mask; entry of node i reads its parent's g and its own token)."""
-        states = [self._states[s.seq_id] for s in seqs]
+        states = list(seqs) if self.shared_tables else [self._states[s.seq_id] for s in seqs]
         batch = len(seqs)
         ctx = [len(s) - 1 for s in seqs]
         g = {0: root_hidden}

@@ -4,8 +4,8 @@ buffers.
 Same passes as ``FeatureDrafter``'s eager chain, shaped for a CUDA graph: every row of the
 padded batch drafts ``k`` tokens (rows asked for fewer draft extra tokens nobody verifies; rows
 past the batch are inactive and write no KV), the inputs are the persistent batch state (the
-target's rows: position, seed, sampling parameters), a block table of the drafter's own cache
-kept row-aligned with it (``core.block_rows``) and a root-hidden buffer; the outputs are static
+target's rows: position, seed, sampling parameters, block tables, which the drafter's cache
+shares) and a root-hidden buffer indexed by arena slot; the outputs are static
 tensors. ``GraphRunner.run_graph`` captures one graph per (bucket, k) on CUDA.
 
 Draft ``j`` of a row comes from the logits after entry ``len - 2 + j`` (entry ``len - 2`` is
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specengine.core.batch import ACTIVE, CTX
+from specengine.core.batch import ACTIVE, CTX, SLOT
 from specengine.core.block_rows import slots_of
 from specengine.core.graphs import GraphRunner
 from specengine.core.transfer import to_device
@@ -37,41 +37,79 @@ from specengine.drafters.base import DraftProposal
 from specengine.drafters.static_drafts import StaticDrafts
 from specengine.model.attention import AttentionMetadata
 from specengine.model_runner import ForwardOutput
-from specengine.sequence import SeqStatus, Sequence
+from specengine.sequence import Sequence
 
 if TYPE_CHECKING:
     from specengine.drafters.feature_drafter import FeatureDrafter
 
 
 class StaticFeatureChain(StaticDrafts):
-    """Chain proposals of ``drafter`` through ``graphs`` (see the module docstring)."""
+    """Chain proposals of ``drafter`` through ``graphs`` (see the module docstring).
+
+    Bound to the engine's static path, the drafter's one-layer cache shares the target's
+    block tables (entry ``p`` of a sequence sits in the slot of the target's token ``p``; the
+    draft cache has as many blocks as the target's), so a step allocates nothing for the
+    drafter and sends no table of its own. Each sequence's root hidden state lives in row
+    ``slot`` of ``root`` (its slot in the arena, ``core.seq_arena``), valid while
+    ``root_owner[slot]`` is the sequence's id; the catch-up pass writes the new roots there."""
 
     def __init__(self, drafter: FeatureDrafter, graphs: GraphRunner) -> None:
         super().__init__(graphs, drafter.device)
         self.drafter = drafter
-        self.root: Tensor | None = None  # [capacity, H]: each row's root hidden
+        drafter.share_block_tables(graphs.verifier.runner.kv_cache.num_blocks)
+        cap = self.state.capacity  # arena slots are < max_batch_size <= capacity
+        self.root: Tensor | None = None  # [capacity + 1, H]; the last row takes padded rows
+        self.root_owner = np.full(cap + 1, -1, dtype=np.int64)
         # [capacity]: entries each row writes in the catch-up pass (0: none, a finished row)
-        self.counts = torch.zeros(self.state.capacity, dtype=torch.int64, device=drafter.device)
+        self.counts = torch.zeros(cap, dtype=torch.int64, device=drafter.device)
 
+    # ---- roots by slot ---------------------------------------------------------------------
+    def set_roots(self, seqs: list[Sequence], hidden: Tensor) -> None:
+        """Roots of attached ``seqs`` (``hidden [len(seqs), H]``), e.g. after a prefill."""
+        if self.root is None:
+            self.root = hidden.new_zeros(self.state.capacity + 1, hidden.shape[-1])
+        slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
+        self.root[to_device(slots, self._device)] = hidden
+        self.root_owner[slots] = [s.seq_id for s in seqs]
+
+    def has_roots(self, num_rows: int) -> bool:
+        """Whether batch rows ``0 .. num_rows-1`` (arranged) all have a root."""
+        st = self.state
+        return bool((self.root_owner[st.row_slots[:num_rows]] == st.row_seq_ids[:num_rows]).all())
+
+    def drop_roots(self) -> None:
+        self.root_owner[:] = -1
+
+    def release(self, seq_id: int) -> None:
+        """Forget the root of ``seq_id`` (finished, aborted or preempted; it may already have
+        left its slot)."""
+        self.root_owner[self.root_owner == seq_id] = -1
+
+    @property
+    def num_roots(self) -> int:
+        return int((self.root_owner >= 0).sum())
+
+    def roots(self, num_rows: int) -> Tensor:
+        """Root hidden states of batch rows ``0 .. num_rows-1`` (for the eager tree path)."""
+        return self.root[to_device(self.state.row_slots[:num_rows], self._device)]  # type: ignore
+
+    def _slot_rows(self, rows: int) -> Tensor:
+        """Each padded row's row of ``root`` (padded rows share the spare last one)."""
+        slot = self.state.ints[SLOT, :rows]
+        return torch.where(slot < 0, self.state.capacity, slot)
+
+    # ---- the passes --------------------------------------------------------------------------
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int]) -> DraftProposal:
         """``seqs`` in batch-row order (the step arranged them); every row drafts
         ``max(num_drafts)`` tokens, ``num_draft_tokens`` says how many count."""
         d = self.drafter
-        k = max(num_drafts)
-        states = [d._states[s.seq_id] for s in seqs]
-        for st in states:  # room for the k - 1 entries the loop writes after the root
-            d.kv_cache.ensure(st, st.num_cached + k)  # type: ignore[arg-type]
-        self.blocks.sync([(s.seq_id, st.block_table) for s, st in zip(seqs, states)])
-        roots = torch.stack([st.hidden for st in states])  # type: ignore[misc]
-        if self.root is None:
-            self.root = roots.new_zeros(self.state.capacity, roots.shape[-1])
-        self.root[: len(seqs)] = roots
+        counts = np.asarray(num_drafts, dtype=np.int64)
+        k = int(counts.max())
         rows = self.graphs.padded_rows(len(seqs))
         ids, probs = self.graphs.run_graph(("draft", rows, k, d.sample), rows,
                                            lambda: self._loop(rows, k))
         b = len(seqs)
-        return DraftProposal(ids[:b], np.asarray(num_drafts, dtype=np.int64),
-                             None if probs is None else probs[:b])
+        return DraftProposal(ids[:b], counts, None if probs is None else probs[:b])
 
     @torch.inference_mode()
     def _loop(self, rows: int, k: int) -> tuple[Tensor, Tensor | None]:
@@ -79,17 +117,20 @@ class StaticFeatureChain(StaticDrafts):
         ints = st.ints[:, :rows]
         base = ints[CTX] - 1  # the root entry's position: len - 2
         active = ints[ACTIVE] > 0
-        table = self.blocks.table[:rows]
+        table = st.block_tables[:rows]
         bs = d.kv_cache.block_size
         indptr = self.qo_indptr(rows, 1)
-        hidden = self.root[:rows]  # type: ignore[index]
+        hidden = self.root[self._slot_rows(rows)]  # type: ignore[index]
         ids = torch.zeros(rows, k, dtype=torch.int64, device=d.device)
         probs = None
         tokens = ids[:, 0]
         for j in range(k):
             if j > 0:  # entry len - 2 + j: (previous output hidden, draft j - 1)
                 pos = base + j
-                slots = slots_of(table, pos[:, None], active[:, None], bs)[:, 0]
+                # A row asked for fewer drafts near the context limit writes no entry past it
+                # (the target's table covers min(len + k, max_model_len) positions).
+                ok = active & (pos < d.max_model_len)
+                slots = slots_of(table, pos[:, None], ok[:, None], bs)[:, 0]
                 meta = AttentionMetadata(slot_mapping=slots, block_tables=table,
                                          context_lens=pos.to(torch.int32),
                                          qo_indptr=indptr, max_q_len=1)
@@ -101,33 +142,22 @@ class StaticFeatureChain(StaticDrafts):
     def observe(self, seqs: tuple[Sequence, ...], out: VerifyOutput, shape: VerifyShape,
                 num_accepted: np.ndarray) -> bool:
         """Catch up after the verify pass ``out`` (``seqs`` in row order, already extended
-        by this step's tokens). False (the caller observes eagerly) if a sequence has no
-        state yet."""
-        d = self.drafter
-        states = [d._states.get(s.seq_id) for s in seqs]
-        if any(st is None for st in states):
+        by this step's tokens). False (the caller observes eagerly) if a row has no root yet
+        (a draft update dropped them)."""
+        n = len(seqs)
+        st = self.state
+        if not self.has_roots(n):
             return False
-        live = np.fromiter((s.status is not SeqStatus.FINISHED for s in seqs), bool, len(seqs))
+        live = ~st.arena.done[st.row_slots[:n]]  # type: ignore[union-attr]
         counts = np.where(live, num_accepted + 1, 0)
-        for seq, st, ok in zip(seqs, states, live):
-            if ok:  # entries 0 .. len - 2 (the newest token is the next step's root input)
-                d.kv_cache.ensure(st, len(seq) - 1)  # type: ignore[arg-type]
-        self.blocks.sync([(s.seq_id, st.block_table)  # type: ignore[union-attr]
-                          for s, st in zip(seqs, states)])
-        self.counts[: len(seqs)].copy_(to_device(counts, d.device))
-        self.counts[len(seqs): shape.num_rows] = 0
-        roots = self.graphs.run_graph(("observe", *shape.key), shape.num_rows,
-                                      lambda: self._observe(shape, out))
-        # A later replay overwrites the pass's outputs: keep a copy, one view per row.
-        roots = roots[: len(seqs)].clone().unbind(0)
-        for seq, st, root, ok in zip(seqs, states, roots, live):
-            if ok:
-                st.num_cached = len(seq) - 1  # type: ignore[union-attr]
-                st.hidden = root  # type: ignore[union-attr]
+        self.counts[:n].copy_(to_device(counts, self._device))
+        self.counts[n: shape.num_rows] = 0
+        self.graphs.run_graph(("observe", *shape.key), shape.num_rows,
+                              lambda: self._observe(shape, out))
         return True
 
     @torch.inference_mode()
-    def _observe(self, shape: VerifyShape, out: VerifyOutput) -> Tensor:
+    def _observe(self, shape: VerifyShape, out: VerifyOutput) -> None:
         d, st = self.drafter, self.state
         rows, n = shape.num_rows, shape.num_tokens
         start = st.ints[CTX, :rows]
@@ -138,7 +168,7 @@ class StaticFeatureChain(StaticDrafts):
         fed_rows = (torch.arange(rows, device=start.device)[:, None] * n
                     + sampled.row_ids.clamp_min(0).long())  # target row of accepted j
         feats = d.features(ForwardOutput(out.hidden, out.aux_hidden, []), fed_rows.reshape(-1))
-        table = self.blocks.table[:rows]
+        table = st.block_tables[:rows]
         bs = d.kv_cache.block_size
         slots = slots_of(table, pos, j[None, :] < counts[:, None], bs)
         meta = AttentionMetadata(slot_mapping=slots.reshape(-1), block_tables=table,
@@ -147,4 +177,7 @@ class StaticFeatureChain(StaticDrafts):
         tokens = sampled.output_ids.clamp_min(0).reshape(-1)
         g, _ = d.module(tokens, feats, pos.reshape(-1), d.kv_cache.kv, meta, d.runner.backend)
         last = (counts - 1).clamp_min(0)  # the last entry written: the next root
-        return g.view(rows, n, -1)[torch.arange(rows, device=g.device), last]
+        new = g.view(rows, n, -1)[torch.arange(rows, device=g.device), last]
+        at = self._slot_rows(rows)
+        # Rows that wrote nothing (finished, padded) keep their root.
+        self.root[at] = torch.where((counts > 0)[:, None], new, self.root[at])  # type: ignore
