@@ -316,3 +316,49 @@ def test_recompute_tokens_are_exactly_their_versions_policy(cuda_graphs: bool) -
                     assert lp == pytest.approx(want, abs=1e-4), (i, j, v)
                     checked += 1
     assert checked == sum(len(o.token_ids) for o in outs)
+
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_recompute_gives_reprefilled_sequences_their_new_blocks(
+        tiny_checkpoint: Path, new_weights: tuple[dict, Path], cuda_graphs: bool) -> None:
+    """The update lands when a running sequence holds one block more than its tokens need (its
+    last verify step's drafts crossed into it): re-prefilled, it takes one block fewer, so the
+    sequences after it get other block ids than before, at the same count. Their tokens after
+    the switch must still be a fresh engine's with the new weights from their prefix (a batch
+    state that kept a row's old block ids would attend to the old weights' KV)."""
+    # Drafts from another model: some are rejected, so a sequence can end a step holding
+    # blocks for drafts it did not keep.
+    engine = tiny_engine(tiny_checkpoint, draft=str(new_weights[1]), kv_on_update="recompute",
+                         cuda_graphs=cuda_graphs)
+    kv = engine.kv_cache
+    prompts = [[1 + i] * (3 + 2 * i) for i in range(10)]
+    ids = [engine.add_request(p, greedy(40), k=2) for p in prompts]
+    seen: dict[str, list[int]] = {}
+    done: dict[str, GenerationOutput] = {}
+
+    def shifted() -> bool:
+        running = engine.scheduler.running
+        extra = [len(s.block_table) > kv.blocks_for(len(s)) for s in running]
+        return any(e and not any(extra[i + 1:]) and i + 1 < len(running)
+                   for i, e in enumerate(extra))
+
+    while not shifted():
+        step_n(engine, 1, seen, done)
+        assert engine.has_unfinished(), "no step left a sequence holding an extra block"
+    before = {rid: len(seen.get(rid, [])) for rid in ids}
+    tables = {s.seq_id: list(s.block_table) for s in engine.scheduler.running}
+    engine.load_weights(new_weights[0])
+    step_n(engine, 1, seen, done)  # the re-prefill
+    assert any(tables[s.seq_id][:len(s.block_table)] != s.block_table
+               for s in engine.scheduler.running if s.seq_id in tables)
+    step_n(engine, 1000, seen, done)
+    assert_no_leak(engine)
+    todo = [i for i, rid in enumerate(ids) if before[rid] < 40]
+    want = tiny_engine(new_weights[1]).generate(
+        [prompts[i] + seen[ids[i]][:before[ids[i]]] for i in todo],
+        sampling=[greedy(40 - before[ids[i]]) for i in todo])
+    for i, w in zip(todo, want):
+        out, n = done[ids[i]], before[ids[i]]
+        assert out.token_ids[n:] == w.token_ids, i
+        assert out.logprobs[n:] == pytest.approx(w.logprobs, abs=1e-4)
