@@ -136,7 +136,11 @@ class LinearStepCost:
         return max(p0 + p1 * batch + p2 * num_tokens, 1e-9)
 
     @classmethod
-    def fit(cls, samples: Sequence[StepSample], use_wall: bool = False) -> LinearStepCost:
+    def fit(cls, samples: Sequence[StepSample], use_wall: bool = False,
+            trim: float = 0.0) -> LinearStepCost:
+        """Least squares on relative error; with ``trim`` > 0, two more passes each drop that
+        share of the decode steps slowest against the fit (on a shared machine, steps that
+        another job's burst slowed: contention only ever adds time)."""
         dec = [s for s in samples if not s.prefill]
         pre = [s for s in samples if s.prefill]
         if len(dec) < 8 or not pre:
@@ -145,7 +149,12 @@ class LinearStepCost:
         x = _step_features(np.array([s.batch for s in dec], float),
                            np.array([s.k for s in dec], float),
                            np.array([s.ctx for s in dec], float))
-        theta = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)[0]
+        keep = np.ones(len(y), dtype=bool)
+        for _ in range(3 if trim > 0 else 1):
+            theta = np.linalg.lstsq(x[keep] / y[keep, None], np.ones(int(keep.sum())),
+                                    rcond=None)[0]
+            ratio = y / np.maximum(x @ theta, 1e-12)
+            keep = ratio <= np.quantile(ratio[keep], 1.0 - trim)
         yp = np.array([s.wall_s if use_wall else s.cpu_s for s in pre])
         xp = np.array([[1.0, s.batch, s.ctx] for s in pre])
         if len(pre) >= 3:
