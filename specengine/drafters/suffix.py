@@ -118,7 +118,8 @@ class SuffixDrafter(Drafter):
         for b, (doc, n) in enumerate(zip(docs, num_drafts)):
             if n <= 0:
                 continue
-            idx = self.store.index(doc.key)
+            idx = doc.index
+            self.store.touch(idx)
             if tree is None:
                 chain = chains[b] = idx.continuation(doc.frontier, n, self.min_prob,
                                                      self.smoothing)

@@ -54,11 +54,11 @@ class Node:
 class Doc:
     """One indexed token run: prompt tail + completion of one sequence (``seq_id``)."""
 
-    __slots__ = ("seq_id", "key", "tokens", "frontier", "start", "live", "evicted")
+    __slots__ = ("seq_id", "index", "tokens", "frontier", "start", "live", "evicted")
 
-    def __init__(self, seq_id: int, key: tuple[int, ...], start: int) -> None:
+    def __init__(self, seq_id: int, index: SuffixIndex, start: int) -> None:
         self.seq_id = seq_id
-        self.key = key
+        self.index = index  # its prompt's
         self.tokens: list[int] = []
         #: ``frontier[d - 1]``: the node of the document's last ``d`` tokens, d = 1..max_depth
         self.frontier: list[Node] = []
@@ -110,10 +110,12 @@ class Chain:
 class SuffixIndex:
     """The trie of one prompt's documents (its siblings and earlier epochs)."""
 
-    def __init__(self, max_depth: int) -> None:
+    def __init__(self, max_depth: int, key: tuple[int, ...] = ()) -> None:
         if max_depth < 2:
             raise ValueError(f"suffix index max_depth must be >= 2, got {max_depth}")
         self.max_depth = max_depth
+        self.key = key  # the prompt's token ids
+        self.last_used = 0  # the store's clock at its last use (LRU)
         self.root = Node()
         self.docs: OrderedDict[int, Doc] = OrderedDict()  # by seq_id, oldest first
         self.num_tokens = 0
@@ -241,25 +243,32 @@ class SuffixStore:
             raise ValueError(f"suffix_max_tokens must be >= 1, got {max_tokens}")
         self.max_depth = max_depth
         self.max_tokens = max_tokens
-        self.indexes: OrderedDict[tuple[int, ...], SuffixIndex] = OrderedDict()
+        #: by prompt token ids, in order of creation (use order is each index's last_used:
+        #: hashing a long prompt on every use would cost more than the lookup it serves)
+        self.indexes: dict[tuple[int, ...], SuffixIndex] = {}
         #: documents of sequences that may still append (running, or released unfinished:
         #: preempted ones resume their document)
         self.by_seq: dict[int, Doc] = {}
         self.num_tokens = 0
+        self._clock = 0
+
+    def touch(self, idx: SuffixIndex) -> None:
+        """Mark ``idx`` most recently used."""
+        self._clock += 1
+        idx.last_used = self._clock
 
     def index(self, key: tuple[int, ...]) -> SuffixIndex:
         """The prompt's index (made if new), marked most recently used."""
         idx = self.indexes.get(key)
         if idx is None:
-            idx = self.indexes[key] = SuffixIndex(self.max_depth)
-        else:
-            self.indexes.move_to_end(key)
+            idx = self.indexes[key] = SuffixIndex(self.max_depth, key)
+        self.touch(idx)
         return idx
 
     def open(self, seq_id: int, key: tuple[int, ...], start: int) -> Doc:
         """A new, empty live document of ``seq_id`` under prompt ``key``."""
         idx = self.index(key)
-        doc = Doc(seq_id, key, start)
+        doc = Doc(seq_id, idx, start)
         idx.docs[seq_id] = doc
         self.by_seq[seq_id] = doc
         return doc
@@ -268,22 +277,23 @@ class SuffixStore:
         """Index ``tokens`` at the end of ``doc``, then evict down to the budget."""
         if doc.evicted or not tokens:
             return
-        self.num_tokens += self.indexes[doc.key].append(doc, tokens)
+        self.num_tokens += doc.index.append(doc, tokens)
         if self.num_tokens > self.max_tokens:
             self.evict()
 
     def close(self, doc: Doc, finished: bool) -> None:
         """Its sequence left the batch: the document becomes evictable; a finished one will
-        never append again (an unfinished one, preempted, may resume: ``reopen``)."""
+        never append again (an unfinished one, preempted, resumes it when it runs again)."""
         doc.live = False
         if finished:
             self.by_seq.pop(doc.seq_id, None)
 
     def evict(self) -> None:
-        for key in list(self.indexes):
+        """Finished documents go, oldest first, from the least recently used prompts on,
+        until the budget holds (or only running documents are left)."""
+        for idx in sorted(self.indexes.values(), key=lambda i: i.last_used):
             if self.num_tokens <= self.max_tokens:
                 return
-            idx = self.indexes[key]
             for doc in [d for d in idx.docs.values() if not d.live]:
                 self.num_tokens -= idx.remove(doc)
                 if self.by_seq.get(doc.seq_id) is doc:
@@ -291,4 +301,4 @@ class SuffixStore:
                 if self.num_tokens <= self.max_tokens:
                     break
             if not idx.docs:
-                del self.indexes[key]
+                del self.indexes[idx.key]
