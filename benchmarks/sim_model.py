@@ -137,10 +137,10 @@ class LinearStepCost:
 
     @classmethod
     def fit(cls, samples: Sequence[StepSample], use_wall: bool = False,
-            trim: float = 0.0) -> LinearStepCost:
-        """Least squares on relative error; with ``trim`` > 0, two more passes each drop that
-        share of the decode steps slowest against the fit (on a shared machine, steps that
-        another job's burst slowed: contention only ever adds time)."""
+            robust: bool = False) -> LinearStepCost:
+        """Least squares on relative error; ``robust``: least absolute relative error (the
+        conditional median, by iteratively reweighted least squares), which a shared
+        machine's bursts (steps another job slowed) barely move."""
         dec = [s for s in samples if not s.prefill]
         pre = [s for s in samples if s.prefill]
         if len(dec) < 8 or not pre:
@@ -148,13 +148,12 @@ class LinearStepCost:
         y = np.array([s.wall_s if use_wall else s.cpu_s for s in dec])
         x = _step_features(np.array([s.batch for s in dec], float),
                            np.array([s.k for s in dec], float),
-                           np.array([s.ctx for s in dec], float))
-        keep = np.ones(len(y), dtype=bool)
-        for _ in range(3 if trim > 0 else 1):
-            theta = np.linalg.lstsq(x[keep] / y[keep, None], np.ones(int(keep.sum())),
-                                    rcond=None)[0]
-            ratio = y / np.maximum(x @ theta, 1e-12)
-            keep = ratio <= np.quantile(ratio[keep], 1.0 - trim)
+                           np.array([s.ctx for s in dec], float)) / y[:, None]
+        weights = np.ones(len(y))
+        for _ in range(50 if robust else 1):
+            w = np.sqrt(weights)
+            theta = np.linalg.lstsq(x * w[:, None], w, rcond=None)[0]
+            weights = 1.0 / np.maximum(np.abs(x @ theta - 1.0), 1e-6)
         yp = np.array([s.wall_s if use_wall else s.cpu_s for s in pre])
         xp = np.array([[1.0, s.batch, s.ctx] for s in pre])
         if len(pre) >= 3:

@@ -11,8 +11,9 @@ measured rollouts on this machine, then project to named GPUs and model shapes.
    calibration and validation runs shuffled together in every round so the machine's load
    drifts over both alike. Measured: seeded requests replay the same steps every round, so
    the rollout's time is the sum of each step's median over rounds (the median of the
-   rounds' totals is printed next to it); the fit drops the 5 % of calibration steps slowest
-   against it (another job's bursts). Predicted: ``sim_model.simulate``
+   rounds' totals is printed next to it), and the cost is a median fit (least absolute
+   relative error) of the calibration steps: both are medians, which another job's bursts
+   on a shared machine barely move. Predicted: ``sim_model.simulate``
    with the fitted cost, the run's acceptance per position (``engine.stats``; each
    sequence's own, shrunk toward it, decides its drafts: the slowest sequences set the tail)
    and completion lengths. Verdict: within 10 %.
@@ -94,7 +95,7 @@ def measure(args: argparse.Namespace) -> tuple[LinearStepCost, list[dict]]:
                 runs.setdefault((n, k), []).append(
                     run_steps(engine, val_prompts[:n], val_params[n], k))
         print(f"round {r + 1}/{args.rounds}: {time.perf_counter() - t0:.1f} s")
-    cost = LinearStepCost.fit(samples, trim=args.trim)
+    cost = LinearStepCost.fit(samples, robust=True)
     rows = []
     for (n, k), reps in sorted(runs.items()):
         first = reps[0]
@@ -212,8 +213,6 @@ def print_bound(rows: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--trim", type=float, default=0.05,
-                    help="share of the slowest calibration steps (against the fit) dropped")
     ap.add_argument("--cal-batches", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--cal-ks", type=int, nargs="+", default=[0, 1, 3, 5])
     ap.add_argument("--val-seqs", type=int, nargs="+", default=[8, 32, 64])
