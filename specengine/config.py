@@ -21,7 +21,7 @@ class EngineConfig:
     """Resolved construction arguments of a :class:`~specengine.SpecEngine`."""
 
     model: str
-    draft: str | None = None
+    draft: str | tuple[str, str] | None = None  # a pair: (drafter, "suffix")
     device: str = "cpu"
     dtype: str = "float32"
     block_size: int = 16

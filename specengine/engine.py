@@ -33,6 +33,18 @@ from specengine.weights.sender import SharedWeights
 logger = logging.getLogger(__name__)
 
 
+def _draft_arg(draft: object) -> str | tuple[str, str] | None:
+    """The ``draft`` argument as the config keeps it: None, a string, or a pair of strings
+    (a drafter and ``"suffix"``, ``drafters.hybrid``)."""
+    if draft is None:
+        return None
+    if isinstance(draft, (tuple, list)):
+        if len(draft) != 2:
+            raise ValueError(f"a draft pair is (drafter, \"suffix\"), got {draft!r}")
+        return (str(draft[0]), str(draft[1]))
+    return str(draft)
+
+
 class SpecEngine:
     """Lossless speculative rollouts from a Hugging Face checkpoint.
 
@@ -46,7 +58,9 @@ class SpecEngine:
         model: Hugging Face checkpoint dir (config.json + *.safetensors) of a Llama, Qwen2 or
             Qwen3 causal LM.
         draft: an EAGLE-3 head dir, a small-LM dir with the target's vocab, ``"mtp"`` (the
-            checkpoint's own MTP layers), ``"ngram"``, or None.
+            checkpoint's own MTP layers), ``"ngram"``, ``"suffix"`` (completions of the same
+            prompt), a pair ``(HEAD_DIR, "suffix")`` (each sequence verifies the better
+            proposal), or None.
         device / dtype: default CUDA when available; ``auto`` is bf16 on CUDA, fp32 on CPU.
         block_size: KV block size in tokens (a power of two >= 16).
         max_model_len: longest prompt + completion (default: the model's
@@ -83,7 +97,7 @@ class SpecEngine:
     def __init__(
         self,
         model: str | Path,
-        draft: str | Path | None = None,
+        draft: str | Path | tuple[str | Path, str] | None = None,
         *,
         device: str | None = None,
         dtype: str = "auto",
@@ -106,7 +120,7 @@ class SpecEngine:
         if max_model_len is None:  # vLLM's default: the model's own context length
             max_model_len = model_config.max_position_embeddings
         self.config = EngineConfig.resolve(
-            model=str(model), draft=None if draft is None else str(draft), device=device,
+            model=str(model), draft=_draft_arg(draft), device=device,
             dtype=dtype, kernel_backend=kernel_backend, block_size=block_size,
             max_model_len=max_model_len, max_batch_size=max_batch_size,
             kv_cache_tokens=kv_cache_tokens, seed=seed,
