@@ -11,7 +11,6 @@ The CLI's defaults are a demo's (k=3, greedy, 64 tokens), the Python API's an RL
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from collections.abc import Callable
@@ -21,9 +20,10 @@ from typing import TYPE_CHECKING
 from specengine.assets import DEFAULT_DRAFT as _DRAFT
 from specengine.assets import DEFAULT_TARGET as _TARGET
 from specengine.config import DTYPES, KERNEL_BACKENDS, MAX_K
+from specengine.run_stats import merge_stats
 
 if TYPE_CHECKING:
-    from specengine import EngineStats, GenerationOutput, SamplingParams, SpecEngine
+    from specengine import GenerationOutput, SamplingParams, SpecEngine
 
 # Module attributes (Paths) so tests can point them elsewhere.
 DEFAULT_TARGET = Path(_TARGET)
@@ -66,6 +66,25 @@ def _int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The engine options ``generate`` and ``serve`` share."""
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto = cuda when available")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="auto = bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--kernel-backend", choices=KERNEL_BACKENDS, default="auto",
+                   help="auto = triton on CUDA, the PyTorch references on CPU")
+    p.add_argument("--max-model-len", type=_int_at_least(2), default=None,
+                   help="longest prompt + completion (default: the model's "
+                        "max_position_embeddings)")
+    p.add_argument("--kv-cache-tokens", type=_int_at_least(1), default=None,
+                   help="KV cache capacity in tokens (default: from free GPU memory, 1 GiB "
+                        "on CPU)")
+    p.add_argument("--threads", type=_int_at_least(1), default=None,
+                   help="torch CPU threads (default: 1 on up to 2 cores, else half the cores "
+                        "up to 4, unless OMP_NUM_THREADS is set)")
+
+
 def _parser() -> argparse.ArgumentParser:
     from specengine import __version__
 
@@ -82,9 +101,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="target checkpoint dir, HF layout (default: the bundled arithmetic "
                         "model, specengine.assets.DEFAULT_TARGET)")
     g.add_argument("--draft", default=None, metavar="DRAFT",
-                   help="EAGLE-3 head dir, small-LM dir, 'mtp' (the checkpoint's MTP layers) "
-                        "or 'ngram' (default: the bundled EAGLE-3 head with the bundled model, "
-                        "none otherwise)")
+                   help="EAGLE-3 head dir, small-LM dir, 'mtp' (the checkpoint's MTP layers), "
+                        "'ngram' or 'suffix' (default: the bundled EAGLE-3 head with the "
+                        "bundled model, none otherwise)")
     g.add_argument("--prompt-ids", type=_token_ids, action="append", default=None,
                    metavar="IDS",
                    help='space-separated token ids, e.g. "1 2 3" (repeatable; default: '
@@ -104,21 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=_int_at_least(1), default=64,
                    help="most tokens generated per prompt")
     g.add_argument("--seed", type=int, default=0, help="sampling seed of every request")
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto = cuda when available")
-    g.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
-                   help="auto = bfloat16 on CUDA, float32 on CPU")
-    g.add_argument("--kernel-backend", choices=KERNEL_BACKENDS, default="auto",
-                   help="auto = triton on CUDA, the PyTorch references on CPU")
-    g.add_argument("--max-model-len", type=_int_at_least(2), default=None,
-                   help="longest prompt + completion (default: the model's "
-                        "max_position_embeddings)")
-    g.add_argument("--kv-cache-tokens", type=_int_at_least(1), default=None,
-                   help="KV cache capacity in tokens (default: from free GPU memory, 1 GiB "
-                        "on CPU)")
-    g.add_argument("--threads", type=_int_at_least(1), default=None,
-                   help="torch CPU threads (default: 1 on up to 2 cores, else half the cores "
-                        "up to 4, unless OMP_NUM_THREADS is set)")
+    _add_engine_options(g)
     g.add_argument("--no-baseline", action="store_true",
                    help="skip the k=0 comparison run (default: run it when --k > 0)")
     _add_serve_parser(sub)
@@ -139,7 +144,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="target checkpoint dir, HF layout (default: the bundled arithmetic "
                         "model with its EAGLE-3 head)")
     s.add_argument("--draft", default=None, metavar="DRAFT",
-                   help="EAGLE-3 head dir, small-LM dir, 'mtp' or 'ngram' (default: the "
+                   help="EAGLE-3 head dir, small-LM dir, 'mtp', 'ngram' or 'suffix' (default: the "
                         "bundled head with the bundled model, none otherwise)")
     s.add_argument("--k", type=_int_at_least(0, MAX_K), default=3,
                    help="draft length of requests that give no k (0 = plain decoding)")
@@ -158,20 +163,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "are aborted")
     s.add_argument("--seed", type=int, default=0,
                    help="engine seed (requests without a seed draw theirs from it)")
-    s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto = cuda when available")
-    s.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
-                   help="auto = bfloat16 on CUDA, float32 on CPU")
-    s.add_argument("--kernel-backend", choices=KERNEL_BACKENDS, default="auto",
-                   help="auto = triton on CUDA, the PyTorch references on CPU")
-    s.add_argument("--max-model-len", type=_int_at_least(2), default=None,
-                   help="longest prompt + completion (default: the model's "
-                        "max_position_embeddings)")
-    s.add_argument("--kv-cache-tokens", type=_int_at_least(1), default=None,
-                   help="KV cache capacity in tokens (default: from free GPU memory, 1 GiB "
-                        "on CPU)")
-    s.add_argument("--threads", type=_int_at_least(1), default=None,
-                   help="torch CPU threads (default: the engine's rule)")
+    _add_engine_options(s)
     s.add_argument("--kv-on-update", choices=KV_ON_UPDATE, default="keep",
                    help="running requests' KV after an in-flight policy update")
     s.add_argument("--max-policy-lag", type=_int_at_least(0), default=None,
@@ -183,22 +175,6 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    default="info", help="server and engine logging")
 
 
-def _merge(stats: list[EngineStats]) -> EngineStats:
-    """One ``EngineStats`` for several ``generate`` calls: counters and times summed."""
-    first = stats[0]
-    if len(stats) == 1:
-        return first
-    merged = {}
-    for f in dataclasses.fields(first):
-        vals = [getattr(s, f.name) for s in stats]
-        if isinstance(vals[0], tuple):
-            width = max(len(v) for v in vals)
-            merged[f.name] = tuple(sum(v[i] for v in vals if i < len(v)) for i in range(width))
-        else:
-            merged[f.name] = sum(vals)
-    return type(first)(**merged)
-
-
 def _run(engine: SpecEngine, prompts: list, k: int, params: SamplingParams, label: str,
          batch_size: int | None) -> list[GenerationOutput]:
     size = batch_size or len(prompts)
@@ -206,7 +182,7 @@ def _run(engine: SpecEngine, prompts: list, k: int, params: SamplingParams, labe
     for i in range(0, len(prompts), size):
         outs += engine.generate(prompts[i:i + size], k=k, sampling=params, use_tqdm=True)
         stats.append(engine.stats)
-    st = _merge(stats)
+    st = merge_stats(stats)
     line = (f"[{label}] {st.num_generated_tokens} tokens in {st.wall_time_s:.2f} s "
             f"({st.tokens_per_second:.1f} tok/s); ")
     if st.num_seq_steps:

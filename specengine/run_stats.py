@@ -8,6 +8,7 @@ requests that finished (or were aborted) in it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -53,4 +54,23 @@ class RunStats:
         )
 
 
-__all__ = ["RunStats"]
+
+
+def merge_stats(stats: list[EngineStats]) -> EngineStats:
+    """One ``EngineStats`` for several runs (``generate`` calls, pool workers): counters and
+    times summed, per-position lists summed position by position."""
+    first = stats[0]
+    if len(stats) == 1:
+        return first
+    merged = {}
+    for f in dataclasses.fields(first):
+        vals = [getattr(s, f.name) for s in stats]
+        if isinstance(vals[0], tuple):
+            width = max(len(v) for v in vals)
+            merged[f.name] = tuple(sum(v[i] for v in vals if i < len(v)) for i in range(width))
+        else:
+            merged[f.name] = sum(vals)
+    return type(first)(**merged)
+
+
+__all__ = ["RunStats", "merge_stats"]

@@ -167,33 +167,15 @@ class Sequence:
     num_accepted_tokens = _counter(2)
     del _counter
 
-    def stamp(self, version: int) -> None:
-        """Record ``version`` for every output token not stamped yet (detached sequences;
-        attached ones get their versions in ``SeqArena.append``)."""
-        if self.arena is not None:
-            return
-        missing = self.num_generated - len(self._versions)
-        if missing > 0:
-            self._versions.extend([version] * missing)
-
-    def append(self, tokens: list[int], logprobs: list[float], max_model_len: int,
-               version: int | None = None) -> None:
+    def append(self, tokens: list[int], logprobs: list[float], max_model_len: int) -> None:
         """Add this step's emitted tokens, stopping at the first stop token, at ``max_tokens``
-        or at ``max_model_len`` (nothing after that point is kept). Attached sequences go
-        through ``SeqArena.append`` (one row; the engine's step appends all rows at once)."""
-        a = self.arena
-        if a is not None:
-            ids = np.asarray([tokens], dtype=np.int64)
-            kept, ended = a.append(np.array([self.slot]), ids, np.asarray([logprobs]),
-                                   np.array([len(tokens)]), 0 if version is None else version)
-            if ended[0]:
-                self.finish("stop" if ended[0] == 1 else "length")
-            return
+        or at ``max_model_len`` (nothing after that point is kept). Detached sequences only:
+        the engine appends attached ones all at once (``speculate.append_step``)."""
+        if self.arena is not None:
+            raise RuntimeError(f"seq {self.seq_id} is running: the step appends its tokens")
         for token, logprob in zip(tokens, logprobs):
             self._token_ids.append(token)
             self._logprobs.append(logprob)
-            if version is not None:
-                self._versions.append(version)
             if token in self.stop_token_ids:
                 self.finish_reason = "stop"
             elif self.num_generated >= self.params.max_tokens or len(self) >= max_model_len:

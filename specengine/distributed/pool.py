@@ -20,7 +20,6 @@ from typing import Any
 
 import ray
 
-from specengine.cli import _merge as merge_stats  # one rule for summing EngineStats
 from specengine.distributed.calls import (
     RESTART_HINT,
     PoolCall,
@@ -32,6 +31,7 @@ from specengine.distributed.sharding import assign
 from specengine.distributed.worker import RolloutWorker
 from specengine.outputs import EngineStats, GenerationOutput
 from specengine.requests import RequestBatch
+from specengine.run_stats import merge_stats
 from specengine.sampling import SamplingParams
 from specengine.tree import DraftTree
 

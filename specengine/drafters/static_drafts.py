@@ -1,6 +1,6 @@
 """What the static draft loops share (``static_chain`` for EAGLE-3 / MTP, ``static_lm_chain``
-for a small LM): a block table of the drafter's cache row-aligned with the batch, ``qo_indptr``
-constants, and the per-row draft choice recorded into static outputs."""
+for a small LM): ``qo_indptr`` constants and the per-row draft choice recorded into static
+outputs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 from torch import Tensor
 
 from specengine.core.batch import OFFSET, SEED, TEMPERATURE, TOP_K, TOP_P
-from specengine.core.block_rows import BlockRows
 from specengine.core.graphs import GraphRunner
 from specengine.core.transfer import to_device
 from specengine.drafters.drafting import choose_from
@@ -20,8 +19,7 @@ class StaticDrafts:
 
     def __init__(self, graphs: GraphRunner, device: torch.device) -> None:
         self.graphs = graphs
-        self.state = state = graphs.verifier.state
-        self.blocks = BlockRows(state.capacity, state.max_blocks, device)
+        self.state = graphs.verifier.state
         self._device = device
         self._indptr: dict[tuple[int, int], Tensor] = {}
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specengine.core.block_rows import slots_of
+from specengine.core.block_rows import BlockRows, slots_of
 from specengine.core.graphs import GraphRunner
 from specengine.core.transfer import to_device
 from specengine.drafters.base import DraftProposal
@@ -37,6 +37,8 @@ class StaticLMChain(StaticDrafts):
 
     def __init__(self, drafter: DraftModelDrafter, graphs: GraphRunner) -> None:
         super().__init__(graphs, drafter.device)
+        # The small LM's own cache: its block table, row-aligned with the batch.
+        self.blocks = BlockRows(self.state.capacity, self.state.max_blocks, drafter.device)
         self.drafter = drafter
         dev, capacity = drafter.device, self.state.capacity
         self.fed = torch.zeros(capacity, MAX_CATCH_UP, dtype=torch.int64, device=dev)
