@@ -19,7 +19,10 @@ class SamplingParams:
     None draws one from the engine's generator. ``max_policy_lag`` overrides the engine's for
     this request: after a weight update it is finished or restarted (the engine's
     ``policy_lag_action``) once its oldest token is more than that many versions behind;
-    None uses the engine's.
+    None uses the engine's. ``n`` samples of the prompt form a group (GRPO): ``generate``
+    returns n outputs per prompt, prompt-major, each with its ``sample_index``; sample i's seed
+    is derived from ``seed`` (``specengine.prefix_cache.sample_seed``) and the group's prompt
+    KV is computed once and shared.
     """
 
     temperature: float = 1.0
@@ -30,8 +33,11 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     max_policy_lag: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n (samples per prompt) must be an int >= 1, got {self.n!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
