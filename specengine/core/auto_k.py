@@ -1,0 +1,195 @@
+"""``k="auto"``: each step's draft length from the step cost model and the drafter's
+acceptance per position (docs/design.md §15; maths in ``core.cost_model``).
+
+Per step of a group of ``k="auto"`` requests (``EngineCore`` groups them apart from fixed-k
+ones), :meth:`AutoK.choose` returns the ``k`` in ``0..k_max`` with the most expected tokens
+per second, then :meth:`AutoK.record` feeds the step's measured draft / verify times to the
+cost model and its accepted drafts per position to the acceptance tracker. The rule:
+
+* ``k > 0`` when it pays. A drafter that skipped steps (it observes nothing at ``k = 0``)
+  first catches up for one step (``SYNC``: no drafts, the drafter observes the pass), since
+  drafting from a stale root would be rejected and would teach the tracker a false low rate.
+* ``k = 0`` otherwise. While drafting would pay at batch 1 (the drafts are good; the batch is
+  what makes them too dear, and it shrinks as a rollout's long tail runs) the drafter keeps
+  catching up at ``k = 0`` steps (``SYNC``), as vLLM's proposer does on non-speculative steps;
+  with drafts that pay nowhere it stays idle and a ``k = 0`` step costs a plain one.
+* Probes: after ``probe_interval`` consecutive ``k = 0`` steps, one step drafts the best
+  ``k >= 1`` (after a catch-up step if needed) so a drafter that became good is noticed. The
+  interval starts at ``probe_min``, doubles after every probe (up to ``probe_max``) and goes
+  back to ``probe_min`` whenever the rule itself drafts: a useless drafter costs a few
+  probes, fewer as the run goes on.
+
+Lossless whatever is chosen: every step is an ordinary verify step of some k (docs/design.md
+§1); greedy output equals ``k = 0``'s, sampled output has the policy's distribution.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from specengine.config import MAX_K
+from specengine.core.cost_model import (
+    AcceptanceTracker,
+    CostModel,
+    StepMeasure,
+    best_k,
+    expected_accepted,
+)
+from specengine.speculate import StepTimes
+
+logger = logging.getLogger(__name__)
+
+#: the k a step runs with when the drafter only catches up (no drafts; speculate.py)
+SYNC = -1
+#: ``generate(k="auto")``
+AUTO = "auto"
+DEFAULT_K_MAX = 8
+
+
+def resolve_k(k: object, k_max: object = DEFAULT_K_MAX) -> tuple[int, bool]:
+    """``(k, auto)`` for a request's ``k``: an int in ``0..MAX_K`` (``auto`` False), or
+    ``"auto"`` (the step picks one in ``0..k_max``; returns ``(k_max, True)``). Anything else
+    raises ``ValueError`` saying what is allowed."""
+    if k == AUTO and isinstance(k, str):
+        if isinstance(k_max, bool) or not isinstance(k_max, int) or not 0 <= k_max <= MAX_K:
+            raise ValueError(f"k_max must be an int in [0, {MAX_K}], got {k_max!r}")
+        return k_max, True
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_K:
+        raise ValueError(f"k (draft length) must be an int in [0, {MAX_K}] or \"auto\", "
+                         f"got {k!r}")
+    return k, False
+
+
+@dataclass(frozen=True)
+class AutoKConfig:
+    """Knobs of the rule (module docstring) and of the start-up calibration sweep."""
+
+    probe_min: int = 16
+    probe_max: int = 256
+    memory: float = 2048.0  # drafts per position the acceptance estimate remembers
+    window: int = 512  # measured steps the cost fit keeps next to the calibration
+    refit_every: int = 16
+    calibration_batches: tuple[int, ...] = (1, 8, 32, 64)
+    calibration_ks: tuple[int, ...] = (0, 1, 2, 4, 8)
+    calibration_steps: int = 4  # timed decode steps per (batch, k), after one untimed
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.probe_min <= self.probe_max:
+            raise ValueError(f"need 1 <= probe_min <= probe_max, got {self.probe_min}, "
+                             f"{self.probe_max}")
+        if self.memory <= 0 or self.window < 8 or self.refit_every < 1:
+            raise ValueError("need memory > 0, window >= 8, refit_every >= 1")
+        if (not self.calibration_batches or min(self.calibration_batches) < 1
+                or not self.calibration_ks or min(self.calibration_ks) < 0
+                or self.calibration_steps < 1):
+            raise ValueError("calibration batches >= 1, ks >= 0 and steps >= 1 are needed")
+
+
+@dataclass(frozen=True)
+class _Before:
+    draft: float
+    verify: float
+    proposed: tuple[int, ...]
+    accepted: tuple[int, ...]
+
+
+def snapshot(times: StepTimes) -> _Before:
+    return _Before(times.draft, times.verify + times.bookkeeping,
+                   tuple(times.proposed_per_position), tuple(times.accepted_per_position))
+
+
+def step_counts(before: _Before, times: StepTimes) -> tuple[list[int], list[int]]:
+    """Drafts proposed / accepted per position by the steps since ``before``."""
+    prop, acc = times.proposed_per_position, times.accepted_per_position
+    p0, a0 = before.proposed, before.accepted
+    return ([n - (p0[j] if j < len(p0) else 0) for j, n in enumerate(prop)],
+            [n - (a0[j] if j < len(a0) else 0) for j, n in enumerate(acc)])
+
+
+def conditional_counts(proposed: Sequence[int], accepted: Sequence[int]
+                       ) -> tuple[list[float], list[float]]:
+    """Tries and successes of each position's conditional acceptance: position ``j + 1`` is
+    tried by the rows that proposed it and had their first ``j`` drafts accepted (exact when
+    all rows drafted alike, as a group of auto requests does; rows cut short scale it)."""
+    tries, prev_acc, prev_prop = [], None, None
+    for p, a in zip(proposed, accepted):
+        if prev_acc is None:
+            tries.append(float(p))
+        else:
+            tries.append(prev_acc * p / prev_prop if prev_prop else 0.0)
+        prev_acc, prev_prop = a, p
+    return tries, [float(a) for a in accepted]
+
+
+class AutoK:
+    """The per-step rule of ``k="auto"`` for one engine and its drafter (module docstring)."""
+
+    def __init__(self, config: AutoKConfig | None = None) -> None:
+        self.config = config or AutoKConfig()
+        self.costs = CostModel(self.config.window, self.config.refit_every)
+        self.acceptance = AcceptanceTracker(MAX_K, self.config.memory)
+        self.synced = True  # the drafter observed the last step (a prefill observes)
+        self.probe_interval = self.config.probe_min
+        self.num_zero_steps = 0  # consecutive k = 0 steps
+        self._probe_next: int | None = None  # a probe's k after its catch-up step
+        self.num_probes = 0
+
+    @property
+    def calibrated(self) -> bool:
+        return self.costs.fitted
+
+    def rates(self, batch: int, k_max: int) -> tuple[int, list[float]]:
+        """The best k for ``batch`` and the expected tokens per second of k = 0..k_max."""
+        cost, cond = self.costs.cost, self.acceptance.conditional()
+        assert cost is not None
+        return best_k(lambda k: expected_accepted(cond, k),
+                      lambda k: cost.step_time(batch, k), k_max)
+
+    def choose(self, batch: int, k_max: int) -> int:
+        """This step's k for a group of ``batch`` auto requests (``SYNC``: no drafts, the
+        drafter catches up)."""
+        if k_max == 0 or not self.calibrated:
+            return 0  # nothing to choose, or no cost model yet (the engine was busy)
+        if self._probe_next is not None:
+            k, self._probe_next = min(self._probe_next, k_max), None
+            return k
+        k, rates = self.rates(batch, k_max)
+        if k > 0:
+            self.probe_interval = self.config.probe_min
+            return k if self.synced else SYNC
+        self.num_zero_steps += 1
+        if self.num_zero_steps >= self.probe_interval:
+            self.num_zero_steps = 0
+            self.num_probes += 1
+            self.probe_interval = min(2 * self.probe_interval, self.config.probe_max)
+            probe = 1 + max(range(k_max), key=lambda i: rates[i + 1])
+            if self.synced:
+                return probe
+            self._probe_next = probe
+            return SYNC
+        return SYNC if batch > 1 and self.rates(1, k_max)[0] > 0 else 0
+
+    def record(self, batch: int, k: int, before: _Before, times: StepTimes) -> None:
+        """The step just run with ``k`` (``choose``'s) for ``batch`` sequences."""
+        proposed, accepted = step_counts(before, times)
+        width = sum(1 for n in proposed if n > 0)
+        if width:
+            self.num_zero_steps = 0
+            self.acceptance.update(*conditional_counts(proposed, accepted))
+        self.synced = k != 0
+        self.costs.add(StepMeasure(batch, width, k != 0, times.draft - before.draft,
+                                   times.verify + times.bookkeeping - before.verify))
+
+    def run(self, batch: int, k_max: int, times: StepTimes,
+            run_step: Callable[[int], None]) -> int:
+        """Choose, run ``run_step(k)``, record; returns the k run (``SYNC`` as 0 drafts)."""
+        k = self.choose(batch, k_max)
+        before = snapshot(times)
+        run_step(k)
+        self.record(batch, k, before, times)
+        return max(k, 0)
+
+
+__all__ = ["AUTO", "DEFAULT_K_MAX", "SYNC", "AutoK", "AutoKConfig", "resolve_k"]

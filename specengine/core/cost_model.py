@@ -1,0 +1,207 @@
+"""Step cost model and acceptance per draft position: the maths behind ``k="auto"``
+(docs/design.md §15; the rollout simulator, ``benchmarks/sim_model.py``, uses the same fit
+and rule).
+
+A decode step of ``B`` sequences drafting ``k`` tokens each costs
+``t_draft(B, k) + t_verify(B, k + 1)``:
+
+* ``t_draft = θ_d·[1, B, 1{k>0}, 1{k>0}·B, k, k·B]``: staging the batch (every step), a draft
+  pass's fixed cost, and the draft passes per proposed token;
+* ``t_verify = θ_v·[1, B, B·n, n, s, s·B]`` with ``n = k + 1`` tokens per sequence: the
+  target pass, rejection sampling and bookkeeping, and ``s = 1`` when the drafter catches up
+  after the pass (its catch-up pass over the accepted tokens).
+
+Both are fitted by :func:`fit_relative` (least absolute relative error: the conditional
+median, which bursts of another job on a shared machine barely move) to measured steps.
+Each step then runs the ``k`` of :func:`best_k`:
+``argmax_k E[accepted + 1 | k] / (t_draft(B, k) + t_verify(B, k + 1))`` with
+``E[accepted | k] = sum_{j=1..k} prod_{i<=j} a_i`` (:func:`expected_accepted`) for the
+conditional acceptance ``a_i`` of draft position ``i`` (:class:`AcceptanceTracker`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: features of t_draft and t_verify (names for docs and debugging)
+DRAFT_FEATURES = ("1", "B", "1{k>0}", "1{k>0}B", "k", "kB")
+VERIFY_FEATURES = ("1", "B", "Bn", "n", "s", "sB")
+
+
+def fit_relative(x: np.ndarray, y: np.ndarray, robust: bool = True,
+                 iters: int = 30) -> np.ndarray:
+    """``θ`` with ``x @ θ ≈ y`` in relative error: least squares on ``x / y ≈ 1``, or with
+    ``robust`` least absolute relative error by iteratively reweighted least squares (the
+    conditional median). Small and large steps count alike."""
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    if x.ndim != 2 or len(x) != len(y) or (y <= 0).any():
+        raise ValueError("fit_relative needs x [N, P], y [N] > 0")
+    xs = x / y[:, None]
+    weights = np.ones(len(y))
+    theta = np.zeros(x.shape[1])
+    for _ in range(iters if robust else 1):
+        w = np.sqrt(weights)
+        theta = np.linalg.lstsq(xs * w[:, None], w, rcond=None)[0]
+        weights = 1.0 / np.maximum(np.abs(xs @ theta - 1.0), 1e-6)
+    return theta
+
+
+def expected_accepted(conditional: Sequence[float], k: int) -> float:
+    """``E[accepted drafts | a chain of k] = sum_{j=1..k} prod_{i<=j} a_i`` for conditional
+    acceptance ``a_i`` of position ``i`` (``conditional[i - 1]``; needs ``k`` of them)."""
+    total, reach = 0.0, 1.0
+    for a in conditional[:k]:
+        reach *= a
+        total += reach
+    return total
+
+
+def best_k(expected: Callable[[int], float], step_time: Callable[[int], float],
+           k_max: int, k_min: int = 0) -> tuple[int, list[float]]:
+    """The ``k`` in ``k_min..k_max`` with the most expected tokens per second
+    ``(1 + expected(k)) / step_time(k)`` (ties: the smaller k) and the rates of every k
+    from ``k_min`` on."""
+    rates = [(1.0 + expected(k)) / max(step_time(k), 1e-12) for k in range(k_min, k_max + 1)]
+    return k_min + int(np.argmax(rates)), rates
+
+
+def draft_features(batch: float, k: float) -> list[float]:
+    d = 1.0 if k > 0 else 0.0
+    return [1.0, batch, d, d * batch, k, k * batch]
+
+
+def verify_features(batch: float, num_tokens: float, sync: bool) -> list[float]:
+    s = 1.0 if sync else 0.0
+    return [1.0, batch, batch * num_tokens, num_tokens, s, s * batch]
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Fitted coefficients of ``t_draft`` and ``t_verify`` (module docstring); seconds."""
+
+    draft: tuple[float, ...]
+    verify: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.draft) != len(DRAFT_FEATURES) or len(self.verify) != len(VERIFY_FEATURES):
+            raise ValueError(f"StepCost needs {len(DRAFT_FEATURES)} draft and "
+                             f"{len(VERIFY_FEATURES)} verify coefficients")
+        if not all(math.isfinite(t) for t in self.draft + self.verify):
+            raise ValueError("StepCost coefficients must be finite")
+
+    def t_draft(self, batch: int, k: int) -> float:
+        return max(float(np.dot(self.draft, draft_features(batch, k))), 0.0)
+
+    def t_verify(self, batch: int, num_tokens: int, sync: bool = False) -> float:
+        return max(float(np.dot(self.verify, verify_features(batch, num_tokens, sync))), 1e-9)
+
+    def step_time(self, batch: int, k: int, sync: bool = False) -> float:
+        """A step drafting ``k`` per sequence (the drafter catches up when ``k > 0`` or
+        ``sync``)."""
+        return self.t_draft(batch, k) + self.t_verify(batch, k + 1, sync or k > 0)
+
+
+@dataclass(frozen=True)
+class StepMeasure:
+    """One measured step: ``batch`` sequences, ``k`` the longest chain drafted (0: none),
+    ``sync`` whether the drafter caught up, and its draft and verify seconds."""
+
+    batch: int
+    k: int
+    sync: bool
+    draft_s: float
+    verify_s: float
+
+
+class CostModel:
+    """:class:`StepCost` fitted to calibration steps (kept for good) and the latest
+    ``window`` measured steps, refitted every ``refit_every`` new ones."""
+
+    def __init__(self, window: int = 512, refit_every: int = 16) -> None:
+        self.calibration: list[StepMeasure] = []
+        self.recent: deque[StepMeasure] = deque(maxlen=window)
+        self.refit_every = refit_every
+        self.cost: StepCost | None = None
+        self._since_fit = 0
+
+    @property
+    def fitted(self) -> bool:
+        return self.cost is not None
+
+    def calibrate(self, samples: Sequence[StepMeasure]) -> StepCost:
+        """Fit to a calibration sweep (needs steps at >= 2 batch sizes and >= 2 k)."""
+        if len({s.batch for s in samples}) < 2 or len({s.k for s in samples}) < 2:
+            raise ValueError("a calibration needs steps at >= 2 batch sizes and >= 2 k")
+        self.calibration = list(samples)
+        return self.refit()
+
+    def add(self, sample: StepMeasure) -> None:
+        """A measured step; refits every ``refit_every`` (once calibrated)."""
+        if sample.draft_s < 0 or sample.verify_s <= 0:
+            return  # a clock that went backwards or a step that did nothing says nothing
+        self.recent.append(sample)
+        self._since_fit += 1
+        if self.calibration and self._since_fit >= self.refit_every:
+            self.refit()
+
+    def refit(self) -> StepCost:
+        samples = self.calibration + list(self.recent)
+        draft = [s for s in samples if s.draft_s > 0]
+        xd = np.array([draft_features(s.batch, s.k) for s in draft])
+        xv = np.array([verify_features(s.batch, s.k + 1, s.sync) for s in samples])
+        theta_d = fit_relative(xd, np.array([s.draft_s for s in draft]))
+        theta_v = fit_relative(xv, np.array([s.verify_s for s in samples]))
+        self.cost = StepCost(tuple(float(t) for t in theta_d),
+                             tuple(float(t) for t in theta_v))
+        self._since_fit = 0
+        return self.cost
+
+
+class AcceptanceTracker:
+    """Conditional acceptance per draft position, from decayed counts: a position's counts
+    shrink by ``exp(-n / memory)`` when ``n`` new drafts there are counted, so the estimate
+    follows a drifting policy over about ``memory`` drafts. A position with few counts is
+    pulled toward the one before it (``prior_weight`` pseudo-drafts; position 1 toward
+    ``prior``): a longer chain is tried as soon as the shorter one does well."""
+
+    def __init__(self, max_k: int, memory: float = 2048.0, prior: float = 0.5,
+                 prior_weight: float = 2.0) -> None:
+        if max_k < 1 or memory <= 0 or not 0.0 <= prior <= 1.0 or prior_weight <= 0:
+            raise ValueError("AcceptanceTracker needs max_k >= 1, memory > 0, prior in "
+                             "[0, 1], prior_weight > 0")
+        self.accepted = np.zeros(max_k)
+        self.proposed = np.zeros(max_k)
+        self.memory = memory
+        self.prior = prior
+        self.prior_weight = prior_weight
+
+    def update(self, tries: Sequence[float], accepted: Sequence[float]) -> None:
+        """One step's counts per position: drafts there whose earlier drafts were all
+        accepted (``tries``) and how many of them were accepted."""
+        for j, (p, a) in enumerate(zip(tries, accepted)):
+            if p <= 0 or j >= len(self.proposed):
+                continue
+            decay = math.exp(-p / self.memory)
+            self.proposed[j] = self.proposed[j] * decay + p
+            self.accepted[j] = self.accepted[j] * decay + a
+
+    def conditional(self) -> list[float]:
+        """Estimated ``a_i``, positions 1..max_k."""
+        out, prev = [], self.prior
+        for a, p in zip(self.accepted, self.proposed):
+            prev = (a + self.prior_weight * prev) / (p + self.prior_weight)
+            out.append(prev)
+        return out
+
+    def expected(self, k: int) -> float:
+        return expected_accepted(self.conditional(), k)
+
+
+__all__ = ["AcceptanceTracker", "CostModel", "StepCost", "StepMeasure", "best_k",
+           "expected_accepted", "fit_relative"]
