@@ -77,6 +77,8 @@ class EngineStats:
     time_bookkeeping_s: float = 0.0
     time_prefill_s: float = 0.0
     wall_time_s: float = 0.0
+    #: steps of ``k="auto"`` request groups by the k they ran (index = k; catch-up steps: 0)
+    auto_k_steps: tuple[int, ...] = ()
 
     @property
     def mean_accepted_length(self) -> float:

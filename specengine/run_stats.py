@@ -29,6 +29,13 @@ class RunStats:
     num_generated: int = 0
     num_draft: int = 0
     num_accepted: int = 0
+    auto_k_steps: list[int] = field(default_factory=list)  # steps of auto groups, by k
+
+    def count_auto_k(self, k: int) -> None:
+        """A step of a ``k="auto"`` group ran with ``k`` drafts."""
+        if k >= len(self.auto_k_steps):
+            self.auto_k_steps.extend([0] * (k + 1 - len(self.auto_k_steps)))
+        self.auto_k_steps[k] += 1
 
     def add_finished(self, seq: Sequence) -> None:
         """Count a request that left the engine (finished or aborted)."""
@@ -51,6 +58,7 @@ class RunStats:
             time_draft_s=t.draft, time_verify_s=t.verify,
             time_bookkeeping_s=t.bookkeeping, time_prefill_s=self.prefill_s,
             wall_time_s=max(0.0, (self.end or time.perf_counter()) - self.start),
+            auto_k_steps=tuple(self.auto_k_steps),
         )
 
 
