@@ -15,6 +15,10 @@
 #include "kv_ops.h"
 #include "step_metadata.h"
 
+namespace specengine {
+void bind_step_append(pybind11::module_& m);  // step_append_py.cpp
+}  // namespace specengine
+
 namespace py = pybind11;
 using specengine::BlockAllocator;
 
@@ -283,6 +287,7 @@ PYBIND11_MODULE(_C, m) {
   bind_allocator(m);
   bind_step_metadata(m);
   bind_kv_ops(m);
+  specengine::bind_step_append(m);
 #if defined(SPECENGINE_WITH_CUDA)
   m.attr("has_cuda_kernels") = true;
   m.attr("cuda_archs") = py::tuple(py::str(SPECENGINE_CUDA_ARCH_LIST).attr("split")(","));

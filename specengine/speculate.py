@@ -25,7 +25,7 @@ from specengine.drafters.base import Drafter
 from specengine.kv_cache import KVCache
 from specengine.sampler import StepResult
 from specengine.sequence import Sequence
-from specengine.tree import DraftTree
+from specengine.tree import MAX_TREE_NODES, DraftTree
 
 
 @dataclass
@@ -42,18 +42,23 @@ class StepTimes:
     num_steps: int = 0
     num_seq_steps: int = 0  # (sequence, step) pairs
     num_step_tokens: int = 0  # tokens those steps kept (after stop / max_tokens cuts)
-    accepted_per_position: list[int] = field(default_factory=list)
-    proposed_per_position: list[int] = field(default_factory=list)
+    # [2, P]: drafts proposed / accepted at each draft position (P covers any k or tree depth)
+    position_counts: np.ndarray = field(
+        default_factory=lambda: np.zeros((2, MAX_TREE_NODES), dtype=np.int64))
 
-    def count(self, depths: np.ndarray, num_accepted: np.ndarray) -> None:
-        """Per draft position j: rows that proposed one (``depths > j``) and rows whose draft
-        there was accepted (``num_accepted > j``)."""
-        for j in range(int(depths.max(initial=0))):
-            if j == len(self.proposed_per_position):
-                self.proposed_per_position.append(0)
-                self.accepted_per_position.append(0)
-            self.proposed_per_position[j] += int((depths > j).sum())
-            self.accepted_per_position[j] += int((num_accepted > j).sum())
+    @property
+    def proposed_per_position(self) -> list[int]:
+        """Rows that proposed a draft at position j, up to the deepest position proposed."""
+        return self.position_counts[0, : self._depth()].tolist()
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        """Rows whose draft at position j was accepted."""
+        return self.position_counts[1, : self._depth()].tolist()
+
+    def _depth(self) -> int:
+        proposed = np.flatnonzero(self.position_counts[0])
+        return int(proposed[-1]) + 1 if len(proposed) else 0
 
 
 def num_drafts_for(seq: Sequence, k: int, max_model_len: int) -> int:
@@ -122,24 +127,27 @@ def speculative_step(
     # 2-3. Verify every fed token in one target pass, then rejection sampling keeps exactly the
     #      policy's distribution (docs/design.md §6). The packed result is the one host sync.
     out = graphs.run(shape)
-    result = StepResult.unpack(to_host(out.packed), batch)
+    packed = to_host(out.packed)
     t2 = time.perf_counter()
 
     # 4. Keep the accepted path: tree nodes move to contiguous slots (chains are already
     #    contiguous); rejected slots are simply reused by the next step. Every row's tokens
     #    are appended at once (the arena cuts at stop tokens / max_tokens / the context).
+    result = None
     if tree is not None:
+        result = StepResult.unpack(packed, batch)
         _compact_tree_path(seqs, result, kv_cache)
     depths = num_drafts if tree is None else np.where(num_drafts > 0, tree.max_depth, 0)
-    times.count(depths, result.num_accepted)
-    kept = append_step(arena, seqs, state.row_slots[:batch], result.output_ids,
-                       result.logprobs, result.num_accepted, num_drafts, version)
-    times.num_step_tokens += int(kept.sum())
+    times.num_step_tokens += append_step(arena, seqs, packed, batch, state.row_slots,
+                                         num_drafts, depths, times, version)
     times.num_seq_steps += batch
-    if drafter is not None and k > 0:  # also after a fallback step: the drafter catches up
-        if not drafter.observe_step(seqs, out, shape, result.num_accepted):
+    # Also after a fallback step; k < 0 (core.auto_k.SYNC): no drafts, the drafter catches up.
+    if drafter is not None and k != 0:
+        num_accepted = packed[:batch, -1].astype(np.int64)
+        if not drafter.observe_step(seqs, out, shape, num_accepted):
+            result = result or StepResult.unpack(packed, batch)
             accepted_rows = [rows_b[: n + 1] for rows_b, n in
-                             zip(result.row_ids.tolist(), result.num_accepted.tolist())]
+                             zip(result.row_ids.tolist(), num_accepted.tolist())]
             drafter.observe(seqs, forward_output(out, batch, num_tokens), accepted_rows)
     times.num_steps += 1
     times.draft += t1 - t0
@@ -147,18 +155,23 @@ def speculative_step(
     times.bookkeeping += time.perf_counter() - t2
 
 
-def append_step(arena: SeqArena, seqs: tuple[Sequence, ...], slots: np.ndarray,
-                ids: np.ndarray, logprobs: np.ndarray, num_accepted: np.ndarray,
-                num_drafts: np.ndarray, version: int) -> np.ndarray:
-    """Row ``b`` emitted ``ids[b, :num_accepted[b] + 1]``: append them all at once to the
-    arena (attached ``seqs`` in row order, ``slots`` theirs), count the step, and finish the
-    sequences that reached a stop token or their length limit. Returns the tokens kept per
-    row (fewer than emitted where a sequence ended)."""
-    kept, ended = arena.append(slots, ids, logprobs, num_accepted + 1, version)
-    arena.count(slots, num_drafts, num_accepted)
-    for b in np.flatnonzero(ended).tolist():  # only the rows that finished this step
-        seqs[b].finish("stop" if ended[b] == 1 else "length")
+def append_step(arena: SeqArena, seqs: tuple[Sequence, ...], packed: np.ndarray,
+                num_rows: int, slots: np.ndarray, num_drafts: np.ndarray, depths: np.ndarray,
+                times: StepTimes | None, version: int) -> int:
+    """Row ``b`` (``seqs[b]``, arena slot ``slots[b]``) emitted ``ids[b, :num_accepted[b] +
+    1]`` of the packed sampler output: append them all at once to the arena, count the step
+    (its ``num_drafts``, and in ``times`` its acceptance per draft position up to
+    ``depths``), and finish the sequences that reached a stop token or their length limit.
+    Returns the number of tokens kept (fewer than emitted where a sequence ended)."""
+    stats = _NO_STATS if times is None else times.position_counts
+    kept, ended = arena.append_packed(packed, num_rows, slots, num_drafts, depths, stats,
+                                      version)
+    for b, code in ended:  # only the rows that finished this step
+        seqs[b].finish("stop" if code == 1 else "length")
     return kept
+
+
+_NO_STATS = np.zeros((2, 0), dtype=np.int64)
 
 
 def _compact_tree_path(seqs: tuple[Sequence, ...], result: StepResult, kv_cache: KVCache) -> None:
@@ -179,6 +192,8 @@ def _compact_tree_path(seqs: tuple[Sequence, ...], result: StepResult, kv_cache:
                 out.append(seq.block_table[pos // bs] * bs + pos % bs)
     if not src:
         return
+    if hasattr(kv_cache, "mirror_compact"):  # tensor parallel: every rank's heads move
+        kv_cache.mirror_compact(src, dst)
     dev = kv_cache.kv.device
     layers = kv_cache.kv.shape[1]
     compact_kv(

@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from arena_reference import pack
 
 from specengine.core.batch import (
     ACTIVE,
@@ -51,8 +52,10 @@ def _grow(seq: Sequence, tokens: list[int]) -> None:
     if seq.arena is None:
         seq.token_ids.extend(tokens)
     else:
-        seq.arena.append(np.array([seq.slot]), np.array([tokens]), np.zeros((1, len(tokens))),
-                         np.array([len(tokens)]), 0)
+        none = np.zeros(1, dtype=np.int64)
+        seq.arena.append_packed(pack(np.array([tokens]), np.zeros((1, len(tokens))),
+                                     np.array([len(tokens) - 1])), 1, np.array([seq.slot]),
+                                none, none, np.zeros((2, 0), dtype=np.int64), 0)
 
 
 def _new_table(seq: Sequence, table: list[int]) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from specengine.config import EngineConfig
+from specengine.core.auto_k import AutoK
 from specengine.core.graphs import GraphRunner
 from specengine.core.seq_arena import SeqArena
 from specengine.core.transfer import to_host
@@ -32,8 +33,9 @@ from specengine.drafters.base import Drafter
 from specengine.kv_cache import KVCache
 from specengine.model_runner import ModelRunner
 from specengine.outputs import GenerationOutput, RequestOutput
+from specengine.prefix_cache import SeqGroup
 from specengine.run_stats import RunStats
-from specengine.sampler import Sampler, SamplingTensors, StepResult
+from specengine.sampler import Sampler, SamplingTensors
 from specengine.sampling import SamplingParams
 from specengine.scheduler import Scheduler
 from specengine.sequence import SeqStatus, Sequence
@@ -58,6 +60,8 @@ class _Request:
     tree: DraftTree | None
     num_reported: int = 0  # output tokens already returned by step()
     restarted: bool = False  # started again from its prompt since its last report
+    sample_index: int = 0  # which of its prompt's SamplingParams.n samples (prefix_cache)
+    auto: bool = False  # k="auto": each step runs the k AutoK picks in 0..k (k is k_max)
 
     @property
     def lookahead(self) -> int:
@@ -97,6 +101,7 @@ class EngineCore:
             arena=self.arena, lookahead_of=lambda seq: self._by_seq[seq.seq_id].lookahead,
         )
         self._groups_of: tuple[tuple[Sequence, ...] | None, list] = (None, [])
+        self.auto_k = AutoK()  # k="auto": the cost model, acceptance, calibrated on first use
         self._rng = random.Random(config.seed)
         self._next_seq_id = 0
         self._requests: dict[str, _Request] = {}
@@ -116,9 +121,11 @@ class EngineCore:
         return len(self._requests)
 
     def add(self, prompt: tuple[int, ...], params: SamplingParams, k: int,
-            tree: DraftTree | None, request_id: str | None = None) -> str:
+            tree: DraftTree | None, request_id: str | None = None, auto: bool = False,
+            sample: tuple[SeqGroup, int] | None = None) -> str:
         """Queue a validated request (``requests.validate_requests`` checked prompt, params, k
-        and tree); it joins at the next step. Returns its id."""
+        and tree); it joins at the next step. ``sample``: (group, sample index) of one of a
+        prompt's n samples (``prefix_cache.expand_samples``). Returns its id."""
         if request_id is None:
             request_id = f"req-{self._next_seq_id}"
             while request_id in self._requests:  # a caller chose this name: pick another
@@ -131,11 +138,12 @@ class EngineCore:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seq = Sequence(self._next_seq_id, list(prompt), params, seed, self.eos_token_ids)
         self._next_seq_id += 1
-        req = _Request(request_id, seq, k, tree)
+        req = _Request(request_id, seq, k, tree, auto=auto,
+                       sample_index=sample[1] if sample else 0)
         self._requests[request_id] = req
         self._by_seq[seq.seq_id] = req
         self._finished.pop(request_id, None)  # a reused id is live again
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, sample[0] if sample else None)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -211,10 +219,16 @@ class EngineCore:
                 t0 = time.perf_counter()
                 self._prefill(seqs, any(self._by_seq[s.seq_id].k > 0 for s in seqs), version)
                 run.prefill_s += time.perf_counter() - t0
+                run.add_prefill(self.runner.last_prefill)
                 run.num_forwards += 1
             else:
                 for (k, tree), group in self._groups(seqs):
-                    self._decode_step(group, k, tree, run.times, version)
+                    if self._by_seq[group[0].seq_id].auto:  # this step's k from the cost model
+                        run.count_auto_k(self.auto_k.run(
+                            len(group), k, run.times,
+                            lambda k, g=group: self._decode_step(g, k, None, run.times, version)))
+                    else:
+                        self._decode_step(group, k, tree, run.times, version)
                     run.num_forwards += 1
             if report_unfinished:
                 outputs += [self._report(self._by_seq[s.seq_id], released=False) for s in seqs]
@@ -253,11 +267,11 @@ class EngineCore:
         step, which the scheduler returns while nothing changed, has the same groups)."""
         if self._groups_of[0] is seqs:
             return self._groups_of[1]
-        groups: dict[tuple[int, object], tuple[tuple[int, DraftTree | None], list[Sequence]]] = {}
+        groups: dict[tuple, tuple[tuple[int, DraftTree | None], list[Sequence]]] = {}
         for seq in seqs:
             req = self._by_seq[seq.seq_id]
             # Trees compare by their (sorted) paths: equal trees of separate requests share a step.
-            key = (req.k, None if req.tree is None else req.tree.paths)
+            key = (req.k, None if req.tree is None else req.tree.paths, req.auto)
             groups.setdefault(key, ((req.k, req.tree), []))[1].append(seq)
         if len(groups) == 1:  # the RL case: one k for all, the batch is the group
             (kt, _), = groups.values()
@@ -275,12 +289,11 @@ class EngineCore:
         zeros = torch.zeros(len(seqs), dtype=torch.int32, device=self.device)
         out = self.sampler(logits[:, None, :], empty, zeros, None, None,
                            SamplingTensors.from_seqs(seqs, self.device))
-        result = StepResult.unpack(to_host(out.pack()), len(seqs))  # one host sync
+        packed = to_host(out.pack())  # one host sync
         rows = [list(range(len(seq))) for seq in seqs]
         none = np.zeros(len(seqs), dtype=np.int64)  # no drafts: one emitted token per row
         slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
-        append_step(self.arena, seqs, slots, result.output_ids[:, :1], result.logprobs[:, :1],
-                    none, none, version)
+        append_step(self.arena, seqs, packed, len(seqs), slots, none, none, None, version)
         if observe and self.drafter is not None:
             self.drafter.observe(seqs, target_out, rows)
 
@@ -306,9 +319,10 @@ class EngineCore:
             self._finished.popitem(last=False)
         if self._run is not None:
             self._run.add_finished(seq)
-        return RequestOutput(req.request_id, new, True, self._output(seq, reason), restarted)
+        return RequestOutput(req.request_id, new, True,
+                             self._output(seq, reason, req.sample_index), restarted)
 
-    def _output(self, seq: Sequence, reason: str) -> GenerationOutput:
+    def _output(self, seq: Sequence, reason: str, sample_index: int = 0) -> GenerationOutput:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output_token_ids)
@@ -323,6 +337,7 @@ class EngineCore:
             weight_version=self._weight_version(),
             text=text,
             token_weight_versions=tuple(seq.token_weight_versions),
+            sample_index=sample_index,
         )
 
     def _end_run_if_idle(self) -> None:

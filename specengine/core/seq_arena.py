@@ -3,7 +3,7 @@
 A sequence takes a slot when it starts running (prefill) and gives it back when it finishes or
 is preempted (``Sequence.attach`` / ``Sequence.detach`` copy its lists in and out). While it
 runs, its slot is the only copy of its tokens, so a step appends every row's emitted tokens
-with a few numpy operations (:meth:`SeqArena.append`) instead of a Python loop over sequences:
+in one C++ pass (:meth:`SeqArena.append_packed`) instead of a Python loop over sequences:
 the stop-token, ``max_tokens`` and ``max_model_len`` cuts, the counters and the per-token
 weight versions are all vectorised. Slots are stable while a sequence runs (batch rows are
 not: ``core.batch`` moves rows when sequences leave), so drafters may key per-sequence device
@@ -17,6 +17,8 @@ by doubling when a sequence needs more (amortised; never in a steady step).
 from __future__ import annotations
 
 import numpy as np
+
+from specengine import _C
 
 # Counter rows of ``SeqArena.counters``.
 NUM_STEPS, NUM_DRAFT, NUM_ACCEPTED = range(3)
@@ -101,41 +103,28 @@ class SeqArena:
             setattr(self, name, new)
 
     # ---- the step ----------------------------------------------------------------------------
-    def append(self, slots: np.ndarray, ids: np.ndarray, logprobs: np.ndarray,
-               num_emitted: np.ndarray, version: int) -> tuple[np.ndarray, np.ndarray]:
-        """Append row ``b``'s first ``num_emitted[b]`` tokens ``ids [B, M]`` (and logprobs) to
-        slot ``slots[b]``, stopping after the first stop token, at ``max_tokens`` or at
-        ``max_model_len`` (nothing after that point is kept); each kept token records
-        ``version``. Returns ``(kept [B], ended [B] int8: 0 running, 1 "stop", 2 "length")``.
-        """
-        b, m = ids.shape
-        lens = self.lens[slots]
-        j = np.arange(m)
-        emitted = j[None, :] < num_emitted[:, None]  # [B, M]
-        stops = self.stop_ids[slots]  # [B, S]
-        is_stop = (ids[:, :, None] == stops[:, None, :]).any(-1) & emitted
-        # Tokens up to and including the first stop; then at most the room left.
-        first_stop = np.where(is_stop.any(1), is_stop.argmax(1) + 1, m + 1)
-        room = self.limit[slots] - lens
-        kept = np.minimum(np.minimum(num_emitted, first_stop), room)
-        self._grow(int((lens + kept).max(initial=0)))
-        keep = j[None, :] < kept[:, None]
-        rows = np.broadcast_to(slots[:, None], (b, m))[keep]
-        cols = (lens[:, None] + j[None, :])[keep]
-        self.tokens[rows, cols] = ids[keep]
-        self.logprobs[rows, cols] = logprobs[keep]
-        self.versions[rows, cols] = version
-        self.lens[slots] = lens + kept
-        ended = np.where(first_stop == kept, 1, np.where(lens + kept >= self.limit[slots], 2, 0))
-        self.done[slots] = ended > 0
-        return kept, ended.astype(np.int8)
+    def append_packed(self, packed: np.ndarray, num_rows: int, slots: np.ndarray,
+                      num_drafts: np.ndarray, depths: np.ndarray, stats: np.ndarray,
+                      version: int) -> tuple[int, list[tuple[int, int]]]:
+        """Append one step's packed sampler output (``packed [rows, 3N + 1]`` float64,
+        ``sampler.SamplerOutput.pack``; rows ``0 .. num_rows-1`` belong to ``slots``): row
+        ``b`` emitted ``ids[b, :num_accepted[b] + 1]``, kept up to and including the first
+        stop token and at most up to ``limit``; each kept token records ``version``; the
+        counters count the step and its drafts (``num_drafts``); ``stats [2, P]`` (proposed,
+        accepted per draft position, for rows proposing ``depths[b]`` positions) is
+        accumulated. Returns ``(tokens kept, [(row, 1: a stop token | 2: the length limit)]``
+        for the rows whose sequence ended) and sets ``done``.
 
-    def count(self, slots: np.ndarray, num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
-        """One more step for every slot, with its drafts proposed and accepted."""
-        c = self.counters
-        c[NUM_STEPS, slots] += 1
-        c[NUM_DRAFT, slots] += num_draft
-        c[NUM_ACCEPTED, slots] += num_accepted
+        One pass of ``specengine._C.append_step`` (no Python loop over rows; the reference
+        it is tested against is ``tests/arena_reference.py``)."""
+        while True:
+            width, kept, ended = _C.append_step(
+                self.tokens, self.logprobs, self.versions, self.lens, self.limit,
+                self.stop_ids, self.done, self.counters, packed, num_rows, slots, num_drafts,
+                depths, stats, version)
+            if width == 0:
+                return kept, ended
+            self._grow(width)  # nothing was written: widen and append again
 
 
 __all__ = ["NUM_ACCEPTED", "NUM_DRAFT", "NUM_STEPS", "SeqArena"]

@@ -60,8 +60,6 @@ class StaticFeatureChain(StaticDrafts):
         cap = self.state.capacity  # arena slots are < max_batch_size <= capacity
         self.root: Tensor | None = None  # [capacity + 1, H]; the last row takes padded rows
         self.root_owner = np.full(cap + 1, -1, dtype=np.int64)
-        # [capacity]: entries each row writes in the catch-up pass (0: none, a finished row)
-        self.counts = torch.zeros(cap, dtype=torch.int64, device=drafter.device)
 
     # ---- roots by slot ---------------------------------------------------------------------
     def set_roots(self, seqs: list[Sequence], hidden: Tensor) -> None:
@@ -144,14 +142,8 @@ class StaticFeatureChain(StaticDrafts):
         """Catch up after the verify pass ``out`` (``seqs`` in row order, already extended
         by this step's tokens). False (the caller observes eagerly) if a row has no root yet
         (a draft update dropped them)."""
-        n = len(seqs)
-        st = self.state
-        if not self.has_roots(n):
+        if not self.has_roots(len(seqs)):
             return False
-        live = ~st.arena.done[st.row_slots[:n]]  # type: ignore[union-attr]
-        counts = np.where(live, num_accepted + 1, 0)
-        self.counts[:n].copy_(to_device(counts, self._device))
-        self.counts[n: shape.num_rows] = 0
         self.graphs.run_graph(("observe", *shape.key), shape.num_rows,
                               lambda: self._observe(shape, out))
         return True
@@ -161,7 +153,11 @@ class StaticFeatureChain(StaticDrafts):
         d, st = self.drafter, self.state
         rows, n = shape.num_rows, shape.num_tokens
         start = st.ints[CTX, :rows]
-        counts = self.counts[:rows]
+        # Entries each row writes: its accepted drafts + 1 (padded rows: none). A row that
+        # ended this step writes them too; they sit in slots the verify pass already wrote
+        # and its root is dropped when it is released.
+        counts = torch.where(st.ints[ACTIVE, :rows] > 0,
+                             out.sampled.num_accepted[:rows].long() + 1, 0)
         j = torch.arange(n, device=start.device)
         pos = start[:, None] + j[None, :]  # [rows, N]: the accepted path is a chain
         sampled = out.sampled

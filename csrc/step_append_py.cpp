@@ -1,0 +1,119 @@
+// Python binding of append_step (step_append.h): numpy arrays in, written in place.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <string>
+
+#include "step_append.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// A C-contiguous array of exactly dtype T and `ndim` dimensions, never a converted copy: the
+// arena's arrays are written in place, so a silent conversion would lose the writes.
+template <typename T>
+py::array_t<T> exact(py::handle obj, const char* name, int ndim, bool writable) {
+  if (!py::isinstance<py::array>(obj)) {
+    throw py::type_error(std::string(name) + " must be a numpy array");
+  }
+  auto arr = py::reinterpret_borrow<py::array>(obj);
+  if (!py::isinstance<py::array_t<T>>(arr) || !(arr.flags() & py::array::c_style)) {
+    throw py::type_error(std::string(name) + " must be a C-contiguous " +
+                         py::str(py::dtype::of<T>()).cast<std::string>() + " array, got " +
+                         py::str(arr.dtype()).cast<std::string>());
+  }
+  if (arr.ndim() != ndim) {
+    throw py::value_error(std::string(name) + " must be " + std::to_string(ndim) + "-D, got " +
+                          std::to_string(arr.ndim()) + "-D");
+  }
+  if (writable && !arr.writeable()) {
+    throw py::value_error(std::string(name) + " must be writable");
+  }
+  return py::reinterpret_borrow<py::array_t<T>>(arr);
+}
+
+void same(int64_t got, int64_t want, const char* what) {
+  if (got != want) {
+    throw py::value_error(std::string(what) + ": got " + std::to_string(got) + ", expected " +
+                          std::to_string(want));
+  }
+}
+
+}  // namespace
+
+namespace specengine {
+
+void bind_step_append(py::module_& m) {
+  m.def(
+      "append_step",
+      [](py::handle tokens, py::handle logprobs, py::handle versions, py::handle lens,
+         py::handle limit, py::handle stop_ids, py::handle done, py::handle counters,
+         py::handle packed, int64_t num_rows, py::handle slots, py::handle num_drafts,
+         py::handle depths, py::handle stats, int64_t version) {
+        auto tok = exact<int64_t>(tokens, "tokens", 2, true);
+        auto lp = exact<double>(logprobs, "logprobs", 2, true);
+        auto ver = exact<int64_t>(versions, "versions", 2, true);
+        auto ln = exact<int64_t>(lens, "lens", 1, true);
+        auto lim = exact<int64_t>(limit, "limit", 1, false);
+        auto stop = exact<int64_t>(stop_ids, "stop_ids", 2, false);
+        auto dn = exact<bool>(done, "done", 1, true);
+        auto cnt = exact<int64_t>(counters, "counters", 2, true);
+        auto pk = exact<double>(packed, "packed", 2, false);
+        auto sl = exact<int64_t>(slots, "slots", 1, false);
+        auto nd = exact<int64_t>(num_drafts, "num_drafts", 1, false);
+        auto dp = exact<int64_t>(depths, "depths", 1, false);
+        auto st = exact<int64_t>(stats, "stats", 2, true);
+        const int64_t cap = tok.shape(0);
+        same(lp.shape(0), cap, "logprobs rows");
+        same(lp.shape(1), tok.shape(1), "logprobs width");
+        same(ver.shape(0), cap, "versions rows");
+        same(ver.shape(1), tok.shape(1), "versions width");
+        same(ln.shape(0), cap, "lens length");
+        same(lim.shape(0), cap, "limit length");
+        same(stop.shape(0), cap, "stop_ids rows");
+        same(dn.shape(0), cap, "done length");
+        same(cnt.shape(0), 3, "counters rows");
+        same(cnt.shape(1), cap, "counters columns");
+        same(st.shape(0), 2, "stats rows");
+        if (num_rows < 0 || num_rows > pk.shape(0)) {
+          throw py::value_error("num_rows " + std::to_string(num_rows) + " outside [0, " +
+                                std::to_string(pk.shape(0)) + "]");
+        }
+        if (pk.shape(1) < 4 || (pk.shape(1) - 1) % 3 != 0) {
+          throw py::value_error("packed must be [rows, 3N + 1], got " +
+                                std::to_string(pk.shape(1)) + " columns");
+        }
+        for (const auto* a : {&sl, &nd, &dp}) {
+          if (a->shape(0) < num_rows) {
+            throw py::value_error("slots, num_drafts and depths need num_rows entries");
+          }
+        }
+        ArenaArrays arena{tok.mutable_data(), lp.mutable_data(), ver.mutable_data(),
+                          tok.shape(1),       ln.mutable_data(), lim.data(),
+                          stop.data(),        stop.shape(1),     dn.mutable_data(),
+                          cnt.mutable_data(), cap};
+        PackedStep step{pk.data(), num_rows, (pk.shape(1) - 1) / 3, sl.data(),
+                        nd.data(), dp.data(), version};
+        AppendResult r;
+        try {
+          r = append_step(arena, step, st.mutable_data(), st.shape(1));
+        } catch (const std::invalid_argument& e) {
+          throw py::value_error(e.what());
+        }
+        py::list ended;
+        for (size_t i = 0; i < r.ended_rows.size(); ++i) {
+          ended.append(py::make_tuple(r.ended_rows[i], static_cast<int>(r.ended_codes[i])));
+        }
+        return py::make_tuple(r.needed_width, r.num_kept, ended);
+      },
+      R"doc(
+Append one step's packed sampler output (``[rows, 3N + 1]`` float64) to the sequences' arena
+in place (``specengine.core.seq_arena.SeqArena.append_packed`` calls it; the reference is
+``tests/arena_reference.py``). Returns ``(needed_width, num_kept, [(row, code)])``:
+``needed_width > 0`` means the arena is too narrow and nothing changed; code 1 = a stop token,
+2 = the length limit.
+)doc");
+}
+
+}  // namespace specengine

@@ -1,0 +1,80 @@
+"""``SeqArena.append_packed`` (one C++ pass) against its numpy reference, and its refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from arena_reference import append_reference, pack
+
+from specengine.core.seq_arena import SeqArena
+
+
+def _arena(rng: np.random.Generator, capacity: int, width: int) -> tuple[SeqArena, list[int]]:
+    arena = SeqArena(capacity, max_model_len=64, width=width)
+    slots = []
+    for _ in range(capacity - 1):  # one slot stays free
+        n_prompt = int(rng.integers(1, 12))
+        stops = frozenset(rng.choice(20, size=int(rng.integers(0, 3)), replace=False).tolist())
+        slots.append(arena.take(rng.integers(0, 20, n_prompt).tolist(), n_prompt,
+                                int(rng.integers(1, 30)), stops))
+    return arena, slots
+
+
+def _same(a: SeqArena, b: SeqArena) -> None:
+    for name in ("tokens", "logprobs", "versions", "lens", "done", "counters"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_append_packed_equals_reference(seed: int) -> None:
+    """Random steps (stop tokens among the emitted ones, max_tokens and context cuts, an arena
+    that must widen): the C++ pass leaves exactly the reference's arena, counts and stats."""
+    rng = np.random.default_rng(seed)
+    fast, slots = _arena(rng, capacity=9, width=8)
+    ref = copy.deepcopy(fast)
+    stats_fast = np.zeros((2, 5), dtype=np.int64)
+    stats_ref = stats_fast.copy()
+    for step in range(12):
+        live = [s for s in slots if not fast.done[s] and fast.lens[s] < fast.limit[s]]
+        if not live:
+            break
+        rows = np.array(rng.permutation(live), dtype=np.int64)
+        n = int(rng.integers(1, 6))
+        b = len(rows)
+        depths = rng.integers(0, n, b)
+        num_accepted = np.minimum(rng.integers(0, n, b), depths)
+        ids = rng.integers(0, 20, (b + 2, n))  # two padded rows past num_rows
+        packed = pack(ids, rng.standard_normal((b + 2, n)), np.concatenate(
+            [num_accepted, [0, 0]]))
+        num_drafts = depths.copy()
+        got = fast.append_packed(packed, b, rows, num_drafts, depths, stats_fast, step)
+        want = append_reference(ref, packed, b, rows, num_drafts, depths, stats_ref, step)
+        assert got == want
+        _same(fast, ref)
+        np.testing.assert_array_equal(stats_fast, stats_ref)
+    assert fast.width > 8  # some step had to widen the arena
+
+
+def test_append_packed_refuses_bad_input_and_changes_nothing() -> None:
+    rng = np.random.default_rng(0)
+    arena, slots = _arena(rng, capacity=4, width=16)
+    before = copy.deepcopy(arena)
+    stats = np.zeros((2, 2), dtype=np.int64)
+    rows = np.array(slots, dtype=np.int64)
+    ok = pack(np.ones((3, 3), np.int64), np.zeros((3, 3)), np.array([1, 0, 2]))
+    zeros = np.zeros(3, dtype=np.int64)
+    with pytest.raises(ValueError, match="slot 7 outside"):
+        arena.append_packed(ok, 3, np.array([slots[0], 7, slots[1]]), zeros, zeros, stats, 1)
+    with pytest.raises(ValueError, match="num_accepted 3 outside"):
+        arena.append_packed(pack(np.ones((3, 3), np.int64), np.zeros((3, 3)),
+                                 np.array([0, 0, 3])), 3, rows, zeros, zeros, stats, 1)
+    with pytest.raises(ValueError, match="draft depth 3 outside"):
+        arena.append_packed(ok, 3, rows, zeros, np.array([0, 3, 0]), stats, 1)
+    with pytest.raises(TypeError, match="int64"):
+        arena.append_packed(ok, 3, rows.astype(np.int32), zeros, zeros, stats, 1)
+    with pytest.raises(ValueError, match="3N"):
+        arena.append_packed(np.ascontiguousarray(ok[:, :5]), 3, rows, zeros, zeros, stats, 1)
+    _same(arena, before)
+    assert not stats.any()
