@@ -47,6 +47,11 @@ class EngineConfig:
     #: ``"finish"``: ``finish_reason="policy_lag"``; ``"restart"``: drop its tokens and KV and
     #: start it again from its prompt (same request id and seed)
     policy_lag_action: str = "finish"
+    #: ranks (one process each) the model is split over (``distributed.tensor_parallel``)
+    tensor_parallel_size: int = 1
+    #: name full KV blocks computed by prefills by their tokens' hash and reuse them for later
+    #: prompts with that prefix (``specengine.prefix_cache``; cleared on every weight update)
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -76,6 +81,13 @@ class EngineConfig:
         if self.policy_lag_action not in POLICY_LAG_ACTIONS:
             raise ValueError(f"policy_lag_action must be one of {POLICY_LAG_ACTIONS}, got "
                              f"{self.policy_lag_action!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got "
+                            f"{self.enable_prefix_caching!r}")
+        if isinstance(self.tensor_parallel_size, bool) or \
+                not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1 (the number of ranks "
+                             f"the model is split over), got {self.tensor_parallel_size!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens must be >= block_size, got {self.kv_cache_tokens}")
 

@@ -1,16 +1,19 @@
 """The paged KV cache: one tensor for all layers plus the C++ block allocator that hands out
-its blocks to sequences."""
+its blocks to sequences, which may share them (reference counts): a GRPO group's prompt
+blocks, and full blocks found in the prefix cache (``specengine.prefix_cache``)."""
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from specengine.config import MAX_K, EngineConfig
 from specengine.model.config import ModelConfig
+from specengine.prefix_cache import PrefixCache, block_hashes
 from specengine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -23,15 +26,44 @@ class KVCacheFullError(RuntimeError):
     """A request can never fit in the KV cache (it would need more blocks than exist)."""
 
 
+@dataclass
+class PrefillPlan:
+    """How an admitted sequence's prefill reuses KV (made by :meth:`KVCache.plan` /
+    :meth:`KVCache.plan_borrow`, applied by :meth:`KVCache.admit`, read by the prefill pass).
+
+    ``shared`` are blocks its table starts with by reference, holding the KV of its first
+    ``num_cached`` tokens (only ``len(seq) - num_cached`` tokens are computed). A group sample
+    that *borrows* computes nothing: ``leader`` (a sibling in the same prefill batch) computes
+    the prompt, whose full blocks are shared, whose last-token logits it samples from, and
+    whose partial last block ``copy_src`` is copied into its own last block after the pass
+    (copy on write: the sample's next step writes its first token there)."""
+
+    seq: Sequence
+    shared: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    hashes: list[bytes] = field(default_factory=list)  # full blocks after the prefill
+    leader: Sequence | None = None
+    copy_src: int | None = None
+    epoch: int = 0
+
+    @property
+    def num_computed(self) -> int:
+        return 0 if self.leader is not None else len(self.seq) - self.num_cached
+
+
 class KVCache:
     """``kv[2, num_layers, num_blocks, block_size, Hkv, D]`` and the ownership of its blocks.
 
     Blocks are owned by sequences through ``seq.block_table``; :meth:`ensure` grows a table to
-    cover a number of tokens (all or nothing) and :meth:`free` returns a table's blocks.
+    cover a number of tokens (all or nothing) and :meth:`free` drops a table's references.
+    With ``prefix_caching``, full blocks computed by a prefill stay named by their tokens'
+    hash (``self.prefix``) until evicted (least recently released first, when an allocation
+    needs them) or the weights change (:meth:`invalidate_prefix_cache`).
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 prefix_caching: bool = False) -> None:
         from specengine import _C
 
         if num_blocks <= 0:
@@ -41,10 +73,14 @@ class KVCache:
         self.kv = torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
                               dtype=dtype, device=device)
         self.allocator = _C.BlockAllocator(num_blocks)
+        self.prefix = PrefixCache(self.allocator, block_size) if prefix_caching else None
+        self.pending: dict[int, PrefillPlan] = {}  # seq_id -> plan of this step's prefill
 
     @property
     def num_free_blocks(self) -> int:
-        return int(self.allocator.num_free)
+        """Blocks an allocation may take: free ones and cached ones nobody holds."""
+        evictable = len(self.prefix.evictable) if self.prefix is not None else 0
+        return int(self.allocator.num_free) + evictable
 
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
@@ -61,13 +97,89 @@ class KVCache:
             return
         missing = self.num_missing_blocks(seq, num_tokens)
         if missing:
+            short = missing - int(self.allocator.num_free)
+            if short > 0 and self.prefix is not None and short <= len(self.prefix.evictable):
+                self.prefix.evict(short)
             seq.block_table.extend(int(b) for b in self.allocator.allocate(missing))
 
     def free(self, seq: Sequence) -> None:
-        if seq.block_table:
-            self.allocator.free(np.asarray(seq.block_table, dtype=np.int32))
+        """Drop ``seq``'s references (shared blocks stay with their other holders)."""
+        table = seq.block_table
+        if table:
+            self.allocator.free(np.asarray(table, dtype=np.int32))
+            if self.prefix is not None:
+                self.prefix.released(table)
         seq.block_table = []
         seq.num_cached_tokens = 0
+        self.pending.pop(seq.seq_id, None)
+
+    # ---- sharing at admission ----------------------------------------------------------------
+    def plan(self, seq: Sequence) -> PrefillPlan:
+        """Reuse the longest cached prefix of ``seq``'s tokens, in full blocks, leaving at
+        least its last token to compute (its logits sample the next token)."""
+        if self.prefix is None:
+            return PrefillPlan(seq)
+        n = len(seq)
+        hashes = block_hashes(seq.token_ids, self.block_size, n // self.block_size)
+        hits = self.prefix.match(hashes[: (n - 1) // self.block_size])
+        return PrefillPlan(seq, hits, len(hits) * self.block_size, hashes,
+                           epoch=self.prefix.epoch)
+
+    def plan_borrow(self, seq: Sequence, leader: Sequence) -> PrefillPlan:
+        """``seq`` (a fresh group sample) borrows the prefill of ``leader`` (a fresh sibling
+        admitted in the same batch, whose table covers the prompt)."""
+        n, bs = len(seq), self.block_size
+        full = n // bs
+        src = leader.block_table[full] if n % bs else None
+        return PrefillPlan(seq, leader.block_table[:full], n, leader=leader, copy_src=src)
+
+    def can_admit(self, plan: PrefillPlan) -> bool:
+        taken = self.prefix.num_evictable_in(plan.shared) if self.prefix is not None else 0
+        need = self.blocks_for(len(plan.seq)) - len(plan.shared)
+        return need <= self.num_free_blocks - taken
+
+    def admit(self, plan: PrefillPlan) -> None:
+        """Give the waiting ``plan.seq`` its table: the shared blocks by reference, the rest
+        fresh (check :meth:`can_admit` first)."""
+        seq = plan.seq
+        assert not seq.block_table, "a waiting sequence holds no blocks"
+        if plan.shared:
+            if self.prefix is not None:
+                self.prefix.acquire(plan.shared)
+            else:
+                self.allocator.incref(np.asarray(plan.shared, dtype=np.int64))
+            seq.block_table = list(plan.shared)
+        self.ensure(seq, len(seq))
+        seq.num_cached_tokens = plan.num_cached
+        self.pending[seq.seq_id] = plan
+
+    def finish_prefill(self, seqs: tuple[Sequence, ...] | list[Sequence]) -> None:
+        """After the prefill pass of ``seqs``: borrowers get their copy of the leader's
+        partial block, computed full blocks are named in the prefix cache, and every
+        sequence's KV covers its tokens."""
+        src, dst = [], []
+        for seq in seqs:
+            plan = self.pending.pop(seq.seq_id, None)
+            if plan is not None and plan.copy_src is not None:
+                src.append(plan.copy_src)
+                dst.append(seq.block_table[len(seq) // self.block_size])
+            elif plan is not None and plan.hashes and self.prefix is not None:
+                full = len(plan.hashes)
+                self.prefix.register(seq.block_table[:full], plan.hashes, plan.epoch)
+            seq.num_cached_tokens = len(seq)
+        if src:
+            self.copy_blocks(src, dst)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """``kv[:, :, dst[i]] = kv[:, :, src[i]]`` (every layer, K and V)."""
+        s = torch.as_tensor(src, dtype=torch.int64, device=self.kv.device)
+        d = torch.as_tensor(dst, dtype=torch.int64, device=self.kv.device)
+        self.kv.index_copy_(2, d, self.kv.index_select(2, s))
+
+    def invalidate_prefix_cache(self) -> None:
+        """Forget every cached block (after a weight update: their KV is of older weights)."""
+        if self.prefix is not None:
+            self.prefix.clear()
 
     def check_fits(self, num_tokens: int) -> None:
         """Raise if one sequence of ``num_tokens`` tokens could never fit, even alone."""

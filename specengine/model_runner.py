@@ -18,9 +18,24 @@ from specengine.sequence import Sequence
 
 @dataclass(frozen=True)
 class ForwardOutput:
+    """A ragged pass. ``qo_indptr[b]`` is the row of sequence b's first fed token (for a
+    group sample that borrowed a sibling's prefill: the sibling's); ``fed_rows[b]`` are its
+    rows relative to that, one per fed position (the prefill's ``accepted_rows``)."""
+
     hidden: Tensor  # [T, H] final-norm hidden states of every fed token
     aux_hidden: list[Tensor]  # inputs of the requested layers, each [T, H]
     qo_indptr: list[int]  # token range of each sequence in the ragged batch
+    fed_rows: list[list[int]] | None = None
+
+
+@dataclass(frozen=True)
+class PrefillCounts:
+    """One prefill pass: tokens whose KV it had to hold, of which reused (not computed), and
+    block references taken instead of computing (``engine.stats``)."""
+
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_shared_blocks: int = 0
 
 
 class ModelRunner:
@@ -35,6 +50,7 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.aux_layers = aux_layers
+        self.last_prefill = PrefillCounts()
 
     def _metadata(self, seqs: tuple[Sequence, ...] | list[Sequence], context_lens: list[int],
                   q_lens: list[int], slot_positions: list[np.ndarray],
@@ -65,14 +81,29 @@ class ModelRunner:
         return self.model(ids, pos, self.kv_cache.kv, meta, self.backend, self.aux_layers)
 
     def prefill(self, seqs: tuple[Sequence, ...]) -> tuple[Tensor, ForwardOutput]:
-        """Run every token of each sequence; returns last-token logits ``[B, V]``."""
-        q_lens = [len(s) for s in seqs]
-        positions = [np.arange(n, dtype=np.int64) for n in q_lens]
-        meta = self._metadata(seqs, [0] * len(seqs), q_lens, positions, None)
-        hidden, aux = self._run([t for s in seqs for t in s.token_ids], np.concatenate(positions),
-                                meta)
-        for s in seqs:
-            s.num_cached_tokens = len(s)
-        ends = np.cumsum(q_lens)
+        """Run each sequence's tokens after its reused prefix (``seq.num_cached_tokens`` at
+        admission, ``KVCache.pending``); returns last-token logits ``[B, V]`` (a sample that
+        borrows a sibling's pass gets the sibling's row)."""
+        plans = [self.kv_cache.pending.get(s.seq_id) for s in seqs]
+        starts = [s.num_cached_tokens if p is not None else 0 for s, p in zip(seqs, plans)]
+        fed = [b for b, p in enumerate(plans) if p is None or p.leader is None]
+        fed_seqs = [seqs[b] for b in fed]
+        q_lens = [len(seqs[b]) - starts[b] for b in fed]
+        positions = [np.arange(starts[b], len(seqs[b]), dtype=np.int64) for b in fed]
+        meta = self._metadata(fed_seqs, [starts[b] for b in fed], q_lens, positions, None)
+        ids = [t for b in fed for t in seqs[b].token_slice(starts[b])]
+        hidden, aux = self._run(ids, np.concatenate(positions), meta)
+        begin = dict(zip(fed, np.concatenate([[0], np.cumsum(q_lens)[:-1]]).tolist()))
+        rows_of = {b: list(range(q)) for b, q in zip(fed, q_lens)}
+        index = {s.seq_id: b for b, s in enumerate(seqs)}
+        src = [b if b in begin else index[p.leader.seq_id]  # type: ignore[union-attr]
+               for b, p in enumerate(plans)]
+        ends = np.asarray([begin[a] + len(rows_of[a]) for a in src], dtype=np.int64)
         logits = self.model.compute_logits(hidden[to_device(ends - 1, self.device)])
-        return logits, ForwardOutput(hidden, aux, [0, *ends.tolist()])
+        self.last_prefill = PrefillCounts(
+            sum(len(s) for s in seqs),
+            sum(len(s) for s in seqs) - sum(q_lens),
+            sum(len(p.shared) for p in plans if p is not None))
+        self.kv_cache.finish_prefill(seqs)
+        return logits, ForwardOutput(hidden, aux, [begin[a] for a in src] + [int(hidden.shape[0])],
+                                     [rows_of[a] for a in src])

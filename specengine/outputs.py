@@ -26,8 +26,11 @@ class GenerationOutput:
     weight_version: int = 0
     text: str | None = None
     token_weight_versions: tuple[int, ...] = ()
+    sample_index: int = 0  # which of its prompt's ``SamplingParams.n`` samples
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sample_index, int) or self.sample_index < 0:
+            raise ValueError(f"sample_index must be an int >= 0, got {self.sample_index!r}")
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError("token_ids and logprobs must have the same length")
         if self.token_weight_versions and len(self.token_weight_versions) != len(self.token_ids):
@@ -79,6 +82,16 @@ class EngineStats:
     wall_time_s: float = 0.0
     #: steps of ``k="auto"`` request groups by the k they ran (index = k; catch-up steps: 0)
     auto_k_steps: tuple[int, ...] = ()
+    # Prefills (docs/design.md §15): tokens whose KV they had to hold (re-prefills after
+    # preemption included), of which reused instead of computed (prefix-cache hits and
+    # group samples borrowing a sibling's pass), and block references they shared.
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_shared_blocks: int = 0
+
+    @property
+    def num_computed_prompt_tokens(self) -> int:
+        return self.num_prompt_tokens - self.num_cached_prompt_tokens
 
     @property
     def mean_accepted_length(self) -> float:

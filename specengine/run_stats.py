@@ -12,6 +12,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from specengine.model_runner import PrefillCounts
 from specengine.outputs import EngineStats
 from specengine.sequence import Sequence
 from specengine.speculate import StepTimes
@@ -30,6 +31,15 @@ class RunStats:
     num_draft: int = 0
     num_accepted: int = 0
     auto_k_steps: list[int] = field(default_factory=list)  # steps of auto groups, by k
+    num_prompt_tokens: int = 0  # prefills: tokens held, reused, blocks shared (§15)
+    num_cached_prompt_tokens: int = 0
+    num_shared_blocks: int = 0
+
+    def add_prefill(self, counts: PrefillCounts) -> None:
+        """Count one prefill pass (``ModelRunner.last_prefill``)."""
+        self.num_prompt_tokens += counts.num_prompt_tokens
+        self.num_cached_prompt_tokens += counts.num_cached_prompt_tokens
+        self.num_shared_blocks += counts.num_shared_blocks
 
     def count_auto_k(self, k: int) -> None:
         """A step of a ``k="auto"`` group ran with ``k`` drafts."""
@@ -58,6 +68,9 @@ class RunStats:
             time_draft_s=t.draft, time_verify_s=t.verify,
             time_bookkeeping_s=t.bookkeeping, time_prefill_s=self.prefill_s,
             wall_time_s=max(0.0, (self.end or time.perf_counter()) - self.start),
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_prompt_tokens=self.num_cached_prompt_tokens,
+            num_shared_blocks=self.num_shared_blocks,
             auto_k_steps=tuple(self.auto_k_steps),
         )
 

@@ -12,10 +12,17 @@ the room every running sequence needs (its length plus its lookahead, capped by 
 is compared with its blocks in one numpy expression, and only the sequences that need a new
 block are visited. When nothing changed, the same ``ScheduledBatch`` object comes back, so the
 step's later stages can tell by identity that the batch is unchanged.
+
+Admission reuses KV (docs/design.md §15): a fresh sample of a GRPO group (``SeqGroup``) whose
+sibling was admitted earlier in the same prefill batch borrows that sibling's prompt pass
+(shared full blocks, a copy of the partial last block, the same last-token logits); any other
+sequence reuses the longest cached prefix of its tokens (``KVCache.plan``). Only the tokens a
+prefill computes count against ``max_num_batched_tokens``.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from specengine.core.seq_arena import SeqArena
-from specengine.kv_cache import KVCache
+from specengine.kv_cache import KVCache, PrefillPlan
+from specengine.prefix_cache import SeqGroup
 from specengine.sequence import SeqStatus, Sequence
 
 
@@ -56,8 +64,15 @@ class Scheduler:
         self.num_preemptions = 0
         self._decode: ScheduledBatch | None = None  # the last decode batch, while unchanged
         self._slots: np.ndarray | None = None  # slots of ``running``, in order
+        # Group of each sample (weak: a finished sequence leaves with its last holder; a
+        # restarted one keeps its group, being reset in place).
+        self.group_of: weakref.WeakKeyDictionary[Sequence, SeqGroup] = (
+            weakref.WeakKeyDictionary())
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, group: SeqGroup | None = None) -> None:
+        """Queue ``seq``; ``group``: the GRPO group it is a sample of."""
+        if group is not None:
+            self.group_of[seq] = group
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -69,18 +84,20 @@ class Scheduler:
         arena path computes the same from ``lookahead_of`` and the arena's lengths)."""
         batch: list[Sequence] = []
         num_tokens = 0
+        leaders: dict[int, Sequence] = {}  # group id -> its sample computing the prompt
         while self.waiting and len(self.running) + len(batch) < self.max_batch_size:
             seq = self.waiting[0]
-            if batch and num_tokens + len(seq) > self.max_num_batched_tokens:
+            plan = self._plan(seq, leaders)
+            if batch and num_tokens + plan.num_computed > self.max_num_batched_tokens:
                 break
-            if not self.kv_cache.can_ensure(seq, len(seq)):
+            if not self.kv_cache.can_admit(plan):
                 break
-            self.kv_cache.ensure(seq, len(seq))
+            self.kv_cache.admit(plan)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self._admit(seq)
             batch.append(seq)
-            num_tokens += len(seq)
+            num_tokens += plan.num_computed
         if batch:
             self.running.extend(batch)
             self._changed()
@@ -97,6 +114,18 @@ class Scheduler:
         if not scheduled:
             raise RuntimeError("scheduler: no sequence can run (KV cache too small for one)")
         return ScheduledBatch(tuple(scheduled), is_prefill=False)
+
+    def _plan(self, seq: Sequence, leaders: dict[int, Sequence]) -> PrefillPlan:
+        """Borrow a fresh sibling's prompt pass in this batch, else reuse cached blocks."""
+        group = self.group_of.get(seq)
+        fresh = len(seq) == seq.num_prompt_tokens
+        if group is None or not fresh:
+            return self.kv_cache.plan(seq)
+        leader = leaders.get(group.group_id)
+        if leader is not None:
+            return self.kv_cache.plan_borrow(seq, leader)
+        leaders[group.group_id] = seq
+        return self.kv_cache.plan(seq)
 
     def _schedule_decode(self) -> ScheduledBatch:
         """Every running sequence, visiting only those that need a new block."""
@@ -171,6 +200,7 @@ class Scheduler:
             self.kv_cache.free(seq)
             seq.detach()
             seq.status = SeqStatus.FINISHED
+        self.kv_cache.pending.clear()
         self.running.clear()
         self.waiting.clear()
         self._changed()
