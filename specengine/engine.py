@@ -19,6 +19,7 @@ from specengine.model.config import ModelConfig
 from specengine.model.loader import build_model
 from specengine.model_runner import ModelRunner
 from specengine.outputs import EngineStats, GenerationOutput, RequestOutput
+from specengine.prefix_cache import expand_samples, prefix_caching_on, sample_ids
 from specengine.requests import RequestBatch, load_tokenizer, validate_requests
 from specengine.sampler import Sampler
 from specengine.sampling import SamplingParams
@@ -85,6 +86,10 @@ class SpecEngine:
             ``"keep"``s running requests' KV or ``"recompute"``s it; requests > N versions
             behind (N: their own ``SamplingParams.max_policy_lag``, else this) are
             ``"finish"``ed or ``"restart"``ed from their prompts (``core.inflight``).
+        enable_prefix_caching: reuse the KV of full blocks computed by earlier prefills for
+            prompts with the same prefix (cleared by every weight update; LRU eviction);
+            the samples of a ``SamplingParams(n=...)`` group share their prompt's KV either
+            way (``specengine.prefix_cache``).
 
     Weights are updated in place (``data_ptr()`` never changes), between steps even while
     requests run (each token records its version), and versioned: in process
@@ -114,7 +119,7 @@ class SpecEngine:
         cuda_graphs: bool | None = None,
         graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         kv_on_update: str = "keep", max_policy_lag: int | None = None,
-        policy_lag_action: str = "finish",
+        policy_lag_action: str = "finish", enable_prefix_caching: bool = True,
     ) -> None:
         model_config = ModelConfig.from_dir(model)
         if max_model_len is None:  # vLLM's default: the model's own context length
@@ -128,7 +133,7 @@ class SpecEngine:
             draft_options=tuple(sorted((draft_options or {}).items())),
             cuda_graphs=cuda_graphs, graph_buckets=tuple(graph_buckets),
             kv_on_update=kv_on_update, max_policy_lag=max_policy_lag,
-            policy_lag_action=policy_lag_action)
+            policy_lag_action=policy_lag_action, enable_prefix_caching=enable_prefix_caching)
         cfg = self.config
         self.device = torch.device(cfg.device)
         # Process-wide torch CPU threads: a count that does not thrash small or shared machines.
@@ -154,7 +159,8 @@ class SpecEngine:
         num_blocks = num_kv_blocks(cfg, mc, self.device)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, cfg.block_size)
         self.kv_cache = KVCache(num_blocks, cfg.block_size, mc.num_layers, mc.num_kv_heads,
-                                mc.head_dim, cfg.torch_dtype, self.device)
+                                mc.head_dim, cfg.torch_dtype, self.device,
+                                prefix_caching=prefix_caching_on(cfg, self.drafter))
         self.backend = make_attention_backend(cfg.kernel_backend)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device, aux)
         self.sampler = Sampler(cfg.kernel_backend, self.device)
@@ -174,18 +180,22 @@ class SpecEngine:
     # ---- the step API (docs/design.md §1, §3) --------------------------------------------
     def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None, *,
                     k: int | None = None, tree: Seq[Seq[int]] | DraftTree | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None) -> str | list[str]:
         """Queue one request (token ids, or text with a tokenizer); it joins the batch at the
         next :meth:`step`. ``k`` (default 0; a tree's depth with ``tree``) is this request's
         draft length: requests may differ. ``request_id`` must not be in use by an unfinished
         request (default: a fresh one). Bad input raises ``ValueError`` and adds nothing.
-        Returns the request id."""
+        Returns the request id; with ``params.n > 1``, the ids of the n samples (a group
+        sharing the prompt's KV), ``f"{request_id}-{i}"`` for sample i."""
         self._check_weights_whole()
         if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams or None, got "
                              f"{type(params).__name__}")
         req = self._validate([prompt], 0 if k is None else k, params, tree)
-        return self.core.add(req.prompts[0], req.params[0], req.k, req.tree, request_id)
+        rids = sample_ids(request_id, req.params[0].n, self.core._requests.__contains__)
+        out = [self.core.add(req.prompts[0], sp, req.k, req.tree, rid, sample=sample)
+               for rid, (sp, sample) in zip(rids, expand_samples(req.params[0]))]
+        return out[0] if len(out) == 1 else out
 
     def step(self) -> list[RequestOutput]:
         """One engine step (a prefill batch or one verify step of every running request).
@@ -233,7 +243,8 @@ class SpecEngine:
             raise RuntimeError(f"generate needs an idle engine: {self.core.num_unfinished} "
                                "requests added with add_request are unfinished (step them to "
                                "the end or abort them first)")
-        ids = [self.core.add(p, sp, req.k, req.tree) for p, sp in zip(req.prompts, req.params)]
+        ids = [self.core.add(p, s, req.k, req.tree, sample=sample)  # prompt-major
+               for p, sp in zip(req.prompts, req.params) for s, sample in expand_samples(sp)]
         done: dict[str, GenerationOutput] = {}
         bar = None
         if use_tqdm:
