@@ -35,6 +35,7 @@ from specengine.tree import DraftTree
 if TYPE_CHECKING:
     from specengine.core.graphs import GraphRunner
     from specengine.core.verify import VerifyOutput, VerifyShape
+    from specengine.drafters.adapt import FeatureBuffer
     from specengine.drafters.context import DraftContext
     from specengine.drafters.static_chain import StaticFeatureChain
 
@@ -71,6 +72,9 @@ class FeatureDrafter(Drafter):
         # True once bound to the static path: entries use the target's block tables (the
         # sequences' own), roots live in ``_static.root`` by arena slot; no own allocation.
         self.shared_tables = False
+        # Online adaptation (drafters/adapt.py): when set, every catch-up pass also copies its
+        # entries (features, fed tokens) into this ring on the device. None: nothing is kept.
+        self.capture: FeatureBuffer | None = None
 
     def bind_static(self, graphs: GraphRunner) -> None:
         """Chains then run as ``StaticFeatureChain`` (one CUDA graph per bucket and k)."""
@@ -134,7 +138,15 @@ class FeatureDrafter(Drafter):
                      num_accepted: np.ndarray) -> bool:
         if self._static is None:
             return False
-        return self._static.observe(seqs, out, shape, num_accepted)
+        if not self._static.observe(seqs, out, shape, num_accepted):
+            return False
+        if self.capture is not None:
+            from specengine.drafters.adapt import capture_static
+
+            st = self._static.state
+            live = ~st.arena.done[st.row_slots[: len(seqs)]]  # type: ignore[union-attr]
+            capture_static(self.capture, self, seqs, out, shape, num_accepted, live)
+        return True
 
     def observe(self, seqs: tuple[Sequence, ...], target: ForwardOutput,
                 accepted_rows: list[list[int]]) -> None:
@@ -164,6 +176,10 @@ class FeatureDrafter(Drafter):
         feats = self.features(target, to_device(np.array(rows, np.int64), target.hidden.device))
         ids = to_device(np.array([t for ts in tokens for t in ts], np.int64), self.device)
         out = self._forward(states, ctx, ids, feats, positions)  # feats: on the engine device
+        if self.capture is not None:
+            from specengine.drafters.adapt import capture_eager
+
+            capture_eager(self.capture, [seqs[b] for b in live], positions, feats, ids)
         ends = to_device(np.cumsum([len(t) for t in tokens]) - 1, self.device)
         last = out[ends]  # a copy: the states must not keep the whole pass alive
         if shared:

@@ -1,0 +1,133 @@
+"""The EAGLE-3 training loss of a head on buffered rollouts (``drafters/adapt.py``).
+
+The loss unrolls the head exactly as drafting runs it (``Eagle3Head.forward``,
+``FeatureDrafter`` / ``StaticFeatureChain``), "training-time test" in EAGLE-3's words:
+
+* depth 0: entry ``i`` (rope position ``i``) reads the target's features ``f_i`` (through
+  ``fc``) and ``x_{i+1}``, attends causally to entries ``0 .. i``; ``g0_i`` predicts
+  ``x_{i+2}``. These are the entries the catch-up pass writes from the target's features.
+* depth ``d >= 1``: the entry of anchor ``i`` sits at position ``i + d``, reads ``g{d-1}_i``
+  (the head's own output, ``fc`` skipped) and ``x_{i+d+1}``, and attends to the target-feature
+  entries ``0 .. i`` plus the anchor's own entries of depths ``1 .. d``: the keys the draft
+  chain rooted at ``i`` sees in the paged cache. ``g{d}_i`` predicts ``x_{i+d+2}``.
+
+Fed tokens are the policy's (teacher forcing): a draft at depth ``d`` only counts when drafts
+``0 .. d-1`` were accepted, i.e. equal to the tokens the policy then produced. Only anchors a
+draft chain can start from (``i >= prompt_len - 1``) and targets with a draft id count; the
+loss is ``sum_d 0.8^d * mean CE_d`` (EAGLE-3's depth weights). The parameters come as a
+dict (the trainer's float32 masters); the target's embeddings are read, never trained.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specengine.kernels.reference import add_rms_norm, rms_norm, silu_mul
+from specengine.kernels.reference_layer import split_qkv_rope
+
+DEPTH_WEIGHT = 0.8
+
+
+class HeadMath:
+    """The head's forward as differentiable tensor maths over a dict of parameters."""
+
+    def __init__(self, head: nn.Module, embed: nn.Embedding) -> None:
+        self.head, self.embed = head, embed
+        attn = head.midlayer.self_attn
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.scale = attn.scale
+        self.eps = head.norm.eps
+        self.qk_eps = attn.q_norm.eps if attn.qk_norm else 1e-6
+        self.norm_before_residual = head.midlayer.norm_before_residual
+
+    def _w(self, p: dict[str, Tensor], name: str) -> Tensor | None:
+        return p.get(name)
+
+    def qkv(self, p: dict[str, Tensor], ids: Tensor, hidden: Tensor, positions: Tensor
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``ids [B, T]``, ``hidden [B, T, 3H or H]``, ``positions [T]`` → q ``[B, T, Hq, D]``,
+        k / v ``[B, T, Hkv, D]`` and the residual ``[B, T, H]``."""
+        b, t = ids.shape
+        embeds = F.embedding(ids, self.embed.weight.detach()).float()
+        if hidden.shape[-1] != embeds.shape[-1]:
+            hidden = F.linear(hidden, p["fc.weight"])
+        m = "midlayer."
+        normed = rms_norm(hidden, p[m + "hidden_norm.weight"], self.eps)
+        x = torch.cat([rms_norm(embeds, p[m + "input_layernorm.weight"], self.eps), normed], -1)
+        residual = normed if self.norm_before_residual else hidden
+        a = m + "self_attn."
+        qkv = F.linear(x, p[a + "qkv_proj.weight"], self._w(p, a + "qkv_proj.bias"))
+        cos, sin = self.head.rotary_emb.cos_sin(positions, torch.float32)
+        q, k, v = split_qkv_rope(qkv.reshape(b * t, -1), cos.repeat(b, 1), sin.repeat(b, 1),
+                                 self.num_heads, self.num_kv_heads,
+                                 self._w(p, a + "q_norm.weight"), self._w(p, a + "k_norm.weight"),
+                                 self.qk_eps)
+        return (q.view(b, t, self.num_heads, -1), k.view(b, t, self.num_kv_heads, -1),
+                v.view(b, t, self.num_kv_heads, -1), residual)
+
+    def finish(self, p: dict[str, Tensor], attn: Tensor, residual: Tensor) -> Tensor:
+        """``o_proj``, the post-attention add + norm and the MLP: the entries' ``g``."""
+        m = "midlayer."
+        o = F.linear(attn.flatten(-2), p[m + "self_attn.o_proj.weight"],
+                     self._w(p, m + "self_attn.o_proj.bias"))
+        x, residual = add_rms_norm(o, residual, p[m + "post_attention_layernorm.weight"],
+                                   self.eps)
+        up = F.linear(x, p[m + "mlp.gate_up_proj.weight"], self._w(p, m + "mlp.gate_up_proj.bias"))
+        return residual + F.linear(silu_mul(up), p[m + "mlp.down_proj.weight"],
+                                   self._w(p, m + "mlp.down_proj.bias"))
+
+    def logits(self, p: dict[str, Tensor], g: Tensor) -> Tensor:
+        return F.linear(rms_norm(g, p["norm.weight"], self.eps), p["lm_head.weight"])
+
+    def unroll(self, p: dict[str, Tensor], feats: Tensor, ids: Tensor, valid: Tensor,
+               depth: int) -> list[Tensor]:
+        """Draft logits ``[B, T, Vd]`` per depth ``0 .. depth-1`` (module docstring).
+        ``feats [B, T, 3H]`` float32, ``ids [B, T + depth]`` (``ids[:, j] = x_{j+1}``,
+        padded), ``valid [B, T]`` marks real entries."""
+        b, t = valid.shape
+        group = self.num_heads // self.num_kv_heads
+        pos = torch.arange(t, device=feats.device)
+        causal = (pos[None, :] <= pos[:, None])[None, None] & valid[:, None, None, :]
+        q, k0, v0, res = self.qkv(p, ids[:, :t], feats, pos)
+        k0 = k0.repeat_interleave(group, dim=2)  # [B, T, Hq, D]
+        v0 = v0.repeat_interleave(group, dim=2)
+        own_k: list[Tensor] = []  # the anchor's entries of depths 1 .. d (diagonal keys)
+        own_v: list[Tensor] = []
+        out = []
+        g = feats  # replaced by each depth's output before depth d + 1 reads it
+        for d in range(depth):
+            if d > 0:
+                q, k, v, res = self.qkv(p, ids[:, d: d + t], g, pos + d)
+                own_k.append(k.repeat_interleave(group, dim=2))
+                own_v.append(v.repeat_interleave(group, dim=2))
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k0) * self.scale
+            scores = scores.masked_fill(~causal, float("-inf"))
+            if own_k:
+                diag = torch.stack([(q * kk).sum(-1) for kk in own_k], -1) * self.scale
+                scores = torch.cat([scores, diag.permute(0, 2, 1, 3)], -1)  # [B, Hq, T, T+d]
+            probs = torch.softmax(scores, dim=-1)
+            attn = torch.einsum("bhqk,bkhd->bqhd", probs[..., :t], v0)
+            for e, vv in enumerate(own_v):
+                attn = attn + probs[..., t + e].permute(0, 2, 1)[..., None] * vv
+            g = self.finish(p, attn, res)
+            out.append(self.logits(p, g))
+        return out
+
+
+def ttt_sums(math: HeadMath, p: dict[str, Tensor], feats: Tensor, ids: Tensor,
+             valid: Tensor, targets: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Per depth ``d``: the summed cross-entropy of the depth-d logits against ``targets[d]``
+    (``-100``: no loss at that entry) and the number of entries it sums over."""
+    logits = math.unroll(p, feats, ids, valid, len(targets))
+    sums = torch.stack([F.cross_entropy(lg.flatten(0, 1), tg.flatten(), ignore_index=-100,
+                                        reduction="sum") for lg, tg in zip(logits, targets)])
+    counts = torch.stack([(tg >= 0).sum() for tg in targets])
+    return sums, counts
+
+
+def ttt_loss(sums: Tensor, counts: Tensor) -> Tensor:
+    """``sum_d 0.8^d * mean CE_d`` from :func:`ttt_sums` totals."""
+    w = DEPTH_WEIGHT ** torch.arange(len(sums), device=sums.device, dtype=sums.dtype)
+    return (w * sums / counts.clamp_min(1)).sum()

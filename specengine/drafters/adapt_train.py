@@ -1,0 +1,210 @@
+"""Training an EAGLE-3 head in place on its rollout buffer (``drafters/adapt.py``) with the
+loss of ``drafters/adapt_math.py``: the optimiser (float32 masters, AdamW, state kept across
+calls), :class:`DraftAdapter` (what ``SpecEngine.adapt_draft`` and the automatic mode call) and
+the checks of the ``adapt_*`` draft options."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from specengine.drafters.adapt import BufferedSeq, FeatureBuffer
+from specengine.drafters.adapt_math import HeadMath, ttt_loss, ttt_sums
+
+if TYPE_CHECKING:
+    from specengine.drafters.base import Drafter
+    from specengine.drafters.eagle3 import Eagle3Drafter
+
+logger = logging.getLogger(__name__)
+
+GROUP_SEQS = 16  # sequences per padded forward (sorted by length)
+
+
+def check_adapt_options(buffer_tokens: object, every: object, steps: object,
+                        lr: object) -> None:
+    """The EAGLE-3 drafter's ``adapt_*`` draft options, each with a clear error."""
+    for name, v, low in (("adapt_buffer_tokens", buffer_tokens, 0), ("adapt_every", every, 0),
+                         ("adapt_steps", steps, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"draft option {name} must be an int >= {low}, got {v!r}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (
+            math.isfinite(lr) and lr > 0):
+        raise ValueError(f"draft option adapt_lr must be a finite number > 0, got {lr!r}")
+
+
+@dataclass(frozen=True)
+class AdaptResult:
+    """One ``adapt_draft`` call: the EAGLE-3 loss on the whole buffer before and after the
+    ``steps`` optimiser steps, what it trained on and how long it took."""
+
+    steps: int
+    num_seqs: int
+    num_tokens: int  # positions with a depth-0 target (the policy's produced tokens)
+    loss_before: float
+    loss_after: float
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.num_seqs < 1 or self.seconds < 0:
+            raise ValueError(f"inconsistent AdaptResult {self}")
+
+
+class DraftAdapter:
+    """The buffer of an EAGLE-3 drafter and the optimiser that trains its head on it.
+    ``depth``: unrolled draft steps of the loss; ``batch_tokens``: most buffered positions
+    per optimiser step (a random subset of sequences when the buffer holds more)."""
+
+    def __init__(self, drafter: Eagle3Drafter, capacity: int, depth: int = 3,
+                 batch_tokens: int = 8192, seed: int = 0) -> None:
+        self.drafter = drafter
+        self.buffer = FeatureBuffer(capacity, drafter.device)
+        self.math = HeadMath(drafter.module, drafter._embed)
+        self.depth, self.batch_tokens = depth, batch_tokens
+        self.optimizer: HeadOptimizer | None = None  # built at the first adapt
+        self._rng = np.random.default_rng(seed)
+
+    def trainable(self) -> list[BufferedSeq]:
+        """Buffered sequences with at least one generated target (``len >= prompt + 1``)."""
+        return [s for s in self.buffer.sequences() if len(s.rows) > s.num_prompt_tokens]
+
+    def adapt(self, steps: int, lr: float) -> AdaptResult:
+        """Train the head in place for ``steps`` AdamW steps at learning rate ``lr``."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"adapt_draft: steps must be an int >= 1, got {steps!r}")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (
+                math.isfinite(lr) and lr > 0):
+            raise ValueError(f"adapt_draft: lr must be a finite number > 0, got {lr!r}")
+        seqs = self.trainable()
+        if not seqs:
+            raise ValueError("adapt_draft: the rollout buffer holds no sequence to train on "
+                             f"({len(self.buffer)} entries): run rollouts with k > 0 first")
+        t0 = time.perf_counter()
+        if self.optimizer is None:
+            self.optimizer = HeadOptimizer(self.drafter.module)
+        opt = self.optimizer
+        opt.sync_in()
+        before = self.loss(seqs)
+        for _ in range(steps):
+            with torch.enable_grad():
+                loss = self._objective(self._pick(seqs))
+            opt.step(loss, float(lr))
+        opt.sync_out()
+        after = self.loss(seqs)
+        num_tokens = sum(len(s.rows) - s.num_prompt_tokens for s in seqs)
+        res = AdaptResult(steps, len(seqs), num_tokens, before, after,
+                          time.perf_counter() - t0)
+        logger.info("adapted the draft head: %d steps on %d sequences, loss %.4f -> %.4f "
+                    "(%.2f s)", steps, len(seqs), before, after, res.seconds)
+        return res
+
+    @torch.no_grad()
+    def loss(self, seqs: list[BufferedSeq]) -> float:
+        """The loss over all of ``seqs``."""
+        return float(self._objective(seqs))
+
+    def _objective(self, seqs: list[BufferedSeq]) -> Tensor:
+        """The loss of ``seqs``, run in groups of similar length (little padding)."""
+        seqs = sorted(seqs, key=lambda s: len(s.rows))
+        sums = counts = None
+        for i in range(0, len(seqs), GROUP_SEQS):
+            s, c = ttt_sums(self.math, self.optimizer.masters,  # type: ignore[union-attr]
+                            *self._batch(seqs[i: i + GROUP_SEQS]))
+            sums, counts = (s, c) if sums is None else (sums + s, counts + c)
+        return ttt_loss(sums, counts)  # type: ignore[arg-type]
+
+    def _pick(self, seqs: list[BufferedSeq]) -> list[BufferedSeq]:
+        """A random subset of ``seqs`` of about ``batch_tokens`` positions (all if fewer)."""
+        if sum(len(s.rows) for s in seqs) <= self.batch_tokens:
+            return seqs
+        out, n = [], 0
+        for i in self._rng.permutation(len(seqs)):
+            if out and n + len(seqs[i].rows) > self.batch_tokens:
+                break
+            out.append(seqs[i])
+            n += len(seqs[i].rows)
+        return out
+
+    def _batch(self, seqs: list[BufferedSeq]
+               ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+        """Padded ``feats [B, T, F]`` float32, ``ids [B, T + depth]``, ``valid [B, T]`` and
+        the per-depth targets (draft ids, -100 where no loss) of ``seqs``."""
+        dev, depth = self.buffer.device, self.depth
+        t = max(len(s.rows) for s in seqs)
+        rows = np.zeros((len(seqs), t), dtype=np.int64)
+        lens = np.array([len(s.rows) for s in seqs], dtype=np.int64)
+        first = np.array([s.num_prompt_tokens - 1 for s in seqs], dtype=np.int64)
+        for b, s in enumerate(seqs):
+            rows[b, : len(s.rows)] = s.rows
+        j = np.arange(t)
+        valid_np = j[None, :] < lens[:, None]
+        rows_t = torch.from_numpy(rows).to(dev)
+        valid = torch.from_numpy(valid_np).to(dev)
+        assert self.buffer.feats is not None
+        feats = self.buffer.feats[rows_t].float()
+        tok = torch.where(valid, self.buffer.tokens[rows_t], 0)  # tok[:, i] = x_{i+1}
+        ids = torch.cat([tok, tok.new_zeros(len(seqs), depth)], dim=1)
+        head = self.drafter.module
+        to_draft = torch.full((head.vocab_size,), -100, dtype=torch.int64, device=dev)
+        to_draft[head.draft_to_target] = torch.arange(head.draft_to_target.numel(), device=dev)
+        targets = []
+        for d in range(depth):
+            # anchor i's depth-d target is x_{i+d+2} = ids[:, i+d+1]; chains start at
+            # i >= prompt_len - 1 and the target must exist
+            ok = (j[None, :] >= first[:, None]) & (j[None, :] + d + 1 < lens[:, None])
+            tg = to_draft[ids[:, d + 1: d + 1 + t]]
+            targets.append(torch.where(torch.from_numpy(ok).to(dev), tg, -100))
+        return feats, ids, valid, targets
+
+
+def eagle3_drafter(drafter: Drafter | None) -> Eagle3Drafter:
+    """The engine's EAGLE-3 drafter (alone or in a ``(HEAD_DIR, "suffix")`` pair)."""
+    from specengine.drafters.eagle3 import Eagle3Drafter
+
+    neural = getattr(drafter, "neural", drafter)  # HybridDrafter keeps it as .neural
+    if not isinstance(neural, Eagle3Drafter):
+        what = "no drafter" if drafter is None else f"a {type(drafter).__name__}"
+        raise ValueError(f"adapt_draft trains an EAGLE-3 head, but this engine has {what} "
+                         "(create it with draft=HEAD_DIR or (HEAD_DIR, 'suffix'))")
+    return neural
+
+
+class HeadOptimizer:
+    """AdamW over float32 masters of ``head``'s parameters (bf16 heads get fp32 updates),
+    state kept across calls. ``sync_in`` re-reads a master whose head tensor changed since (a
+    ``load_weights`` of the head) and resets its moments; ``sync_out`` copies the masters into
+    the head's own tensors in place, so every ``data_ptr`` stays (static buffers and CUDA
+    graphs read them)."""
+
+    def __init__(self, head: nn.Module) -> None:
+        self.params = dict(head.named_parameters())
+        self.masters = {n: p.detach().float().clone().requires_grad_(True)
+                        for n, p in self.params.items()}
+        self.opt = torch.optim.AdamW(list(self.masters.values()), lr=1e-3, weight_decay=0.0)
+
+    @torch.no_grad()
+    def sync_in(self) -> None:
+        for n, p in self.params.items():
+            m = self.masters[n]
+            if not torch.equal(m.to(p.dtype), p):
+                m.copy_(p.float())
+                self.opt.state.pop(m, None)
+
+    @torch.no_grad()
+    def sync_out(self) -> None:
+        for n, p in self.params.items():
+            p.copy_(self.masters[n])
+
+    def step(self, loss: Tensor, lr: float, max_grad_norm: float = 1.0) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(self.masters.values()), max_grad_norm)
+        self.opt.step()
