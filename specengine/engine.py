@@ -13,6 +13,7 @@ import torch
 from specengine.config import EngineConfig
 from specengine.core.engine_core import EngineCore
 from specengine.core.graphs import DEFAULT_BUCKETS, build_graph_runner
+from specengine.drafters.adapt_train import AdaptResult
 from specengine.kv_cache import KVCache, num_kv_blocks
 from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
@@ -327,6 +328,18 @@ class SpecEngine:
         if self._weight_receiver is not None:
             self._weight_receiver.close()
             self._weight_receiver = None
+
+    def adapt_draft(self, steps: int = 50, lr: float = 1e-3) -> AdaptResult:
+        """Train the EAGLE-3 head in place for ``steps`` AdamW steps at ``lr`` on the rollouts
+        it kept (target features + the policy's tokens; EAGLE-3's unrolled training loss).
+        Needs ``draft_options={"adapt_buffer_tokens": N}`` (keep the last N positions);
+        ``"adapt_every": N`` also adapts after every N finished requests by itself. The
+        policy is never touched and the head's tensors keep their ``data_ptr``; output stays
+        lossless. Bad arguments or an empty buffer raise ``ValueError``, changing nothing
+        (``specengine.drafters.adapt``)."""
+        from specengine.drafters.adapt_train import eagle3_drafter
+
+        return eagle3_drafter(self.drafter).adapt(steps, lr)
 
     def _decode_step(self, seqs: tuple[Sequence, ...], k: int, tree: DraftTree | None,
                      times: StepTimes, version: int) -> None:
