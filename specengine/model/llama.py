@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ from specengine.kernels import reference
 from specengine.model.attention import AttentionBackend, AttentionMetadata
 from specengine.model.config import ModelConfig
 from specengine.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from specengine.distributed.tp_group import TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -118,18 +121,26 @@ def _load_hf_names(module: nn.Module, state_dict: dict[str, Any], prefix: str,
 
 class Attention(nn.Module):
     """Self-attention over the paged cache. ``in_features`` is the width q/k/v read (default
-    ``hidden_size``; an EAGLE-3 layer reads ``2 * hidden_size``)."""
+    ``hidden_size``; an EAGLE-3 layer reads ``2 * hidden_size``). With ``tp`` this rank's
+    heads only (``specengine.distributed.tp_layers``): QKV column-, ``o_proj`` row-parallel."""
 
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding,
-                 in_features: int | None = None) -> None:
+                 in_features: int | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        n = tp.world_size if tp is not None else 1
+        # Fewer KV heads than ranks: each rank keeps the one its query heads read (replicated).
+        self.num_heads, self.num_kv_heads = cfg.num_heads // n, max(1, cfg.num_kv_heads // n)
         self.head_dim = cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
         self.qkv_proj = MergedLinear(
-            in_features or h, (("q_proj", cfg.num_heads * d), ("k_proj", cfg.num_kv_heads * d),
-                               ("v_proj", cfg.num_kv_heads * d)), bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+            in_features or h, (("q_proj", self.num_heads * d), ("k_proj", self.num_kv_heads * d),
+                               ("v_proj", self.num_kv_heads * d)), bias=cfg.qkv_bias)
+        if tp is None:
+            self.o_proj: nn.Module = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        else:
+            from specengine.distributed.tp_layers import RowParallelLinear
+
+            self.o_proj = RowParallelLinear(self.num_heads * d, h, cfg.o_bias, tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -152,12 +163,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Gate-up (column-parallel with ``tp``: this rank's slice of each) and down (row-parallel)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
+        h = cfg.hidden_size
+        i = cfg.intermediate_size // (tp.world_size if tp is not None else 1)
         self.gate_up_proj = MergedLinear(h, (("gate_proj", i), ("up_proj", i)),
                                          bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        if tp is None:
+            self.down_proj: nn.Module = nn.Linear(i, h, bias=cfg.mlp_bias)
+        else:
+            from specengine.distributed.tp_layers import RowParallelLinear
+
+            self.down_proj = RowParallelLinear(i, h, cfg.mlp_bias, tp)
         self.register_load_state_dict_pre_hook(_load_hf_names)
 
     def forward(self, x: Tensor, backend: AttentionBackend | None = None) -> Tensor:
@@ -167,10 +186,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rope)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, rope, tp=tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -214,26 +234,52 @@ def run_layers(layers: nn.ModuleList, final_norm: RMSNorm, h: Tensor, cos: Tenso
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if tp is None:
+            self.embed_tokens: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            from specengine.distributed.tp_layers import VocabParallelEmbedding
+
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rotary_emb) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, self.rotary_emb, tp) for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """The policy (or a small draft LM): ``forward`` → final hidden states, ``compute_logits``."""
+    """The policy (or a small draft LM): ``forward`` → final hidden states, ``compute_logits``.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    With ``tp`` (a :class:`~specengine.distributed.tp_group.TPGroup`) this rank's shard of a
+    tensor-parallel model: ``tp_shards`` maps each split HF tensor to this rank's slice of it
+    (every weight-loading path copies that slice), and on rank 0 ``forward`` / the embedding /
+    the LM head first tell the other ranks to run the same call (``distributed.tp_group``)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tp = tp
+        self.model = DecoderModel(cfg, tp)
+        if tp is None:
+            self.lm_head: nn.Module = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            if cfg.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            from specengine.distributed.tp_layers import ParallelLMHead
+
+            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp,
+                                          self.model.embed_tokens  # type: ignore[arg-type]
+                                          if cfg.tie_word_embeddings else None)
+        #: HF name -> this rank's slice of that tensor, for the tensors that are split
+        self.tp_shards: dict[str, Any] = {}
+        if tp is not None:
+            from specengine.distributed.tp_layers import shard_specs
+            from specengine.model.loader import hf_named_tensors
+
+            names = list(hf_named_tensors(self, remove_duplicate=False))
+            self.tp_shards = shard_specs(names, cfg, tp.rank, tp.world_size)
 
     def forward(
         self,
@@ -247,6 +293,15 @@ class CausalLM(nn.Module):
         """Final-norm hidden states ``[T, H]`` and the inputs of the layers in ``aux_layers``
         (the residual stream entering each, as EAGLE-3 reads it), in layer order; index
         ``num_layers`` is the last layer's output before the final norm."""
+        if self.tp is not None:
+            # Rank 0 broadcasts the step's inputs; the workers run it on their own caches.
+            with self.tp.entry("forward", input_ids, positions, meta, aux_layers):
+                return self._forward(input_ids, positions, kv_cache, meta, backend, aux_layers)
+        return self._forward(input_ids, positions, kv_cache, meta, backend, aux_layers)
+
+    def _forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor,
+                 meta: AttentionMetadata, backend: AttentionBackend,
+                 aux_layers: tuple[int, ...]) -> tuple[Tensor, list[Tensor]]:
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb.cos_sin(positions, h.dtype)
         return run_layers(self.model.layers, self.model.norm, h, cos, sin, kv_cache, meta,

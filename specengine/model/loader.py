@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -19,6 +20,9 @@ from torch import Tensor, nn
 
 from specengine.model.config import CheckpointError, ModelConfig
 from specengine.model.llama import CausalLM, MergedLinear
+
+if TYPE_CHECKING:
+    from specengine.distributed.tp_group import TPGroup
 
 # Checkpoint keys that carry no parameter of ours.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -89,6 +93,22 @@ def hf_named_tensors(module: nn.Module, remove_duplicate: bool = True) -> dict[s
     return out
 
 
+def full_shape(module: nn.Module, name: str, param: Tensor) -> tuple[int, ...]:
+    """The shape an update of ``name`` carries: the parameter's, or for a tensor-parallel
+    shard (``module.tp_shards``, ``distributed.tp_layers``) the whole tensor's."""
+    spec = getattr(module, "tp_shards", {}).get(name)
+    return tuple(param.shape) if spec is None else spec.full_shape(tuple(param.shape))
+
+
+def copy_param(module: nn.Module, name: str, param: Tensor, src: Tensor) -> None:
+    """``param.copy_(src)`` in place, or this rank's slice of ``src`` for a shard."""
+    spec = getattr(module, "tp_shards", {}).get(name)
+    if spec is None:
+        param.copy_(src.to(param.device))
+    else:
+        spec.copy_into(param, src)
+
+
 def _check_castable(name: str, src: torch.dtype, dst: torch.dtype) -> str | None:
     if src.is_floating_point != dst.is_floating_point or src.is_complex or src == torch.bool:
         return f"{name}: dtype {src} cannot be cast to the parameter's {dst}"
@@ -135,9 +155,10 @@ def check_entries(
             continue
         seen.add(name)
         param = params[name]
-        if tuple(shape) != tuple(param.shape):
+        want = full_shape(module, name, param)
+        if tuple(shape) != want:
             errors.append(f"{name}: shape {tuple(shape)} does not match the parameter's "
-                          f"{tuple(param.shape)}")
+                          f"{want}")
             continue
         bad_dtype = _check_castable(name, dtype, param.dtype)
         if bad_dtype:
@@ -185,7 +206,7 @@ def load_named_tensors(
     tensors = dict(items)
     with torch.no_grad():
         for name in accepted:
-            params[name].copy_(tensors[name].to(params[name].device))
+            copy_param(module, name, params[name], tensors[name])
     return accepted
 
 
@@ -202,17 +223,18 @@ def tied_names(module: nn.Module) -> dict[str, str]:
 
 
 def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-                load_format: str = "auto") -> CausalLM:
+                load_format: str = "auto", tp: TPGroup | None = None) -> CausalLM:
     """A :class:`CausalLM` on ``device`` filled from the checkpoint dir (strict: every weight
     present, none unexpected, shapes equal). ``load_format="dummy"`` reads only config.json
     and fills the weights with seeded random values (vLLM's option, for benchmarks at real
-    shapes without the checkpoint)."""
+    shapes without the checkpoint). With ``tp``: this rank's shard (each full tensor read,
+    its slice kept)."""
     cfg = ModelConfig.from_dir(path)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = CausalLM(cfg)
+            model = CausalLM(cfg, tp)
     finally:
         torch.set_default_dtype(prev)
     if load_format == "dummy":
@@ -220,10 +242,13 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
         with torch.no_grad():
             # By HF tensor, so the values are those an unmerged model drew.
             for name, param in hf_named_tensors(model).items():
+                full = torch.empty(full_shape(model, name, param), dtype=param.dtype,
+                                   device=device)  # a shard: the whole tensor drawn, sliced
                 if name.endswith("norm.weight"):
-                    param.fill_(1.0)
+                    full.fill_(1.0)
                 else:
-                    param.normal_(0.0, 0.02, generator=gen)
+                    full.normal_(0.0, 0.02, generator=gen)
+                copy_param(model, name, param, full)
     elif load_format == "auto":
         # A checkpoint's MTP layers are the "mtp" drafter's business, not the target's.
         skip = ("mtp.",) if cfg.num_mtp_layers else ()

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from specengine.model.config import CheckpointError
 from specengine.model.loader import (
     check_entries,
     format_errors,
+    full_shape,
     hf_named_tensors,
     iter_checkpoint,
     tied_names,
@@ -83,7 +84,8 @@ def commit(engine: SpecEngine, which: str, names: Iterable[str], version: int | 
     only after a complete update: a refused one changes nothing."""
     engine._torn_weights.difference_update((which, n) for n in names)
     engine.weight_version = version if version is not None else engine.weight_version + 1
-    after_update(engine.core, which, engine.weight_version)
+    if engine.core is not None:  # None on a tensor-parallel worker (no requests there)
+        after_update(engine.core, which, engine.weight_version)
     return engine.weight_version
 
 
@@ -104,8 +106,13 @@ def load_in_process(engine: SpecEngine, named_tensors: Iterable[tuple[str, torch
         def mark_torn(names: list[str]) -> None:  # commit clears them once all are in
             engine._torn_weights.update((which, n) for n in names)
 
-        names = load_named_tensors(engine.model, named_tensors, strict=False,
-                                   tied=tied_names(engine.model), before_write=mark_torn)
+        if getattr(engine, "tp", None) is not None:  # every rank checks, then copies its slice
+            from specengine.distributed.tp_weights import load_policy
+
+            names = load_policy(engine.tp, engine.model, named_tensors, mark_torn)
+        else:
+            names = load_named_tensors(engine.model, named_tensors, strict=False,
+                                       tied=tied_names(engine.model), before_write=mark_torn)
     else:
         try:
             names = engine.drafter.load_weights(named_tensors)  # type: ignore[union-attr]
@@ -129,6 +136,7 @@ class _Plan:
     params: dict[str, torch.Tensor]
     accepted: set[str]
     staged: dict[str, torch.Tensor] | None
+    shards: dict[str, Any] = field(default_factory=dict)  # tensor-parallel slices (whole staged)
 
     def scatter(self, buf: torch.Tensor, lo: int, hi: int) -> None:
         """Cast stream bytes ``[lo, hi)`` (in ``buf[:hi-lo]``) into their destinations."""
@@ -158,7 +166,11 @@ class _Plan:
         if self.staged is not None:
             with torch.no_grad():
                 for name, t in self.staged.items():
-                    self.params[name].copy_(t)
+                    spec = self.shards.get(name)
+                    if spec is None:
+                        self.params[name].copy_(t)
+                    else:  # the whole tensor was staged: this rank keeps its slice
+                        spec.copy_into(self.params[name], t)
             self.staged = None
 
 
@@ -171,6 +183,9 @@ def plan_update(engine: SpecEngine, which: str, manifest: Manifest, staging: str
     if manifest.which != which:
         raise ValueError(f"the sender sends {manifest.which!r} weights but this receiver "
                          f"expects {which!r}")
+    if which == "draft" and getattr(engine, "is_tp_worker", False):
+        # The drafter lives on rank 0: this rank joins the transfer and keeps nothing.
+        return _Plan(manifest, which, {}, set(), None)
     module, tied = update_target(engine, which)
     check_allowed(engine, manifest.version)
     accepted, errors = check_entries(
@@ -181,20 +196,24 @@ def plan_update(engine: SpecEngine, which: str, manifest: Manifest, staging: str
     # By HF name; a merged projection's parts are views of its storage, written in place.
     params = {n: t.detach() for n, t in hf_named_tensors(module, remove_duplicate=False).items()}
     staged = None
+    shards = getattr(module, "tp_shards", {})
     where = _staging_device(engine.device, sum(params[n].nbytes for n in accepted), staging)
+    if where is None and any(n in shards for n in accepted):
+        where = torch.device("cpu")  # a slice is cut from the whole tensor: stage it whole
     if where is not None:
         staged = {}
         pin = where.type == "cpu" and engine.device.type == "cuda"
         for n in accepted:
             buf = host_cache.get((which, n)) if host_cache is not None else None
-            if buf is None or buf.device != where or buf.shape != params[n].shape or \
+            shape = full_shape(module, n, params[n])
+            if buf is None or buf.device != where or tuple(buf.shape) != shape or \
                     buf.dtype != params[n].dtype:
-                buf = torch.empty(params[n].shape, dtype=params[n].dtype, device=where,
-                                  pin_memory=pin)
+                buf = torch.empty(shape, dtype=params[n].dtype, device=where, pin_memory=pin)
                 if host_cache is not None and where.type == "cpu":
                     host_cache[(which, n)] = buf
             staged[n] = buf
-    return _Plan(manifest, which, params, set(accepted), staged)
+    return _Plan(manifest, which, params, set(accepted), staged,
+                 {n: s for n, s in shards.items() if n in accepted})
 
 
 def _staging_device(device: torch.device, nbytes: int, staging: str) -> torch.device | None:
@@ -293,6 +312,10 @@ def apply_shared(engine: SpecEngine, handles: SharedWeights, which: str) -> int:
     if not isinstance(handles, SharedWeights):
         raise TypeError(f"handles must be SharedWeights (from WeightSender.send with "
                         f"transport='shared'), got {type(handles).__name__}")
+    if getattr(engine, "tp", None) is not None:
+        raise ValueError("update_weights_from_shared does not serve a tensor-parallel engine "
+                         "(each rank copies its slice of the whole tensors): use load_weights "
+                         "or a weight-sync group")
     manifest = Manifest.from_json(handles.manifest)
     chunks = manifest.chunks()
     sizes = [b.numel() for b in handles.buckets]
