@@ -83,6 +83,10 @@ class SpecEngine:
             (captured at its first use). None: on when the device is CUDA. On the CPU, True
             runs the same padded static path without capture. Larger batches run eagerly.
         graph_buckets: the batch sizes the static path pads to.
+        tensor_parallel_size: split the model over this many ranks, one process each (rank 0
+            is this one; the engine starts the others and :meth:`close` stops them):
+            Megatron-style sharded layers, KV cache sharded by head, the drafter on rank 0
+            (``specengine.distributed.tensor_parallel``).
         kv_on_update / max_policy_lag / policy_lag_action: an update between steps
             ``"keep"``s running requests' KV or ``"recompute"``s it; requests > N versions
             behind (N: their own ``SamplingParams.max_policy_lag``, else this) are
@@ -119,6 +123,7 @@ class SpecEngine:
         num_threads: int | None = None,
         cuda_graphs: bool | None = None,
         graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        tensor_parallel_size: int = 1,
         kv_on_update: str = "keep", max_policy_lag: int | None = None,
         policy_lag_action: str = "finish", enable_prefix_caching: bool = True,
     ) -> None:
@@ -133,6 +138,7 @@ class SpecEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             draft_options=tuple(sorted((draft_options or {}).items())),
             cuda_graphs=cuda_graphs, graph_buckets=tuple(graph_buckets),
+            tensor_parallel_size=tensor_parallel_size,
             kv_on_update=kv_on_update, max_policy_lag=max_policy_lag,
             policy_lag_action=policy_lag_action, enable_prefix_caching=enable_prefix_caching)
         cfg = self.config
@@ -143,7 +149,14 @@ class SpecEngine:
             # Triton runs on the CPU only through its interpreter, which must be on before any
             # kernel is defined.
             os.environ.setdefault("TRITON_INTERPRET", "1")
-        self.model = build_model(cfg.model, cfg.torch_dtype, self.device, load_format)
+        self.tp = None  # ranks 1..N-1 of a tensor-parallel engine (distributed.tensor_parallel)
+        if cfg.tensor_parallel_size > 1:
+            from specengine.distributed.tensor_parallel import TensorParallel
+
+            self.tp = TensorParallel(cfg, model_config, load_format, num_threads)
+            self.model = self.tp.model
+        else:
+            self.model = build_model(cfg.model, cfg.torch_dtype, self.device, load_format)
         self.model_config: ModelConfig = self.model.config
         if cfg.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
@@ -159,13 +172,16 @@ class SpecEngine:
         mc = self.model_config
         num_blocks = num_kv_blocks(cfg, mc, self.device)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, cfg.block_size)
-        self.kv_cache = KVCache(num_blocks, cfg.block_size, mc.num_layers, mc.num_kv_heads,
+        kv_type = self.tp.kv_cache if self.tp else KVCache  # under TP: this rank's heads
+        self.kv_cache = kv_type(num_blocks, cfg.block_size, mc.num_layers, mc.num_kv_heads,
                                 mc.head_dim, cfg.torch_dtype, self.device,
                                 prefix_caching=prefix_caching_on(cfg, self.drafter))
         self.backend = make_attention_backend(cfg.kernel_backend)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device, aux)
         self.sampler = Sampler(cfg.kernel_backend, self.device)
         self.graphs = build_graph_runner(cfg, self.runner, self.sampler, mc.vocab_size)
+        if self.tp is not None:  # rank 0 sends each pass's inputs from the host: no capture
+            self.graphs.capture = False
         if self.drafter is not None:
             self.drafter.bind_static(self.graphs)
         self.weight_version = 0
@@ -301,6 +317,13 @@ class SpecEngine:
         after ``timeout_s``. The process's own ``torch.distributed`` state is not touched."""
         if self._weight_receiver is not None:
             raise RuntimeError("already in a weight-update group: close_weight_update_group()")
+        if self.tp is not None:  # every rank joins, as ranks rank..rank+N-1
+            from specengine.distributed.tp_weights import TPWeightReceiver
+
+            self._weight_receiver = TPWeightReceiver(  # type: ignore[assignment]
+                self.tp, master_address, master_port, rank, world_size, backend, timeout_s,
+                self.device)
+            return
         self._weight_receiver = WeightReceiver(master_address, master_port, rank, world_size,
                                                backend, timeout_s, self.device)
 
@@ -328,6 +351,19 @@ class SpecEngine:
         if self._weight_receiver is not None:
             self._weight_receiver.close()
             self._weight_receiver = None
+
+    def close(self) -> None:
+        """Leave the weight-update group and stop the tensor-parallel ranks' processes
+        (idempotent; also on leaving a ``with SpecEngine(...) as engine:`` block)."""
+        self.close_weight_update_group()
+        if self.tp is not None:
+            self.tp.close()
+
+    def __enter__(self) -> SpecEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def adapt_draft(self, steps: int = 50, lr: float = 1e-3) -> AdaptResult:
         """Train the EAGLE-3 head in place for ``steps`` AdamW steps at ``lr`` on the rollouts
