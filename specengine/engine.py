@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from specengine.config import EngineConfig
+from specengine.core.auto_k import DEFAULT_K_MAX, resolve_k
+from specengine.core.auto_k_calibration import calibrate
 from specengine.core.engine_core import EngineCore
 from specengine.core.graphs import DEFAULT_BUCKETS, build_graph_runner
 from specengine.drafters.adapt_train import AdaptResult
@@ -196,10 +198,12 @@ class SpecEngine:
 
     # ---- the step API (docs/design.md §1, §3) --------------------------------------------
     def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None, *,
-                    k: int | None = None, tree: Seq[Seq[int]] | DraftTree | None = None,
-                    request_id: str | None = None) -> str | list[str]:
+                    k: int | str | None = None, tree: Seq[Seq[int]] | DraftTree | None = None,
+                    request_id: str | None = None, k_max: int = DEFAULT_K_MAX
+                    ) -> str | list[str]:
         """Queue one request (token ids, or text with a tokenizer); it joins the batch at the
-        next :meth:`step`. ``k`` (default 0; a tree's depth with ``tree``) is this request's
+        next :meth:`step`. ``k`` (default 0; a tree's depth with ``tree``; ``"auto"``: each
+        step's k in 0..``k_max`` from the cost model, ``core.auto_k``) is this request's
         draft length: requests may differ. ``request_id`` must not be in use by an unfinished
         request (default: a fresh one). Bad input raises ``ValueError`` and adds nothing.
         Returns the request id; with ``params.n > 1``, the ids of the n samples (a group
@@ -208,9 +212,12 @@ class SpecEngine:
         if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams or None, got "
                              f"{type(params).__name__}")
-        req = self._validate([prompt], 0 if k is None else k, params, tree)
+        k, auto = self._resolve_k(0 if k is None else k, k_max, tree)
+        req = self._validate([prompt], k, params, tree)
+        if auto:
+            self._prepare_auto_k(k)
         rids = sample_ids(request_id, req.params[0].n, self.core._requests.__contains__)
-        out = [self.core.add(req.prompts[0], sp, req.k, req.tree, rid, sample=sample)
+        out = [self.core.add(req.prompts[0], sp, req.k, req.tree, rid, auto, sample=sample)
                for rid, (sp, sample) in zip(rids, expand_samples(req.params[0]))]
         return out[0] if len(out) == 1 else out
 
@@ -243,31 +250,38 @@ class SpecEngine:
     def generate(
         self,
         batch: Seq[list[int] | str],
-        k: int = 0,
+        k: int | str = 0,
         sampling: SamplingParams | Seq[SamplingParams] | None = None,
         tree: Seq[Seq[int]] | DraftTree | None = None,
         *,
         use_tqdm: bool = False,
+        k_max: int = DEFAULT_K_MAX,
     ) -> list[GenerationOutput]:
         """Generate a completion for every prompt of ``batch`` (token-id lists, or strings when
         the checkpoint has a tokenizer), with up to ``k`` draft tokens verified per step (or the
-        static ``tree``). Returns outputs in prompt order; raises ``ValueError`` on bad input
-        before any work, leaving the engine unchanged. A loop of :meth:`step` over requests
-        added here; it needs an idle engine (no unfinished :meth:`add_request` requests)."""
+        static ``tree``; ``k="auto"``: every step the k in 0..``k_max`` with the most expected
+        tokens per second, ``core.auto_k``). Returns outputs in prompt order; raises
+        ``ValueError`` on bad input before any work, leaving the engine unchanged. A loop of
+        :meth:`step` over requests added here; it needs an idle engine (no unfinished
+        :meth:`add_request` requests)."""
         self._check_weights_whole()
+        k, auto = self._resolve_k(k, k_max, tree)
         req = self._validate(batch, k, sampling, tree)
         if self.core.has_unfinished():
             raise RuntimeError(f"generate needs an idle engine: {self.core.num_unfinished} "
                                "requests added with add_request are unfinished (step them to "
                                "the end or abort them first)")
-        ids = [self.core.add(p, s, req.k, req.tree, sample=sample)  # prompt-major
+        if auto:
+            self._prepare_auto_k(k)
+        ids = [self.core.add(p, s, req.k, req.tree, None, auto, sample=sample)  # prompt-major
                for p, sp in zip(req.prompts, req.params) for s, sample in expand_samples(sp)]
         done: dict[str, GenerationOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc=f"generate k={req.k}", unit="seq")
+            bar = tqdm(total=len(ids), desc=f"generate k={'auto' if auto else req.k}",
+                       unit="seq")
         try:
             while self.core.has_unfinished():
                 for out in self.core.step(report_unfinished=False):  # finished ones only
@@ -290,6 +304,21 @@ class SpecEngine:
                                  vocab_size=self.model_config.vocab_size,
                                  max_model_len=self.config.max_model_len,
                                  kv_cache=self.kv_cache, has_drafter=self.drafter is not None)
+
+    def _resolve_k(self, k: object, k_max: object, tree: object) -> tuple[int, bool]:
+        """``(k, auto)``: an int k as is, ``"auto"`` as ``(k_max, True)`` (checked)."""
+        k, auto = resolve_k(k, k_max)
+        if auto and tree is not None:
+            raise ValueError('k="auto" picks a chain length every step; it takes no tree')
+        if auto and k > 0 and self.drafter is None:
+            raise ValueError('k="auto" needs a drafter: construct the engine with draft=...')
+        return k, auto
+
+    def _prepare_auto_k(self, k_max: int) -> None:
+        """Calibrate the step cost model on first use of k="auto" while the engine is idle
+        (on a busy engine auto requests run at k=0 until one arrives while it is idle)."""
+        if not self.core.auto_k.calibrated and not self.core.has_unfinished():
+            calibrate(self.core.auto_k, self.core, self.model_config.vocab_size, k_max)
 
     def _check_weights_whole(self) -> None:
         if self._torn_weights:

@@ -29,13 +29,15 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from specengine.config import MAX_K
 from specengine.core.cost_model import (
     AcceptanceTracker,
     CostModel,
     StepMeasure,
     best_k,
-    expected_accepted,
+    expected_by_k,
 )
 from specengine.speculate import StepTimes
 
@@ -71,7 +73,7 @@ class AutoKConfig:
     memory: float = 2048.0  # drafts per position the acceptance estimate remembers
     window: int = 512  # measured steps the cost fit keeps next to the calibration
     refit_every: int = 16
-    calibration_batches: tuple[int, ...] = (1, 8, 32, 64)
+    calibration_batches: tuple[int, ...] = (1, 16, 64)
     calibration_ks: tuple[int, ...] = (0, 1, 2, 4, 8)
     calibration_steps: int = 4  # timed decode steps per (batch, k), after one untimed
 
@@ -140,12 +142,12 @@ class AutoK:
     def calibrated(self) -> bool:
         return self.costs.fitted
 
-    def rates(self, batch: int, k_max: int) -> tuple[int, list[float]]:
+    def rates(self, batch: int, k_max: int) -> tuple[int, np.ndarray]:
         """The best k for ``batch`` and the expected tokens per second of k = 0..k_max."""
-        cost, cond = self.costs.cost, self.acceptance.conditional()
+        cost = self.costs.cost
         assert cost is not None
-        return best_k(lambda k: expected_accepted(cond, k),
-                      lambda k: cost.step_time(batch, k), k_max)
+        return best_k(expected_by_k(self.acceptance.conditional(), k_max),
+                      cost.step_times(batch, k_max))
 
     def choose(self, batch: int, k_max: int) -> int:
         """This step's k for a group of ``batch`` auto requests (``SYNC``: no drafts, the
@@ -164,7 +166,7 @@ class AutoK:
             self.num_zero_steps = 0
             self.num_probes += 1
             self.probe_interval = min(2 * self.probe_interval, self.config.probe_max)
-            probe = 1 + max(range(k_max), key=lambda i: rates[i + 1])
+            probe = 1 + int(np.argmax(rates[1:]))
             if self.synced:
                 return probe
             self._probe_next = probe
@@ -172,15 +174,22 @@ class AutoK:
         return SYNC if batch > 1 and self.rates(1, k_max)[0] > 0 else 0
 
     def record(self, batch: int, k: int, before: _Before, times: StepTimes) -> None:
-        """The step just run with ``k`` (``choose``'s) for ``batch`` sequences."""
+        """The step just run with ``k`` (``choose``'s) for ``batch`` sequences: ``times``
+        now, ``before`` it (:func:`snapshot`)."""
         proposed, accepted = step_counts(before, times)
+        self.record_step(batch, k, proposed, accepted, times.draft - before.draft,
+                         times.verify + times.bookkeeping - before.verify)
+
+    def record_step(self, batch: int, k: int, proposed: Sequence[int],
+                    accepted: Sequence[int], draft_s: float, verify_s: float) -> None:
+        """A step run with ``k``: drafts proposed / accepted per position (engine counts:
+        rows with a draft there / rows whose draft there was accepted) and its seconds."""
         width = sum(1 for n in proposed if n > 0)
         if width:
             self.num_zero_steps = 0
             self.acceptance.update(*conditional_counts(proposed, accepted))
         self.synced = k != 0
-        self.costs.add(StepMeasure(batch, width, k != 0, times.draft - before.draft,
-                                   times.verify + times.bookkeeping - before.verify))
+        self.costs.add(StepMeasure(batch, width, k != 0, draft_s, verify_s))
 
     def run(self, batch: int, k_max: int, times: StepTimes,
             run_step: Callable[[int], None]) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,13 +62,18 @@ def expected_accepted(conditional: Sequence[float], k: int) -> float:
     return total
 
 
-def best_k(expected: Callable[[int], float], step_time: Callable[[int], float],
-           k_max: int, k_min: int = 0) -> tuple[int, list[float]]:
-    """The ``k`` in ``k_min..k_max`` with the most expected tokens per second
-    ``(1 + expected(k)) / step_time(k)`` (ties: the smaller k) and the rates of every k
-    from ``k_min`` on."""
-    rates = [(1.0 + expected(k)) / max(step_time(k), 1e-12) for k in range(k_min, k_max + 1)]
-    return k_min + int(np.argmax(rates)), rates
+def best_k(expected: Sequence[float], step_times: Sequence[float]) -> tuple[int, np.ndarray]:
+    """The ``k`` with the most expected tokens per second ``(1 + expected[k]) /
+    step_times[k]`` (ties: the smaller k) and the rate of every k."""
+    rates = (1.0 + np.asarray(expected, dtype=float)) / np.maximum(
+        np.asarray(step_times, dtype=float), 1e-12)
+    return int(np.argmax(rates)), rates
+
+
+def expected_by_k(conditional: Sequence[float], k_max: int) -> np.ndarray:
+    """``expected_accepted(conditional, k)`` for k = 0..k_max."""
+    return np.concatenate([[0.0], np.cumsum(np.cumprod(np.asarray(conditional[:k_max],
+                                                                   dtype=float)))])
 
 
 def draft_features(batch: float, k: float) -> list[float]:
@@ -105,6 +110,19 @@ class StepCost:
         """A step drafting ``k`` per sequence (the drafter catches up when ``k > 0`` or
         ``sync``)."""
         return self.t_draft(batch, k) + self.t_verify(batch, k + 1, sync or k > 0)
+
+    def step_times(self, batch: int, k_max: int) -> np.ndarray:
+        """:meth:`step_time` of k = 0..k_max (no catch-up at k = 0), made non-decreasing in
+        k: a fit to noisy steps may dip, but a longer chain never costs less."""
+        ks = np.arange(k_max + 1, dtype=float)
+        d = (ks > 0).astype(float)
+        b = float(batch)
+        xd = np.stack([np.ones_like(ks), np.full_like(ks, b), d, d * b, ks, ks * b], axis=1)
+        xv = np.stack([np.ones_like(ks), np.full_like(ks, b), b * (ks + 1), ks + 1, d, d * b],
+                      axis=1)
+        t = np.maximum(xd @ np.asarray(self.draft), 0.0) + np.maximum(
+            xv @ np.asarray(self.verify), 1e-9)
+        return np.maximum.accumulate(t)
 
 
 @dataclass(frozen=True)
@@ -164,9 +182,10 @@ class CostModel:
 
 
 class AcceptanceTracker:
-    """Conditional acceptance per draft position, from decayed counts: a position's counts
-    shrink by ``exp(-n / memory)`` when ``n`` new drafts there are counted, so the estimate
-    follows a drifting policy over about ``memory`` drafts. A position with few counts is
+    """Conditional acceptance per draft position, from decayed counts: every position's
+    counts shrink by ``exp(-n / memory)`` when ``n`` new first drafts are counted, so the
+    estimate follows a drifting policy over about ``memory`` drafts, and a position no
+    longer tried (the chain got shorter) forgets its old rate. A position with few counts is
     pulled toward the one before it (``prior_weight`` pseudo-drafts; position 1 toward
     ``prior``): a longer chain is tried as soon as the shorter one does well."""
 
@@ -184,12 +203,15 @@ class AcceptanceTracker:
     def update(self, tries: Sequence[float], accepted: Sequence[float]) -> None:
         """One step's counts per position: drafts there whose earlier drafts were all
         accepted (``tries``) and how many of them were accepted."""
-        for j, (p, a) in enumerate(zip(tries, accepted)):
-            if p <= 0 or j >= len(self.proposed):
-                continue
-            decay = math.exp(-p / self.memory)
-            self.proposed[j] = self.proposed[j] * decay + p
-            self.accepted[j] = self.accepted[j] * decay + a
+        clock = max(tries, default=0.0)
+        if clock <= 0:
+            return
+        decay = math.exp(-clock / self.memory)
+        self.proposed *= decay
+        self.accepted *= decay
+        n = min(len(tries), len(self.proposed))
+        self.proposed[:n] += np.asarray(tries[:n], dtype=float)
+        self.accepted[:n] += np.asarray(accepted[:n], dtype=float)
 
     def conditional(self) -> list[float]:
         """Estimated ``a_i``, positions 1..max_k."""
@@ -204,4 +226,4 @@ class AcceptanceTracker:
 
 
 __all__ = ["AcceptanceTracker", "CostModel", "StepCost", "StepMeasure", "best_k",
-           "expected_accepted", "fit_relative"]
+           "expected_accepted", "expected_by_k", "fit_relative"]

@@ -1,0 +1,219 @@
+"""``k="auto"`` (core/auto_k.py, core/cost_model.py): the rule on synthetic costs and
+acceptance (no timing: the cost model is given), probes, the engine's greedy output against
+k=0 (eager and static path) while k changes from step to step, sampled output against the
+policy's exact law (chi-square), bad k values, and the chosen k in ``engine.stats``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_sampling_lossless import (  # noqa: F401  (module fixtures)
+    NUM_SEQS,
+    P_MIN,
+    PROMPT,
+    chi_square_p,
+    eagle_dir,
+    exact_joint,
+    models,
+    run_joint,
+)
+
+from specengine import SamplingParams, SpecEngine
+from specengine.arith_task import encode, heldout_prompts
+from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
+from specengine.core.auto_k import SYNC, AutoK, AutoKConfig, conditional_counts, resolve_k
+from specengine.core.cost_model import (
+    AcceptanceTracker,
+    CostModel,
+    StepCost,
+    StepMeasure,
+    best_k,
+    expected_accepted,
+    expected_by_k,
+    fit_relative,
+)
+
+# t_draft = 0.3 k (per row: 0), t_verify = 1: a step costs 1 + 0.3 k at every batch size
+FLAT = StepCost(draft=(0, 0, 0, 0, 0.3, 0), verify=(1, 0, 0, 0, 0, 0))
+# a draft token costs 1 % of a step per sequence: drafting pays at small batches only
+BATCHY = StepCost(draft=(0, 0, 0, 0, 0, 0.01), verify=(1, 0, 0, 0, 0, 0))
+
+
+def controller(cost: StepCost, conditional: float | None = None, history: float = 1e6,
+               **cfg: float) -> AutoK:
+    auto = AutoK(AutoKConfig(**cfg))  # type: ignore[arg-type]
+    auto.costs.cost = cost  # given, not calibrated: no refit from measured steps
+    if conditional is not None:  # a history at this conditional rate at every position
+        auto.acceptance.update([history] * 16, [conditional * history] * 16)
+    return auto
+
+
+def test_expected_accepted_and_conditional_counts() -> None:
+    assert expected_accepted([0.5, 0.5, 0.5], 2) == pytest.approx(0.5 + 0.25)
+    assert list(expected_by_k([0.8, 0.5], 2)) == pytest.approx([0, 0.8, 0.8 + 0.4])
+    # engine counts (rows with a draft at j / accepted there) -> conditional tries
+    tries, acc = conditional_counts([10, 10, 5], [8, 4, 1])
+    assert tries == pytest.approx([10, 8, 4 * 5 / 10]) and acc == [8, 4, 1]
+    tr = AcceptanceTracker(4, prior=0.5, prior_weight=2)
+    assert tr.conditional() == pytest.approx([0.5] * 4)
+    tr.update([8, 0], [8, 0])  # unseen positions follow the one before them
+    assert tr.conditional()[0] == pytest.approx((8 + 1) / 10)
+    assert tr.conditional()[1] == pytest.approx(0.9)
+
+
+def test_best_k_maximises_tokens_per_second() -> None:
+    for a in (0.9, 0.6, 0.2):
+        auto = controller(FLAT, a)
+        rates = [(1 + expected_accepted([a] * 8, k)) / (1 + 0.3 * k) for k in range(9)]
+        assert auto.choose(4, 8) == int(np.argmax(rates))
+    assert controller(FLAT, 0.9).choose(4, 8) > 0
+    assert controller(FLAT, 0.9).choose(4, 3) <= 3  # k_max bounds it
+    assert controller(BATCHY, 0.9).choose(1, 8) == 8
+    # large batch: drafting does not pay, but it would at batch 1, so the drafter catches up
+    assert controller(BATCHY, 0.9).choose(200, 8) == SYNC
+    k, rates = best_k([0, 0.5], [1.0, 1.5])
+    assert k == 0 and rates == pytest.approx([1.0, 1.0])  # a tie: the smaller k
+
+
+def test_useless_drafts_choose_zero_and_probe_rarely() -> None:
+    auto = controller(FLAT, 0.0, probe_min=4, probe_max=16)
+    ks = []
+    for _ in range(64):
+        k = auto.choose(8, 8)
+        ks.append(k)
+        drafts = max(k, 0)
+        auto.record_step(8, k, [8] * drafts, [0] * drafts, 0.1, 1.0)
+    drafting = [i for i, k in enumerate(ks) if k > 0]
+    assert ks[0] == 0 and SYNC in ks  # probes come after a catch-up step
+    assert all(ks[i - 1] == SYNC for i in drafting)
+    # a probe after 4, 8, 16, 16 k=0 steps (the 4th, 8th, ... k=0 step is the catch-up)
+    assert drafting == [4, 4 + 1 + 8, 13 + 1 + 16, 30 + 1 + 16]
+    assert [i for i, k in enumerate(ks) if k == SYNC] == [i - 1 for i in drafting] + [63]
+    assert auto.num_probes == len(drafting) + 1  # the last one is due next step
+
+
+def test_probe_notices_when_drafting_pays_again() -> None:
+    auto = controller(FLAT, 0.0, history=64, probe_min=2, probe_max=2, memory=64)
+    k, steps = 0, 0
+    while k <= 0:  # the drafter has become good: every probe's drafts are accepted
+        k = auto.choose(8, 8)
+        auto.record_step(8, k, [8] * max(k, 0), [8] * max(k, 0), 0.1, 1.0)
+        steps += 1
+    for _ in range(100):  # deeper positions forget their old rate: the chain grows
+        k = auto.choose(8, 8)
+        auto.record_step(8, k, [8] * k, [8] * k, 0.1, 1.0)
+    assert k == 8 and steps <= 4
+
+
+def test_cost_fit_recovers_a_linear_cost_and_shrugs_off_bursts() -> None:
+    true = StepCost(draft=(1e-4, 1e-6, 5e-4, 2e-6, 1e-3, 3e-5),
+                    verify=(5e-3, 2e-4, 2e-5, 1e-4, 2e-3, 1e-5))
+    samples = [StepMeasure(b, k, k > 0, true.t_draft(b, k), true.t_verify(b, k + 1, k > 0))
+               for b in (1, 4, 16, 64) for k in (0, 1, 2, 4, 8)]
+    bursts = [StepMeasure(s.batch, s.k, s.sync, s.draft_s * 3, s.verify_s * 3)
+              for s in samples[::7]]
+    model = CostModel()
+    fit = model.calibrate(samples + bursts)
+    for b, k in ((2, 3), (32, 6), (64, 0)):
+        assert fit.step_time(b, k) == pytest.approx(true.step_time(b, k), rel=1e-3)
+    times = fit.step_times(8, 8)
+    assert np.all(np.diff(times) >= 0)
+    with pytest.raises(ValueError):
+        fit_relative(np.ones((3, 2)), np.array([1.0, 0.0, 1.0]))
+    with pytest.raises(ValueError):
+        CostModel().calibrate(samples[:4])  # one batch size
+
+
+@pytest.fixture(scope="module")
+def engine() -> SpecEngine:
+    eng = SpecEngine(DEFAULT_TARGET, draft=DEFAULT_DRAFT, device="cpu", seed=0)
+    eng.core.auto_k = controller(BATCHY, probe_min=2, probe_max=4)
+    return eng
+
+
+def arith(n: int) -> list[list[int]]:
+    return [encode(p) for p in heldout_prompts(n, seed=3)]
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_greedy_auto_equals_k0_while_k_changes(engine: SpecEngine, cuda_graphs: bool) -> None:
+    eng = engine if not cuda_graphs else SpecEngine(
+        DEFAULT_TARGET, draft=DEFAULT_DRAFT, device="cpu", seed=0, cuda_graphs=True,
+        graph_buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+    if cuda_graphs:
+        eng.core.auto_k = controller(BATCHY, probe_min=2, probe_max=4)
+    # BATCHY: 96 sequences do not draft (the drafter catches up), the long tail drafts
+    prompts = arith(96)
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + (i % 5) * 12) for i in range(96)]
+    base = eng.generate(prompts, k=0, sampling=params)
+    outs = eng.generate(prompts, k="auto", sampling=params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    st = eng.stats
+    hist = st.auto_k_steps
+    assert sum(hist) == st.num_steps and hist[0] > 0 and sum(hist[1:]) > 0
+    assert st.num_draft_tokens > 0 and st.num_accepted_tokens > 0
+    assert eng.kv_cache.num_free_blocks == eng.kv_cache.num_blocks
+
+
+def test_auto_with_step_api_and_calibration() -> None:
+    """A real calibration sweep (tiny), then auto and fixed-k requests side by side."""
+    eng = SpecEngine(DEFAULT_TARGET, draft=DEFAULT_DRAFT, device="cpu", seed=0)
+    eng.core.auto_k = AutoK(AutoKConfig(calibration_batches=(1, 2), calibration_ks=(0, 2),
+                                        calibration_steps=2))
+    prompts = arith(3)
+    sp = SamplingParams(temperature=0.0, max_tokens=24)
+    base = eng.generate(prompts, k=0, sampling=sp)
+    before = eng.stats
+    ids = [eng.add_request(prompts[0], sp, k="auto", k_max=4),
+           eng.add_request(prompts[1], sp, k=2), eng.add_request(prompts[2], sp)]
+    assert eng.core.auto_k.calibrated and eng.stats == before  # the sweep leaves no stats
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.output is not None:
+                done[out.request_id] = out.output.token_ids
+    assert [done[i] for i in ids] == [o.token_ids for o in base]
+    assert sum(eng.stats.auto_k_steps) > 0 and len(eng.stats.auto_k_steps) <= 5
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(k="autoo"), "or \"auto\""), (dict(k=-1), "or \"auto\""), (dict(k=17), "or \"auto\""),
+    (dict(k=2.5), "or \"auto\""), (dict(k=True), "or \"auto\""),
+    (dict(k="auto", k_max=-1), "k_max"), (dict(k="auto", k_max=17), "k_max"),
+    (dict(k="auto", k_max="8"), "k_max"), (dict(k="auto", tree=[(0,)]), "no tree"),
+])
+def test_bad_k_is_rejected_and_engine_unchanged(engine: SpecEngine, kwargs: dict,
+                                                 match: str) -> None:
+    prompts = arith(2)
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompts, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompts[0], **kwargs)
+    assert not engine.has_unfinished()
+    assert len(engine.generate(prompts, k="auto", sampling=SamplingParams(max_tokens=4))) == 2
+
+
+def test_auto_needs_a_drafter_and_resolves() -> None:
+    plain = SpecEngine(DEFAULT_TARGET, device="cpu")
+    with pytest.raises(ValueError, match="needs a drafter"):
+        plain.generate(arith(1), k="auto")
+    assert plain.generate(arith(1), k="auto", k_max=0)[0].token_ids  # nothing to choose
+    assert resolve_k("auto") == (8, True) and resolve_k(3) == (3, False)
+
+
+def test_sampled_auto_follows_the_policy(models, eagle_dir) -> None:  # noqa: F811
+    """Chi-square of the (t2, t3) law (test_sampling_lossless) with k chosen per step: probes
+    every 1-2 steps mix k = 0, catch-up and drafting steps."""
+    hf, target, _ = models
+    engine = SpecEngine(target, draft=str(eagle_dir), device="cpu", dtype="float32",
+                        max_model_len=32, max_batch_size=2048, kv_cache_tokens=2048 * 32,
+                        seed=7)
+    engine.core.auto_k = controller(BATCHY, probe_min=1, probe_max=2)
+    params = SamplingParams(max_tokens=3, temperature=1.0)
+    counts = run_joint(engine, params, NUM_SEQS, k="auto", k_max=2)
+    hist = engine.stats.auto_k_steps
+    assert hist[0] > 0 and sum(hist[1:]) > 0
+    assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
+    p = chi_square_p(counts, exact_joint(hf, params), NUM_SEQS)
+    assert p > P_MIN, f"chi-square p = {p:.2e}"
+    assert PROMPT  # the law is of this prompt's tokens 2 and 3
