@@ -111,7 +111,8 @@ class KVCache:
                 self.prefix.released(table)
         seq.block_table = []
         seq.num_cached_tokens = 0
-        self.pending.pop(seq.seq_id, None)
+        if self.pending:  # (drafters free their own states here too: no seq_id)
+            self.pending.pop(getattr(seq, "seq_id", None), None)
 
     # ---- sharing at admission ----------------------------------------------------------------
     def plan(self, seq: Sequence) -> PrefillPlan:
