@@ -66,6 +66,16 @@ def _int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def _k_arg(text: str) -> int | str:
+    """``--k``: an int in [0, MAX_K] or ``auto`` (each step's k from the cost model)."""
+    if text == "auto":
+        return text
+    try:
+        return _int_at_least(0, MAX_K)(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (or 'auto')") from None
+
+
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     """The engine options ``generate`` and ``serve`` share."""
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -115,8 +125,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="bundled model without prompts: how many held-out task prompts")
     g.add_argument("--batch-size", type=_int_at_least(1), default=None,
                    help="prompts per generate call (default: all in one call)")
-    g.add_argument("--k", type=_int_at_least(0, MAX_K), default=3,
-                   help=f"draft length, 0 = plain decoding, at most {MAX_K}")
+    g.add_argument("--k", type=_k_arg, default=3,
+                   help=f"draft length, 0 = plain decoding, at most {MAX_K}; 'auto': each "
+                        "step the k in 0..--k-max with the most expected tokens per second")
+    g.add_argument("--k-max", type=_int_at_least(0, MAX_K), default=8,
+                   help="largest k that --k auto picks")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=-1, help="-1 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
@@ -175,12 +188,13 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    default="info", help="server and engine logging")
 
 
-def _run(engine: SpecEngine, prompts: list, k: int, params: SamplingParams, label: str,
-         batch_size: int | None) -> list[GenerationOutput]:
+def _run(engine: SpecEngine, prompts: list, k: int | str, params: SamplingParams, label: str,
+         batch_size: int | None, k_max: int = 8) -> list[GenerationOutput]:
     size = batch_size or len(prompts)
     outs, stats = [], []
     for i in range(0, len(prompts), size):
-        outs += engine.generate(prompts[i:i + size], k=k, sampling=params, use_tqdm=True)
+        outs += engine.generate(prompts[i:i + size], k=k, sampling=params, use_tqdm=True,
+                                k_max=k_max)
         stats.append(engine.stats)
     st = merge_stats(stats)
     line = (f"[{label}] {st.num_generated_tokens} tokens in {st.wall_time_s:.2f} s "
@@ -194,9 +208,12 @@ def _run(engine: SpecEngine, prompts: list, k: int, params: SamplingParams, labe
         line += ("no decode step ran (every sequence ended with its prefill token), so no "
                  "accepted length")
     print(line)
-    if k > 0 and any(st.proposed_per_position):
+    if k != 0 and any(st.proposed_per_position):
         rates = ", ".join(f"{r:.2f}" for r in st.acceptance_rate_per_position)
         print(f"[{label}] acceptance rate per draft position: {rates}")
+    if st.auto_k_steps:
+        ks = ", ".join(f"k={k}: {n}" for k, n in enumerate(st.auto_k_steps) if n)
+        print(f"[{label}] steps by chosen k: {ks}")
     return outs
 
 
@@ -220,7 +237,7 @@ def generate_main(args: argparse.Namespace) -> int:
     bundled = model is None
     if bundled:
         model = DEFAULT_TARGET
-        if draft is None and args.k > 0:
+        if draft is None and args.k != 0:
             if not (DEFAULT_DRAFT / "config.json").is_file():
                 print(f"bundled EAGLE-3 head missing at {DEFAULT_DRAFT} (train it with "
                       "scripts/train_eagle3.py, or pass --draft / --k 0)", file=sys.stderr)
@@ -247,14 +264,14 @@ def generate_main(args: argparse.Namespace) -> int:
                         dtype=args.dtype, kernel_backend=args.kernel_backend, seed=args.seed,
                         max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens,
                         num_threads=args.threads)
-    outs = _run(engine, prompts, args.k, params, f"k={args.k}", args.batch_size)
+    outs = _run(engine, prompts, args.k, params, f"k={args.k}", args.batch_size, args.k_max)
     for i, out in enumerate(outs[:SHOWN]):
         shown = out.text if out.text is not None else " ".join(map(str, out.token_ids))
         prompt = prompts[i] if isinstance(prompts[i], str) else " ".join(map(str, prompts[i]))
         print(f"--- prompt {i}: {prompt!r}\n    completion: {shown!r} ({out.finish_reason})")
     if len(outs) > SHOWN:
         print(f"... {len(outs) - SHOWN} more")
-    if args.k > 0 and not args.no_baseline:
+    if args.k != 0 and not args.no_baseline:
         base = _run(engine, prompts, 0, params, "k=0", args.batch_size)
         print(_baseline_line(outs, base, args.temperature))
     return 0

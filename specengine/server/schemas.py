@@ -46,14 +46,15 @@ class SamplingParamsBody(BaseModel):
 
 class GenerateRequest(BaseModel):
     """``POST /generate``: exactly one of ``prompt_token_ids`` and ``prompt`` (text, with a
-    tokenizer); ``k`` defaults to the server's ``--k``."""
+    tokenizer); ``k`` (an int, or ``"auto"``: each step's k from the cost model, up to 8)
+    defaults to the server's ``--k``."""
 
     model_config = _STRICT
 
     prompt_token_ids: list[int] | None = None
     prompt: str | None = None
     sampling_params: SamplingParamsBody | None = None
-    k: int | None = None
+    k: int | Literal["auto"] | None = None
     stream: bool = False
     request_id: str | None = Field(default=None, min_length=1,
                                    max_length=MAX_REQUEST_ID_CHARS)
