@@ -20,6 +20,8 @@ from typing import Protocol
 
 import numpy as np
 
+from specengine.core.cost_model import best_k, fit_relative
+
 
 @dataclass(frozen=True)
 class StepSample:
@@ -148,12 +150,8 @@ class LinearStepCost:
         y = np.array([s.wall_s if use_wall else s.cpu_s for s in dec])
         x = _step_features(np.array([s.batch for s in dec], float),
                            np.array([s.k for s in dec], float),
-                           np.array([s.ctx for s in dec], float)) / y[:, None]
-        weights = np.ones(len(y))
-        for _ in range(50 if robust else 1):
-            w = np.sqrt(weights)
-            theta = np.linalg.lstsq(x * w[:, None], w, rcond=None)[0]
-            weights = 1.0 / np.maximum(np.abs(x @ theta - 1.0), 1e-6)
+                           np.array([s.ctx for s in dec], float))
+        theta = fit_relative(x, y, robust=robust, iters=50)  # the engine's k="auto" fit
         yp = np.array([s.wall_s if use_wall else s.cpu_s for s in pre])
         xp = np.array([[1.0, s.batch, s.ctx] for s in pre])
         if len(pre) >= 3:
@@ -173,9 +171,8 @@ class Policy:
     def choose(self, batch: int, ctx: int, cost: StepCost, acc: Acceptance | None) -> int:
         if not self.auto or acc is None:
             return self.k if acc is not None else 0
-        rates = [(1.0 + acc.expected(k)) / cost.step_time(batch, k, ctx)
-                 for k in range(self.k + 1)]
-        return int(np.argmax(rates))
+        return best_k([acc.expected(k) for k in range(self.k + 1)],  # the engine's rule
+                      [cost.step_time(batch, k, ctx) for k in range(self.k + 1)])[0]
 
     @property
     def label(self) -> str:
