@@ -176,17 +176,22 @@ def eagle3_drafter(drafter: Drafter | None) -> Eagle3Drafter:
 
 
 class HeadOptimizer:
-    """AdamW over float32 masters of ``head``'s parameters (bf16 heads get fp32 updates),
-    state kept across calls. ``sync_in`` re-reads a master whose head tensor changed since (a
-    ``load_weights`` of the head) and resets its moments; ``sync_out`` copies the masters into
-    the head's own tensors in place, so every ``data_ptr`` stays (static buffers and CUDA
-    graphs read them)."""
+    """Adam over float32 masters of ``head``'s parameters (bf16 heads get fp32 updates),
+    moments kept across calls. ``sync_in`` re-reads a master whose head tensor changed since
+    (a ``load_weights`` of the head) and resets its moments; ``sync_out`` copies the masters
+    into the head's own tensors in place, so every ``data_ptr`` stays (static buffers and
+    CUDA graphs read them). Adam is written out here: ``torch.optim``'s first construction
+    imports the compiler stack (seconds on a CPU), more than a whole adaptation of a small
+    head takes."""
+
+    BETAS = (0.9, 0.999)
+    EPS = 1e-8
 
     def __init__(self, head: nn.Module) -> None:
         self.params = dict(head.named_parameters())
         self.masters = {n: p.detach().float().clone().requires_grad_(True)
                         for n, p in self.params.items()}
-        self.opt = torch.optim.AdamW(list(self.masters.values()), lr=1e-3, weight_decay=0.0)
+        self.state: dict[str, tuple[Tensor, Tensor, int]] = {}  # name -> (m, v, step)
 
     @torch.no_grad()
     def sync_in(self) -> None:
@@ -194,7 +199,7 @@ class HeadOptimizer:
             m = self.masters[n]
             if not torch.equal(m.to(p.dtype), p):
                 m.copy_(p.float())
-                self.opt.state.pop(m, None)
+                self.state.pop(n, None)
 
     @torch.no_grad()
     def sync_out(self) -> None:
@@ -202,9 +207,23 @@ class HeadOptimizer:
             p.copy_(self.masters[n])
 
     def step(self, loss: Tensor, lr: float, max_grad_norm: float = 1.0) -> None:
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        self.opt.zero_grad(set_to_none=True)
+        """Backward of ``loss``, the gradient clipped to ``max_grad_norm`` (global L2), one
+        bias-corrected Adam step at ``lr``."""
+        for m in self.masters.values():
+            m.grad = None
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(self.masters.values()), max_grad_norm)
-        self.opt.step()
+        with torch.no_grad():
+            grads = {n: m.grad for n, m in self.masters.items() if m.grad is not None}
+            norm = torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g) for g in grads.values()]))
+            scale = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            b1, b2 = self.BETAS
+            for n, g in grads.items():
+                g = g * scale
+                mom, var, t = self.state.get(n) or (torch.zeros_like(g), torch.zeros_like(g), 0)
+                mom.mul_(b1).add_(g, alpha=1 - b1)
+                var.mul_(b2).addcmul_(g, g, value=1 - b2)
+                t += 1
+                self.state[n] = (mom, var, t)
+                denom = (var / (1 - b2 ** t)).sqrt_().add_(self.EPS)
+                self.masters[n].addcdiv_(mom, denom, value=-lr / (1 - b1 ** t))
