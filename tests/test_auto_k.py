@@ -217,3 +217,20 @@ def test_sampled_auto_follows_the_policy(models, eagle_dir) -> None:  # noqa: F8
     p = chi_square_p(counts, exact_joint(hf, params), NUM_SEQS)
     assert p > P_MIN, f"chi-square p = {p:.2e}"
     assert PROMPT  # the law is of this prompt's tokens 2 and 3
+
+
+def test_cli_and_server_schema_accept_auto() -> None:
+    from pydantic import ValidationError
+
+    from specengine.cli import _parser
+    from specengine.server.schemas import GenerateRequest
+
+    args = _parser().parse_args(["generate", "--k", "auto", "--k-max", "4"])
+    assert (args.k, args.k_max) == ("auto", 4)
+    assert _parser().parse_args(["generate", "--k", "2"]).k == 2
+    for bad in ("autox", "17", "-1"):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["generate", "--k", bad])
+    assert GenerateRequest(prompt="Q:1+1=", k="auto").k == "auto"
+    with pytest.raises(ValidationError):
+        GenerateRequest(prompt="Q:1+1=", k="fast")

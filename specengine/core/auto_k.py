@@ -75,7 +75,8 @@ class AutoKConfig:
     refit_every: int = 16
     calibration_batches: tuple[int, ...] = (1, 16, 64)
     calibration_ks: tuple[int, ...] = (0, 1, 2, 4, 8)
-    calibration_steps: int = 4  # timed decode steps per (batch, k), after one untimed
+    calibration_steps: int = 2  # timed decode steps per (batch, k) and pass, after one untimed
+    calibration_passes: int = 2  # passes over the grid, each in a shuffled order
 
     def __post_init__(self) -> None:
         if not 1 <= self.probe_min <= self.probe_max:
@@ -85,8 +86,9 @@ class AutoKConfig:
             raise ValueError("need memory > 0, window >= 8, refit_every >= 1")
         if (not self.calibration_batches or min(self.calibration_batches) < 1
                 or not self.calibration_ks or min(self.calibration_ks) < 0
-                or self.calibration_steps < 1):
-            raise ValueError("calibration batches >= 1, ks >= 0 and steps >= 1 are needed")
+                or self.calibration_steps < 1 or self.calibration_passes < 1):
+            raise ValueError("calibration batches >= 1, ks >= 0, steps >= 1 and passes >= 1 "
+                             "are needed")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ engine defers it: auto requests run at k = 0 until then). The requests are greed
 use fixed seeds (the engine's seed stream is not touched) and are aborted after their steps;
 ``engine.stats`` afterwards is what it was before. Acceptance of these random prompts says
 nothing about real ones: only their times are used. The first decode step of each (batch, k)
-is not timed (it may compile kernels or capture a graph).
+is not timed (it may compile kernels or capture a graph). The grid is run
+``calibration_passes`` times, each in a shuffled order, so a burst of another job's work on a
+shared machine lands on a few points of one pass, which the median fit then outvotes.
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ def calibrate(auto: AutoK, core: EngineCore, vocab_size: int, k_max: int) -> int
     saved = core._last_run  # the sweep's busy span must not replace the user's stats
     t0 = time.perf_counter()
     samples: list[StepMeasure] = []
-    for k in ks:
-        for b in batches:
+    grid = [(b, k) for k in ks for b in batches]
+    for _ in range(cfg.calibration_passes):
+        rng.shuffle(grid)
+        for b, k in grid:
             samples += _sweep_point(core, b, k, steps, max_tokens,
                                     [[rng.choice(tokens) for _ in range(prompt_len)]
                                      for _ in range(b)])
