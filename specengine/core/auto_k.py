@@ -95,21 +95,20 @@ class AutoKConfig:
 class _Before:
     draft: float
     verify: float
-    proposed: tuple[int, ...]
-    accepted: tuple[int, ...]
+    counts: np.ndarray  # StepTimes.position_counts: [2, P] proposed / accepted per position
 
 
 def snapshot(times: StepTimes) -> _Before:
     return _Before(times.draft, times.verify + times.bookkeeping,
-                   tuple(times.proposed_per_position), tuple(times.accepted_per_position))
+                   times.position_counts.copy())
 
 
 def step_counts(before: _Before, times: StepTimes) -> tuple[list[int], list[int]]:
-    """Drafts proposed / accepted per position by the steps since ``before``."""
-    prop, acc = times.proposed_per_position, times.accepted_per_position
-    p0, a0 = before.proposed, before.accepted
-    return ([n - (p0[j] if j < len(p0) else 0) for j, n in enumerate(prop)],
-            [n - (a0[j] if j < len(a0) else 0) for j, n in enumerate(acc)])
+    """Drafts proposed / accepted per position by the steps since ``before`` (up to the
+    deepest position proposed)."""
+    diff = times.position_counts - before.counts
+    depth = int(np.count_nonzero(diff[0]))  # proposals at j imply proposals at every i < j
+    return diff[0, :depth].tolist(), diff[1, :depth].tolist()
 
 
 def conditional_counts(proposed: Sequence[int], accepted: Sequence[int]
@@ -133,6 +132,7 @@ class AutoK:
     def __init__(self, config: AutoKConfig | None = None) -> None:
         self.config = config or AutoKConfig()
         self.costs = CostModel(self.config.window, self.config.refit_every)
+        self._rates: dict[tuple, tuple[int, np.ndarray]] = {}
         self.acceptance = AcceptanceTracker(MAX_K, self.config.memory)
         self.synced = True  # the drafter observed the last step (a prefill observes)
         self.probe_interval = self.config.probe_min
@@ -148,8 +148,15 @@ class AutoK:
         """The best k for ``batch`` and the expected tokens per second of k = 0..k_max."""
         cost = self.costs.cost
         assert cost is not None
-        return best_k(expected_by_k(self.acceptance.conditional(), k_max),
-                      cost.step_times(batch, k_max))
+        # Cached until the acceptance or the fit changes (a k = 0 run recomputes nothing).
+        key = (batch, k_max, self.acceptance.version, self.costs.version, id(cost))
+        hit = self._rates.get(key)
+        if hit is None:
+            if len(self._rates) > 64:
+                self._rates.clear()
+            hit = self._rates[key] = best_k(expected_by_k(self.acceptance.conditional(), k_max),
+                                            cost.step_times(batch, k_max))
+        return hit
 
     def choose(self, batch: int, k_max: int) -> int:
         """This step's k for a group of ``batch`` auto requests (``SYNC``: no drafts, the

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -92,6 +92,8 @@ class StepCost:
 
     draft: tuple[float, ...]
     verify: tuple[float, ...]
+    # step_times by (batch, k_max): the step loop asks for the same few every step
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.draft) != len(DRAFT_FEATURES) or len(self.verify) != len(VERIFY_FEATURES):
@@ -114,6 +116,9 @@ class StepCost:
     def step_times(self, batch: int, k_max: int) -> np.ndarray:
         """:meth:`step_time` of k = 0..k_max (no catch-up at k = 0), made non-decreasing in
         k: a fit to noisy steps may dip, but a longer chain never costs less."""
+        hit = self._cache.get((batch, k_max))
+        if hit is not None:
+            return hit
         ks = np.arange(k_max + 1, dtype=float)
         d = (ks > 0).astype(float)
         b = float(batch)
@@ -122,7 +127,10 @@ class StepCost:
                       axis=1)
         t = np.maximum(xd @ np.asarray(self.draft), 0.0) + np.maximum(
             xv @ np.asarray(self.verify), 1e-9)
-        return np.maximum.accumulate(t)
+        out = self._cache[(batch, k_max)] = np.maximum.accumulate(t)
+        if len(self._cache) > 4096:  # batch sizes are bounded; this is only a guard
+            self._cache.clear()
+        return out
 
 
 @dataclass(frozen=True)
@@ -139,13 +147,16 @@ class StepMeasure:
 
 class CostModel:
     """:class:`StepCost` fitted to calibration steps (kept for good) and the latest
-    ``window`` measured steps, refitted every ``refit_every`` new ones."""
+    ``window`` measured steps, refitted every ``refit_every`` new ones (``iters`` IRLS
+    iterations: a refit costs milliseconds, so it is spread over many steps)."""
 
-    def __init__(self, window: int = 512, refit_every: int = 16) -> None:
+    def __init__(self, window: int = 512, refit_every: int = 128, iters: int = 12) -> None:
         self.calibration: list[StepMeasure] = []
         self.recent: deque[StepMeasure] = deque(maxlen=window)
         self.refit_every = refit_every
+        self.iters = iters
         self.cost: StepCost | None = None
+        self.version = 0  # bumped by every refit
         self._since_fit = 0
 
     @property
@@ -173,11 +184,12 @@ class CostModel:
         draft = [s for s in samples if s.draft_s > 0]
         xd = np.array([draft_features(s.batch, s.k) for s in draft])
         xv = np.array([verify_features(s.batch, s.k + 1, s.sync) for s in samples])
-        theta_d = fit_relative(xd, np.array([s.draft_s for s in draft]))
-        theta_v = fit_relative(xv, np.array([s.verify_s for s in samples]))
+        theta_d = fit_relative(xd, np.array([s.draft_s for s in draft]), iters=self.iters)
+        theta_v = fit_relative(xv, np.array([s.verify_s for s in samples]), iters=self.iters)
         self.cost = StepCost(tuple(float(t) for t in theta_d),
                              tuple(float(t) for t in theta_v))
         self._since_fit = 0
+        self.version += 1
         return self.cost
 
 
@@ -199,6 +211,8 @@ class AcceptanceTracker:
         self.memory = memory
         self.prior = prior
         self.prior_weight = prior_weight
+        self.version = 0  # bumped by every update (callers cache what they derive)
+        self._conditional: list[float] | None = None
 
     def update(self, tries: Sequence[float], accepted: Sequence[float]) -> None:
         """One step's counts per position: drafts there whose earlier drafts were all
@@ -212,14 +226,18 @@ class AcceptanceTracker:
         n = min(len(tries), len(self.proposed))
         self.proposed[:n] += np.asarray(tries[:n], dtype=float)
         self.accepted[:n] += np.asarray(accepted[:n], dtype=float)
+        self.version += 1
+        self._conditional = None
 
     def conditional(self) -> list[float]:
         """Estimated ``a_i``, positions 1..max_k."""
-        out, prev = [], self.prior
-        for a, p in zip(self.accepted, self.proposed):
-            prev = (a + self.prior_weight * prev) / (p + self.prior_weight)
-            out.append(prev)
-        return out
+        if self._conditional is None:
+            out, prev, w = [], self.prior, self.prior_weight
+            for a, p in zip(self.accepted.tolist(), self.proposed.tolist()):
+                prev = (a + w * prev) / (p + w)
+                out.append(prev)
+            self._conditional = out
+        return self._conditional
 
     def expected(self, k: int) -> float:
         return expected_accepted(self.conditional(), k)
