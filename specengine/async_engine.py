@@ -73,7 +73,7 @@ class AsyncSpecEngine:
 
     # ---- callers (event loop side) -----------------------------------------------------------
     async def generate(self, prompt: list[int] | str, params: SamplingParams | None = None, *,
-                       k: int | None = None, tree: Seq[Seq[int]] | DraftTree | None = None,
+                       k: int | str | None = None, tree: Seq[Seq[int]] | DraftTree | None = None,
                        request_id: str | None = None) -> GenerationOutput:
         """Run one request to the end and return its output (arguments as
         ``SpecEngine.add_request``). Cancelling the caller aborts the request."""
@@ -85,7 +85,7 @@ class AsyncSpecEngine:
         raise AssertionError("a stream ends with a finished output")  # pragma: no cover
 
     async def generate_stream(self, prompt: list[int] | str, params: SamplingParams | None = None,
-                              *, k: int | None = None,
+                              *, k: int | str | None = None,
                               tree: Seq[Seq[int]] | DraftTree | None = None,
                               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's :class:`RequestOutput` of each step it advanced in; the last one
