@@ -68,10 +68,16 @@ class TensorParallel:
         self.world_size = n
         self.closed = False
         self._dir = tempfile.mkdtemp(prefix="specengine-tp-")
-        ctx = mp.get_context("spawn")  # a fork would copy this process's threads and CUDA
+        # Workers fork from a fork server that imported torch and the model code once per
+        # engine process (a plain fork would copy this process's threads and CUDA state).
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([worker_main.__module__, "specengine.model.loader"])
         self.procs = [ctx.Process(target=worker_main, name=f"specengine-tp-rank{r}",
                                   args=(r, n, self._dir, cfg, load_format, os.getpid(),
-                                        timeout_s, num_threads), daemon=True)
+                                        timeout_s, num_threads),
+                                  # (a daemonic process may have no children; the watchdog and
+                                  # the finalizer below stop them then)
+                                  daemon=not mp.current_process().daemon)
                       for r in range(1, n)]
         for p in self.procs:
             p.start()

@@ -34,12 +34,27 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", base + rank)
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit this process once the engine's process is gone (its child no more)."""
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(3)
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no procfs: whether the pid exists at all
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _watch_engine(engine_pid: int) -> None:
+    """Exit this process once the engine's process (rank 0) is gone: it may die without
+    closing anything (the workers are the fork server's children, not its own)."""
+    while process_alive(engine_pid):
         time.sleep(PARENT_POLL_S)
+    os._exit(3)
 
 
 class WorkerState:
@@ -113,10 +128,21 @@ def _handlers() -> dict[str, tuple[Callable[..., Any], bool]]:
 
 
 def worker_main(rank: int, world_size: int, store_dir: str, cfg: EngineConfig,
-                load_format: str, parent_pid: int, timeout_s: float, num_threads: int | None
+                load_format: str, engine_pid: int, timeout_s: float, num_threads: int | None
                 ) -> None:
-    """The worker process (``multiprocessing`` spawn target)."""
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    """The worker process (``multiprocessing`` target); ends the process when done."""
+    threading.Thread(target=_watch_engine, args=(engine_pid,), daemon=True).start()
+    try:
+        _serve(rank, world_size, store_dir, cfg, load_format, timeout_s, num_threads)
+    finally:
+        logging.shutdown()
+        # Skip the interpreter's teardown (seconds of module and thread clean-up): this
+        # process holds nothing else that needs it.
+        os._exit(0)
+
+
+def _serve(rank: int, world_size: int, store_dir: str, cfg: EngineConfig, load_format: str,
+           timeout_s: float, num_threads: int | None) -> None:
     from specengine.distributed.tp_group import TPGroup
     from specengine.model.loader import build_model
     from specengine.threads import apply_thread_policy
