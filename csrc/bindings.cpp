@@ -16,7 +16,7 @@
 #include "step_metadata.h"
 
 namespace specengine {
-void bind_step_append(pybind11::module_& m);  // step_append_py.cpp
+void bind_host_step(pybind11::module_& m);  // host_step_py.cpp
 }  // namespace specengine
 
 namespace py = pybind11;
@@ -287,7 +287,7 @@ PYBIND11_MODULE(_C, m) {
   bind_allocator(m);
   bind_step_metadata(m);
   bind_kv_ops(m);
-  specengine::bind_step_append(m);
+  specengine::bind_host_step(m);
 #if defined(SPECENGINE_WITH_CUDA)
   m.attr("has_cuda_kernels") = true;
   m.attr("cuda_archs") = py::tuple(py::str(SPECENGINE_CUDA_ARCH_LIST).attr("split")(","));

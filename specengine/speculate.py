@@ -12,6 +12,7 @@ drafter to the verify pass, and the verify pass + sampler run on static buffers
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -87,39 +88,33 @@ def speculative_step(
     batch = len(seqs)
 
     # 1. Draft. A tree is verified whole: its nodes need slots up to len + N - 1 <= max_model_len
-    #    (tokens past max_tokens are cut by seq.append). Near the context limit the batch falls
-    #    back to plain decoding for this step.
-    lens = state.lengths()
+    #    (tokens past max_tokens are cut by the arena). Near the context limit the batch falls
+    #    back to plain decoding for this step. The plan and the step fields are staged in one
+    #    pass (a static draft loop reads positions from the state).
     drafting = drafter is not None and k > 0
-    if drafting and tree is not None and (lens + tree.num_nodes - 1 > max_model_len).any():
-        drafting = False
-    if not drafting:
-        tree = None
-        num_drafts = np.zeros(batch, dtype=np.int64)
-    elif tree is not None:
-        num_drafts = np.full(batch, tree.num_nodes - 1, dtype=np.int64)
-    else:  # num_drafts_for of every row
-        num_drafts = state.chain_drafts(k, lens, max_model_len)
     rows = graphs.padded_rows(batch)
-    state.stage(num_drafts, rows, lens)  # a static draft loop reads positions from the state
+    num_drafts = state.stage_step(k if drafting else 0,
+                                  tree.num_nodes - 1 if drafting and tree is not None else -1,
+                                  rows, max_model_len)
     proposal = None
     if num_drafts.any():
         proposal = drafter.propose(seqs, num_drafts.tolist(), tree)  # type: ignore[union-attr]
         # A chain drafter may propose fewer tokens than asked (an n-gram without a match).
         proposed = np.asarray(proposal.num_draft_tokens, dtype=np.int64)
-        if not np.array_equal(proposed, num_drafts):
+        if (proposed != num_drafts).any():
             num_drafts = proposed
             state.restage_num_drafts(num_drafts)
-    if not num_drafts.any():
-        tree, proposal = None, None
+            if not num_drafts.any():
+                proposal = None
+    if proposal is None:
+        tree = None
     if tree is not None:
         num_tokens = tree.num_nodes
     elif proposal is None:
         num_tokens = 1
     else:  # graphs keep one shape per k; eagerly, feed no more than the longest chain needs
         num_tokens = k + 1 if graphs.static else int(num_drafts.max()) + 1
-    shape = VerifyShape(rows, num_tokens, tree,
-                        proposal is not None and proposal.probs is not None)
+    shape = _shape(rows, num_tokens, tree, proposal is not None and proposal.probs is not None)
     if proposal is not None:
         graphs.verifier.load_drafts(shape, proposal.token_ids, proposal.probs)
     t1 = time.perf_counter()
@@ -172,6 +167,13 @@ def append_step(arena: SeqArena, seqs: tuple[Sequence, ...], packed: np.ndarray,
 
 
 _NO_STATS = np.zeros((2, 0), dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shape(num_rows: int, num_tokens: int, tree: DraftTree | None, has_probs: bool
+           ) -> VerifyShape:
+    """One ``VerifyShape`` object per shape (its checks run once; trees key by identity)."""
+    return VerifyShape(num_rows, num_tokens, tree, has_probs)
 
 
 def _compact_tree_path(seqs: tuple[Sequence, ...], result: StepResult, kv_cache: KVCache) -> None:

@@ -122,8 +122,14 @@ def test_incremental_updates_equal_a_rebuild(seed: int, attached: bool) -> None:
         for k in (0, 3, 16):  # the vectorised draft plan equals num_drafts_for, row by row
             np.testing.assert_array_equal(state.chain_drafts(k, lens, 30),
                                           [num_drafts_for(s, k, 30) for s in ordered])
-        num_drafts = np.array([rng.randint(0, 4) for _ in ordered], np.int64)
         padded = min(CAPACITY, 1 << (len(ordered) - 1).bit_length())
+        for k in (0, 3, 16):  # the plan staged in one pass (C++ when attached) is the same
+            np.testing.assert_array_equal(state.stage_step(k, -1, padded, 30),
+                                          [num_drafts_for(s, k, 30) for s in ordered])
+        fits = all(len(s) + 4 <= 30 for s in ordered)  # a 5-node tree: all rows or none
+        np.testing.assert_array_equal(state.stage_step(3, 4, padded, 30),
+                                      np.full(len(ordered), 4 if fits else 0))
+        num_drafts = np.array([rng.randint(0, 4) for _ in ordered], np.int64)
         state.stage(num_drafts, padded)
         ints, floats, blocks = expected_rows(ordered, num_drafts, padded)
         np.testing.assert_array_equal(state.ints[:, :padded].numpy(), ints)

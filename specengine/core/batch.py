@@ -21,11 +21,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specengine import _C
 from specengine.core.block_rows import BlockRows
 from specengine.core.seq_arena import SeqArena
 from specengine.sequence import Sequence
 
-# Rows of the int64 step-field array (one copy per step).
+# Rows of the int64 step-field array (one copy per step; csrc/stage_rows.h numbers its first
+# four and the limits' rows the same).
 CTX, LAST, OFFSET, NUM_DRAFT, ACTIVE, TOP_K, SEED, SLOT = range(8)
 NUM_INT_FIELDS = 8
 # Rows of the float32 sampling-field array.
@@ -67,6 +69,11 @@ class BatchState:
         self.arena: SeqArena | None = None
         self._arranged: tuple[tuple[Sequence, ...] | None, tuple[Sequence, ...]] = (None, ())
         self._changed_rows: set[int] = set()  # rows whose owner changed since the last stage
+        # Bumped by every membership change: a drafter may cache what it derived from the
+        # rows (e.g. which rows have a root) until the next change.
+        self.generation = 0
+        self._all_attached = False  # every row's sequence sits in the arena
+        self._floats_dirty = True  # sampling fields changed since they were last sent
         for r in range(capacity):
             self._neutral(r)
 
@@ -96,6 +103,10 @@ class BatchState:
                 self._changed_rows.add(r)
         arranged = tuple(self.seqs)
         self._arranged = (seqs, arranged)
+        n = len(arranged)
+        self._all_attached = (self.arena is not None and n > 0
+                              and bool((self.row_slots[:n] >= 0).all()))
+        self.generation += 1
         return arranged
 
     def clear(self) -> None:
@@ -103,6 +114,8 @@ class BatchState:
         for sid in list(self._rows):
             self._remove(sid)
         self._arranged = (None, ())
+        self._all_attached = False
+        self.generation += 1
 
     def _add(self, seq: Sequence) -> None:
         r = len(self.seqs)
@@ -120,6 +133,7 @@ class BatchState:
         self.host_ints[ACTIVE, r] = 1
         self.host_floats[TEMPERATURE, r] = p.temperature
         self.host_floats[TOP_P, r] = p.top_p
+        self._floats_dirty = True
         self.host_limits[:, r] = (p.max_tokens, seq.num_prompt_tokens)
 
     def _remove(self, seq_id: int) -> None:
@@ -131,6 +145,7 @@ class BatchState:
             self._rows[moved.seq_id] = r
             self.host_ints[:, r] = self.host_ints[:, last]
             self.host_floats[:, r] = self.host_floats[:, last]
+            self._floats_dirty = True
             self.host_limits[:, r] = self.host_limits[:, last]
             self.row_slots[r] = self.row_slots[last]
             self.row_seq_ids[r] = self.row_seq_ids[last]
@@ -142,6 +157,7 @@ class BatchState:
         self._neutral(last)
 
     def _neutral(self, r: int) -> None:
+        self._floats_dirty = True
         self.host_ints[:, r] = 0
         self.host_ints[TOP_K, r] = -1
         self.host_ints[SLOT, r] = -1  # no arena slot: a padded row
@@ -152,7 +168,7 @@ class BatchState:
     def lengths(self) -> np.ndarray:
         """``len(seq)`` of rows ``0 .. B-1``."""
         n = len(self.seqs)
-        if self._attached():
+        if self._all_attached:
             return self.arena.lens[self.row_slots[:n]]  # type: ignore[union-attr]
         return np.fromiter((len(s) for s in self.seqs), dtype=np.int64, count=len(self.seqs))
 
@@ -165,36 +181,54 @@ class BatchState:
 
     def stage(self, num_drafts: np.ndarray, padded_rows: int,
               lens: np.ndarray | None = None) -> None:
-        """Write the step fields of rows ``0 .. B-1`` (in row order, after :meth:`arrange`;
-        ``lens`` = :meth:`lengths` when the caller has them) and send rows
-        ``0 .. padded_rows-1`` to the device."""
-        seqs = self.seqs
-        n = len(seqs)
+        """Write the step fields of rows ``0 .. B-1`` (in row order, after :meth:`arrange`)
+        with the given draft counts, and send rows ``0 .. padded_rows-1`` to the device
+        (``lens`` = :meth:`lengths` when the caller has them)."""
+        n = len(self.seqs)
         if num_drafts.shape != (n,):
             raise ValueError(f"num_drafts has shape {num_drafts.shape}, expected ({n},)")
-        lens = self.lengths() if lens is None else lens
-        self.host_ints[CTX, :n] = lens - 1
-        self.host_ints[OFFSET, :n] = lens
-        if self._attached():  # newest tokens and grown block tables straight from the arena
-            arena, slots = self.arena, self.row_slots[:n]
-            self.host_ints[LAST, :n] = arena.tokens[slots, lens - 1]  # type: ignore[union-attr]
-            grown = np.flatnonzero(arena.num_blocks[slots] != self.blocks.sent[:n])  # type: ignore
-            rows = self._changed_rows.union(grown.tolist())
-            self.blocks.sync_some(n, [(r, seqs[r].seq_id, seqs[r].block_table) for r in rows])
-        else:
+        self._stage(np.ascontiguousarray(num_drafts, dtype=np.int64), 0, -1, 0, padded_rows,
+                    lens)
+
+    def stage_step(self, k: int, tree_drafts: int, padded_rows: int, max_model_len: int
+                   ) -> np.ndarray:
+        """:meth:`stage` with the step's draft plan made here: a chain of ``k`` drafts cut per
+        row as ``speculate.num_drafts_for``, or (``tree_drafts >= 0``) a tree's for every
+        row, none for all when a row would feed past ``max_model_len``. Returns the counts."""
+        self._stage(None, k, tree_drafts, max_model_len, padded_rows, None)
+        return self.host_ints[NUM_DRAFT, : len(self.seqs)].copy()
+
+    def _stage(self, num_drafts: np.ndarray | None, k: int, tree_drafts: int,
+               max_model_len: int, padded_rows: int, lens: np.ndarray | None) -> None:
+        seqs = self.seqs
+        n = len(seqs)
+        if self._all_attached:  # one C++ pass over the rows, reading the arena
+            arena = self.arena
+            _, grown = _C.stage_rows(
+                self.host_ints, self.host_limits, self.row_slots, self.blocks.sent, n,
+                arena.lens, arena.tokens, arena.num_blocks, num_drafts, k,  # type: ignore
+                tree_drafts, max_model_len)
+            if grown or self._changed_rows or n != self.blocks.num_used:
+                rows = self._changed_rows.union(grown)
+                self.blocks.sync_some(n, [(r, seqs[r].seq_id, seqs[r].block_table)
+                                          for r in rows])
+        else:  # detached sequences (tests): the same fields from their lists
+            lens = self.lengths() if lens is None else lens
+            if num_drafts is None:
+                num_drafts = (self.chain_drafts(k, lens, max_model_len) if tree_drafts < 0
+                              else np.full(n, tree_drafts if (lens + tree_drafts
+                                                              <= max_model_len).all() else 0))
+            self.host_ints[CTX, :n] = lens - 1
+            self.host_ints[OFFSET, :n] = lens
             self.host_ints[LAST, :n] = np.fromiter((s.last_token for s in seqs), np.int64, n)
+            self.host_ints[NUM_DRAFT, :n] = num_drafts
             self.blocks.sync([(s.seq_id, s.block_table) for s in seqs])
         self._changed_rows.clear()
-        self.host_ints[NUM_DRAFT, :n] = num_drafts
         nb = self.device.type == "cuda"
         self.ints[:, :padded_rows].copy_(self._host_ints_t[:, :padded_rows], non_blocking=nb)
-        self.floats[:, :padded_rows].copy_(self._host_floats_t[:, :padded_rows], non_blocking=nb)
-
-    def _attached(self) -> bool:
-        """Every row's sequence sits in the arena (the engine's case; tests may use detached
-        sequences)."""
-        n = len(self.seqs)
-        return self.arena is not None and n > 0 and bool((self.row_slots[:n] >= 0).all())
+        if self._floats_dirty:  # sampling fields change only when rows join or leave
+            self.floats.copy_(self._host_floats_t, non_blocking=nb)
+            self._floats_dirty = False
 
     def restage_num_drafts(self, num_drafts: np.ndarray) -> None:
         """Send new draft counts of rows ``0 .. B-1`` (a drafter proposed fewer than asked)."""

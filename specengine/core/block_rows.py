@@ -32,6 +32,11 @@ class BlockRows:
         self.sent = np.zeros(capacity, dtype=np.int64)  # ids of that table the device has
         self._used = 0
 
+    @property
+    def num_used(self) -> int:
+        """Rows the last sync made current (the rest are empty)."""
+        return self._used
+
     def sync(self, rows: Sequence[tuple[int, list[int]]]) -> None:
         """Make row ``r`` hold ``rows[r] = (owner key, block table)``; rows past
         ``len(rows)`` become empty."""

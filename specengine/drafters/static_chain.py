@@ -60,6 +60,8 @@ class StaticFeatureChain(StaticDrafts):
         cap = self.state.capacity  # arena slots are < max_batch_size <= capacity
         self.root: Tensor | None = None  # [capacity + 1, H]; the last row takes padded rows
         self.root_owner = np.full(cap + 1, -1, dtype=np.int64)
+        self._roots_version = 0  # bumped whenever root_owner changes
+        self._has_roots: tuple[int, int, int, bool] = (-1, -1, -1, False)  # has_roots cache
 
     # ---- roots by slot ---------------------------------------------------------------------
     def set_roots(self, seqs: list[Sequence], hidden: Tensor) -> None:
@@ -69,19 +71,27 @@ class StaticFeatureChain(StaticDrafts):
         slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
         self.root[to_device(slots, self._device)] = hidden
         self.root_owner[slots] = [s.seq_id for s in seqs]
+        self._roots_version += 1
 
     def has_roots(self, num_rows: int) -> bool:
         """Whether batch rows ``0 .. num_rows-1`` (arranged) all have a root."""
         st = self.state
-        return bool((self.root_owner[st.row_slots[:num_rows]] == st.row_seq_ids[:num_rows]).all())
+        key = (st.generation, self._roots_version, num_rows)
+        if self._has_roots[:3] == key:  # rows and roots unchanged since the last answer
+            return self._has_roots[3]
+        ok = bool((self.root_owner[st.row_slots[:num_rows]] == st.row_seq_ids[:num_rows]).all())
+        self._has_roots = (*key, ok)
+        return ok
 
     def drop_roots(self) -> None:
         self.root_owner[:] = -1
+        self._roots_version += 1
 
     def release(self, seq_id: int) -> None:
         """Forget the root of ``seq_id`` (finished, aborted or preempted; it may already have
         left its slot)."""
         self.root_owner[self.root_owner == seq_id] = -1
+        self._roots_version += 1
 
     @property
     def num_roots(self) -> int:

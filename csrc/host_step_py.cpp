@@ -1,9 +1,11 @@
-// Python binding of append_step (step_append.h): numpy arrays in, written in place.
+// Python bindings of the decode step's host passes (step_append.h, stage_rows.h): numpy
+// arrays in, written in place.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <string>
 
+#include "stage_rows.h"
 #include "step_append.h"
 
 namespace py = pybind11;
@@ -44,7 +46,7 @@ void same(int64_t got, int64_t want, const char* what) {
 
 namespace specengine {
 
-void bind_step_append(py::module_& m) {
+void bind_host_step(py::module_& m) {
   m.def(
       "append_step",
       [](py::handle tokens, py::handle logprobs, py::handle versions, py::handle lens,
@@ -113,6 +115,56 @@ in place (``specengine.core.seq_arena.SeqArena.append_packed`` calls it; the ref
 ``tests/arena_reference.py``). Returns ``(needed_width, num_kept, [(row, code)])``:
 ``needed_width > 0`` means the arena is too narrow and nothing changed; code 1 = a stop token,
 2 = the length limit.
+)doc");
+  m.def(
+      "stage_rows",
+      [](py::handle ints, py::handle limits, py::handle row_slots, py::handle sent_blocks,
+         int64_t num_rows, py::handle lens, py::handle tokens, py::handle num_blocks,
+         py::object num_drafts, int64_t k, int64_t tree_drafts, int64_t max_model_len) {
+        auto in = exact<int64_t>(ints, "ints", 2, true);
+        auto lim = exact<int64_t>(limits, "limits", 2, false);
+        auto sl = exact<int64_t>(row_slots, "row_slots", 1, false);
+        auto sent = exact<int64_t>(sent_blocks, "sent_blocks", 1, false);
+        auto ln = exact<int64_t>(lens, "lens", 1, false);
+        auto tok = exact<int64_t>(tokens, "tokens", 2, false);
+        auto nb = exact<int64_t>(num_blocks, "num_blocks", 1, false);
+        const int64_t cap = in.shape(1);
+        if (in.shape(0) < 4) throw py::value_error("ints needs the 4 step-field rows");
+        same(lim.shape(0), 2, "limits rows");
+        same(lim.shape(1), cap, "limits columns");
+        if (num_rows < 0 || num_rows > cap || sl.shape(0) < num_rows ||
+            sent.shape(0) < num_rows) {
+          throw py::value_error("num_rows " + std::to_string(num_rows) +
+                                " exceeds the capacity or row_slots / sent_blocks");
+        }
+        same(ln.shape(0), tok.shape(0), "lens vs tokens rows");
+        same(nb.shape(0), tok.shape(0), "num_blocks vs tokens rows");
+        const int64_t* drafts = nullptr;
+        py::array_t<int64_t> nd;
+        if (!num_drafts.is_none()) {
+          nd = exact<int64_t>(num_drafts, "num_drafts", 1, false);
+          same(nd.shape(0), num_rows, "num_drafts length");
+          drafts = nd.data();
+        }
+        StageInput input{in.mutable_data(), lim.data(), cap,      sl.data(),
+                         sent.data(),       num_rows,   ln.data(), tok.data(),
+                         tok.shape(1),      nb.data(),  tok.shape(0), drafts,
+                         k,                 tree_drafts, max_model_len};
+        StageResult r;
+        try {
+          r = stage_rows(input);
+        } catch (const std::invalid_argument& e) {
+          throw py::value_error(e.what());
+        }
+        py::list grown;
+        for (int64_t row : r.grown) grown.append(row);
+        return py::make_tuple(r.max_drafts, grown);
+      },
+      R"doc(
+Write rows ``0 .. num_rows-1`` of the batch state's step fields (CTX, LAST, OFFSET, NUM_DRAFT)
+from the arena and plan their drafts (``num_drafts`` given, a tree's ``tree_drafts`` for all,
+or a chain of ``k`` cut per row as ``speculate.num_drafts_for``). Returns ``(max drafts,
+[rows whose block table grew])`` (``core.batch.BatchState.stage_step`` calls it).
 )doc");
 }
 
