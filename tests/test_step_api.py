@@ -5,6 +5,7 @@ step events (docs/design.md §1, §3)."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -220,8 +221,10 @@ def kv_accounting(engine: SpecEngine) -> None:
     """Free blocks + blocks held by live sequences == all blocks, none held twice; the same for
     a drafter with its own cache."""
     live = [r.seq for r in engine.core._requests.values()]
-    held = [b for s in live for b in s.block_table]
-    assert len(held) == len(set(held))
+    held = Counter(b for s in live for b in s.block_table)  # shared prompt blocks (§15)
+    named = set(engine.kv_cache.prefix.hash_of) if engine.kv_cache.prefix is not None else set()
+    refs = engine.kv_cache.allocator.ref_counts().tolist()
+    assert refs == [held[b] + (b in named) for b in range(len(refs))]
     assert engine.kv_cache.num_free_blocks + len(held) == engine.kv_cache.num_blocks
     cache = getattr(engine.drafter, "kv_cache", None)
     if cache is not None:
