@@ -172,9 +172,9 @@ class PrefixCache:
     def released(self, blocks: list[int]) -> None:
         """After a table's references were dropped: its named blocks that only the cache
         holds now become evictable, last block first (so tails are evicted before prefixes)."""
-        refs = self.allocator.ref_counts()
+        ref_count = self.allocator.ref_count
         for b in reversed(blocks):
-            if b in self.hash_of and refs[b] == 1:
+            if b in self.hash_of and ref_count(b) == 1:
                 self.evictable[b] = None
                 self.evictable.move_to_end(b)
 
