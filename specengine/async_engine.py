@@ -93,6 +93,9 @@ class AsyncSpecEngine:
         cancellation) aborts the request. Raises ``EngineOverloadedError`` when ``max_waiting``
         requests are unfinished, ``EngineClosedError`` after :meth:`close`, ``ValueError`` for
         bad input (also a ``request_id`` still in use)."""
+        if isinstance(params, SamplingParams) and params.n > 1:  # one stream is one sequence
+            raise ValueError(f"AsyncSpecEngine streams one sequence per request; got n="
+                             f"{params.n}: add the samples as separate requests")
         ch = self._loop.register(request_id, asyncio.get_running_loop())
         self._loop.send("add", (ch, prompt, params, k, tree))
         done = False
