@@ -1,4 +1,4 @@
-"""GRPO batch with and without shared prompt KV (issue 16; docs/design.md §15).
+"""GRPO batch with and without shared prompt KV (issue 16; docs/design.md §17).
 
 Two parts:
 

@@ -82,7 +82,7 @@ class EngineStats:
     wall_time_s: float = 0.0
     #: steps of ``k="auto"`` request groups by the k they ran (index = k; catch-up steps: 0)
     auto_k_steps: tuple[int, ...] = ()
-    # Prefills (docs/design.md §15): tokens whose KV they had to hold (re-prefills after
+    # Prefills (docs/design.md §17): tokens whose KV they had to hold (re-prefills after
     # preemption included), of which reused instead of computed (prefix-cache hits and
     # group samples borrowing a sibling's pass), and block references they shared.
     num_prompt_tokens: int = 0

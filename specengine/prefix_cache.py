@@ -1,4 +1,4 @@
-"""Automatic prefix caching of full KV blocks, and GRPO groups (docs/design.md §15).
+"""Automatic prefix caching of full KV blocks, and GRPO groups (docs/design.md §17).
 
 A full block's KV depends only on the tokens up to its end (and the weights), so a block is
 named by a chained hash: ``h_i = blake2b(h_{i-1} || tokens of block i)`` (16-byte digests,

@@ -31,7 +31,7 @@ class RunStats:
     num_draft: int = 0
     num_accepted: int = 0
     auto_k_steps: list[int] = field(default_factory=list)  # steps of auto groups, by k
-    num_prompt_tokens: int = 0  # prefills: tokens held, reused, blocks shared (§15)
+    num_prompt_tokens: int = 0  # prefills: tokens held, reused, blocks shared (§17)
     num_cached_prompt_tokens: int = 0
     num_shared_blocks: int = 0
 

@@ -13,7 +13,7 @@ is compared with its blocks in one numpy expression, and only the sequences that
 block are visited. When nothing changed, the same ``ScheduledBatch`` object comes back, so the
 step's later stages can tell by identity that the batch is unchanged.
 
-Admission reuses KV (docs/design.md §15): a fresh sample of a GRPO group (``SeqGroup``) whose
+Admission reuses KV (docs/design.md §17): a fresh sample of a GRPO group (``SeqGroup``) whose
 sibling was admitted earlier in the same prefill batch borrows that sibling's prompt pass
 (shared full blocks, a copy of the partial last block, the same last-token logits); any other
 sequence reuses the longest cached prefix of its tokens (``KVCache.plan``). Only the tokens a

@@ -1,4 +1,4 @@
-"""Prefix caching and shared prompt blocks (docs/design.md §15).
+"""Prefix caching and shared prompt blocks (docs/design.md §17).
 
 The randomized test drives the real scheduler and KV cache (no model: a prefill is simulated
 by ``KVCache.finish_prefill``, a decode step appends a token) through 10^4 events: groups and

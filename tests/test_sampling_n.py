@@ -1,4 +1,4 @@
-"""``SamplingParams(n=...)``: GRPO groups as one request (docs/design.md §15).
+"""``SamplingParams(n=...)``: GRPO groups as one request (docs/design.md §17).
 
 A group's prompt is prefilled once and its KV shared (full blocks by reference, the partial
 last block copied); these tests check that this changes nothing a lone request would get:

@@ -221,7 +221,7 @@ def kv_accounting(engine: SpecEngine) -> None:
     """Free blocks + blocks held by live sequences == all blocks, none held twice; the same for
     a drafter with its own cache."""
     live = [r.seq for r in engine.core._requests.values()]
-    held = Counter(b for s in live for b in s.block_table)  # shared prompt blocks (§15)
+    held = Counter(b for s in live for b in s.block_table)  # shared prompt blocks (§17)
     named = set(engine.kv_cache.prefix.hash_of) if engine.kv_cache.prefix is not None else set()
     refs = engine.kv_cache.allocator.ref_counts().tolist()
     assert refs == [held[b] + (b in named) for b in range(len(refs))]
