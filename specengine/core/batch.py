@@ -57,6 +57,7 @@ class BatchState:
         # Device copies: ints [7, R] int64, floats [2, R] float32, block tables [R, max_blocks].
         self.ints = torch.zeros(NUM_INT_FIELDS, capacity, dtype=torch.int64, device=device)
         self.floats = torch.zeros(2, capacity, dtype=torch.float32, device=device)
+        self._int_views: dict[int, tuple[Tensor, Tensor]] = {}
         self.blocks = BlockRows(capacity, max_blocks, device)
         self.block_tables = self.blocks.table
         self.seqs: list[Sequence] = []
@@ -225,7 +226,11 @@ class BatchState:
             self.blocks.sync([(s.seq_id, s.block_table) for s in seqs])
         self._changed_rows.clear()
         nb = self.device.type == "cuda"
-        self.ints[:, :padded_rows].copy_(self._host_ints_t[:, :padded_rows], non_blocking=nb)
+        views = self._int_views.get(padded_rows)
+        if views is None:  # (device, host) views of the first rows, made once per bucket
+            views = self._int_views[padded_rows] = (self.ints[:, :padded_rows],
+                                                    self._host_ints_t[:, :padded_rows])
+        views[0].copy_(views[1], non_blocking=nb)
         if self._floats_dirty:  # sampling fields change only when rows join or leave
             self.floats.copy_(self._host_floats_t, non_blocking=nb)
             self._floats_dirty = False

@@ -97,7 +97,7 @@ class StaticVerifier:
             raise ValueError(f"draft probs must be [{b}, {w}, {self.vocab_size}]")
         # Columns past N - 1 are past every row's draft count (the caller sized N from them).
         w = min(w, shape.num_tokens - 1)
-        if w:
+        if w and not _same_view(token_ids, self.draft_ids):  # a static drafter wrote in place
             self.draft_ids[:b, :w].copy_(token_ids[:, :w])
             if shape.has_probs:
                 self.probs_buffer(shape)[:b, :w].copy_(probs[:, :w])  # type: ignore[index]
@@ -167,3 +167,8 @@ def forward_output(out: VerifyOutput, num_rows: int, num_tokens: int) -> Forward
     """What a drafter's ``observe`` reads: row ``b``'s fed tokens are ``b*N .. b*N + N-1``."""
     return ForwardOutput(out.hidden, out.aux_hidden,
                          list(range(0, (num_rows + 1) * num_tokens, num_tokens)))
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    """``a`` is a leading block of ``b`` (same start, same strides)."""
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()

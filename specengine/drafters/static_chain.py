@@ -129,7 +129,8 @@ class StaticFeatureChain(StaticDrafts):
         bs = d.kv_cache.block_size
         indptr = self.qo_indptr(rows, 1)
         hidden = self.root[self._slot_rows(rows)]  # type: ignore[index]
-        ids = torch.zeros(rows, k, dtype=torch.int64, device=d.device)
+        # Drafts land straight in the verify pass's draft buffer (its load is then a no-op).
+        ids = self.graphs.verifier.draft_ids[:rows, :k]
         probs = None
         tokens = ids[:, 0]
         for j in range(k):
