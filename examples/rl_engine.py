@@ -33,17 +33,30 @@ def free_port() -> int:
 
 def engine_kwargs(cfg: LoopConfig, device: str) -> dict[str, object]:
     """``SpecEngine`` keywords of every engine of the run. float32 on every device: the
-    logprob check compares with the float32 learner."""
-    return {"device": device, "dtype": "float32", "seed": cfg.seed,
-            "max_model_len": min(256, 32 + cfg.max_tokens)}
+    logprob check compares with the float32 learner. ``adapt_draft_every`` turns on the
+    EAGLE-3 head's online adaptation (a rollout buffer of 4 steps' tokens, 2048 per
+    optimiser step: small enough to cost about a rollout's time on a CPU)."""
+    kwargs: dict[str, object] = {"device": device, "dtype": "float32", "seed": cfg.seed,
+                                 "max_model_len": min(256, 32 + cfg.max_tokens)}
+    if cfg.adapt_draft_every:
+        rollout_tokens = cfg.num_prompts * cfg.group_size * (cfg.max_tokens + 16)
+        kwargs["draft_options"] = {"adapt_every": cfg.adapt_draft_every,
+                                   "adapt_steps": cfg.adapt_draft_steps,
+                                   "adapt_buffer_tokens": 4 * rollout_tokens,
+                                   "adapt_batch_tokens": 2048}
+    return kwargs
 
 
-def rollouts(outs: list, accepted_length: float, gen_s: float) -> dict[str, object]:
-    """What a ``generate`` command answers: plain lists, one entry per rollout."""
+def rollouts(outs: list, stats: object, gen_s: float) -> dict[str, object]:
+    """What a ``generate`` command answers: plain lists, one entry per rollout, and the
+    call's mean accepted length and acceptance per draft (``EngineStats``)."""
     return {"token_ids": [list(o.token_ids) for o in outs],
             "logprobs": [list(o.logprobs) for o in outs],
             "versions": [o.weight_version for o in outs],
-            "accepted_length": accepted_length, "gen_s": gen_s}
+            "accepted_length": stats.mean_accepted_length,  # type: ignore[attr-defined]
+            "acceptance": (stats.num_accepted_tokens  # type: ignore[attr-defined]
+                           / max(stats.num_draft_tokens, 1)),  # type: ignore[attr-defined]
+            "gen_s": gen_s}
 
 
 def sampling(cfg: LoopConfig, seeds: list[int]) -> list:
@@ -74,7 +87,7 @@ def engine_worker(cfg: LoopConfig, draft: str, port: int, conn: Connection) -> N
                 prompts, seeds = arg
                 t0 = time.perf_counter()
                 outs = engine.generate(prompts, k=cfg.k, sampling=sampling(cfg, seeds))
-                conn.send(("rollouts", rollouts(outs, engine.stats.mean_accepted_length,
+                conn.send(("rollouts", rollouts(outs, engine.stats,
                                                 time.perf_counter() - t0)))
             elif cmd == "sync":
                 conn.send(("synced", engine.update_weights_from_distributed(
@@ -192,7 +205,7 @@ class PoolClient:
             prompts, seeds = arg
             t0 = time.perf_counter()
             outs = self.pool.generate(prompts, k=self.cfg.k, sampling=sampling(self.cfg, seeds))
-            return rollouts(outs, self.pool.stats.mean_accepted_length, time.perf_counter() - t0)
+            return rollouts(outs, self.pool.stats, time.perf_counter() - t0)
         if cmd == "params":  # every worker must hold the same weights: check, return one
             held = [self.pool.get_weights("policy", i) for i in range(self.cfg.workers)]
             if any(any(not torch.equal(h[n], held[0][n]) for n in held[0]) for h in held[1:]):

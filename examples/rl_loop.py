@@ -67,6 +67,7 @@ class StepRecord:
     step: int
     reward: float
     accepted_length: float
+    acceptance: float  # accepted drafts / drafts of the step's rollouts
     gen_s: float
     sync_s: float
     version: int
@@ -78,7 +79,8 @@ class StepRecord:
     def line(self) -> str:
         """The step as one line of the run's log."""
         return (f"step {self.step:3d} | reward {self.reward:.3f} | accepted len "
-                f"{self.accepted_length:.2f} | gen {self.gen_s:5.2f} s | sync {self.sync_s:.3f} s"
+                f"{self.accepted_length:.2f} | accept {self.acceptance:.3f} | gen "
+                f"{self.gen_s:5.2f} s | sync {self.sync_s:.3f} s"
                 f" | version {self.version}->{self.new_version} | max|dlogp| "
                 f"{self.max_logprob_diff:.1e} | loss {self.loss:+.4f}")
 
@@ -155,6 +157,7 @@ def run(cfg: LoopConfig, on_step: Callable[[StepRecord], None] | None = None,
                         which="policy")
             new_version = engine.sync_end()
             rec = StepRecord(step, sum(rewards) / len(rewards), ro["accepted_length"],
+                             ro["acceptance"],
                              ro["gen_s"], time.perf_counter() - t0, version, new_version,
                              max_diff, loss, num_tokens)
             records.append(rec)
@@ -194,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(0: one engine process)")
     defaults = LoopConfig()
     for name in ("steps", "num_prompts", "group_size", "k", "temperature", "max_tokens", "lr",
-                 "gain_lr", "seed"):  # defaults and help from LoopConfig, one source of truth
+                 "gain_lr", "seed", "adapt_draft_every", "adapt_draft_steps"):
+        # defaults and help from LoopConfig, one source of truth
         value = getattr(defaults, name)
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value,
                        help=f"default {value}")

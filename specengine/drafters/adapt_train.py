@@ -28,10 +28,10 @@ GROUP_SEQS = 16  # sequences per padded forward (sorted by length)
 
 
 def check_adapt_options(buffer_tokens: object, every: object, steps: object,
-                        lr: object) -> None:
+                        lr: object, batch_tokens: object) -> None:
     """The EAGLE-3 drafter's ``adapt_*`` draft options, each with a clear error."""
     for name, v, low in (("adapt_buffer_tokens", buffer_tokens, 0), ("adapt_every", every, 0),
-                         ("adapt_steps", steps, 1)):
+                         ("adapt_steps", steps, 1), ("adapt_batch_tokens", batch_tokens, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"draft option {name} must be an int >= {low}, got {v!r}")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (

@@ -55,6 +55,7 @@ VOCAB_MAP_KEYS = ("d2t", "t2d")
 DEFAULT_ADAPT_BUFFER_TOKENS = 32768
 DEFAULT_ADAPT_STEPS = 50
 DEFAULT_ADAPT_LR = 1e-3
+DEFAULT_ADAPT_BATCH_TOKENS = 8192
 EMBED_KEY = "embed_tokens.weight"
 
 
@@ -178,13 +179,14 @@ class Eagle3Drafter(FeatureDrafter):
     > 0 keeps the last that many rollout positions (target features + the policy's tokens)
     for :meth:`adapt`; ``adapt_every`` N > 0 also adapts by itself (``adapt_steps`` steps at
     ``adapt_lr``) after every N finished requests (buffer: ``DEFAULT_ADAPT_BUFFER_TOKENS``
-    unless given)."""
+    unless given). ``adapt_batch_tokens``: most buffered positions per optimiser step."""
 
     def __init__(self, path: str | Path, ctx: DraftContext, *, sample: bool = False,
                  adapt_buffer_tokens: int = 0, adapt_every: int = 0,
-                 adapt_steps: int = DEFAULT_ADAPT_STEPS, adapt_lr: float = DEFAULT_ADAPT_LR
-                 ) -> None:
-        check_adapt_options(adapt_buffer_tokens, adapt_every, adapt_steps, adapt_lr)
+                 adapt_steps: int = DEFAULT_ADAPT_STEPS, adapt_lr: float = DEFAULT_ADAPT_LR,
+                 adapt_batch_tokens: int = DEFAULT_ADAPT_BATCH_TOKENS) -> None:
+        check_adapt_options(adapt_buffer_tokens, adapt_every, adapt_steps, adapt_lr,
+                            adapt_batch_tokens)
         cfg_file = Path(path) / "config.json"
         try:
             raw = json.loads(cfg_file.read_text())
@@ -237,7 +239,8 @@ class Eagle3Drafter(FeatureDrafter):
         self.adapt_every, self.adapt_steps, self.adapt_lr = adapt_every, adapt_steps, adapt_lr
         self._num_finished = 0  # finished requests since the last automatic adaptation
         if adapt_buffer_tokens or adapt_every:
-            self.adapter = DraftAdapter(self, adapt_buffer_tokens or DEFAULT_ADAPT_BUFFER_TOKENS)
+            self.adapter = DraftAdapter(self, adapt_buffer_tokens or DEFAULT_ADAPT_BUFFER_TOKENS,
+                                        batch_tokens=adapt_batch_tokens)
             self.capture = self.adapter.buffer
 
     def adapt(self, steps: int = DEFAULT_ADAPT_STEPS, lr: float = DEFAULT_ADAPT_LR
