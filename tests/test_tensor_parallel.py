@@ -25,6 +25,7 @@ from test_mtp import add_mtp_weights
 
 from specengine import SamplingParams, SpecEngine
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
+from specengine.distributed.tp_weights import full_named_tensors
 from specengine.model.config import CheckpointError
 from specengine.weights import WeightSender, WeightSyncError
 
@@ -148,6 +149,8 @@ def test_load_weights_every_rank_or_none(qwen3: Path, tmp_path: Path) -> None:
         assert e.weight_version == 0 and outputs(e, PROMPTS, 0) == before
         assert e.load_weights(sd) == 1
         assert [p.data_ptr() for p in e.model.parameters()] == ptrs
+        whole = full_named_tensors(e.tp, e.model)  # every rank's slices put together
+        assert whole.keys() == sd.keys() and all(torch.equal(whole[n], sd[n]) for n in sd)
         after = outputs(e, PROMPTS, 0)
     assert after != before
     assert_close(after, outputs(engine(checkpoint_of(sd, tmp_path / "new")), PROMPTS, 0))

@@ -29,6 +29,7 @@ class PoolWeights:
     _workers: list[Any]
     _dead: dict[int, str]
     _resources: dict[str, Any]
+    _kwargs: dict[str, Any]  # the workers' engine_kwargs
 
     def _init_weights(self) -> None:
         self._version = 0
@@ -48,15 +49,22 @@ class PoolWeights:
 
     @property
     def weight_group_world_size(self) -> int:
-        """The learner's ``WeightSender`` world size: itself (rank 0) + one rank per worker."""
-        return 1 + self.num_workers
+        """The learner's ``WeightSender`` world size: itself (rank 0) + one rank per worker,
+        or per tensor-parallel rank of each worker (``engine_kwargs["tensor_parallel_size"]``:
+        every rank receives the broadcast itself)."""
+        return 1 + self.num_workers * self._tensor_parallel_size
+
+    @property
+    def _tensor_parallel_size(self) -> int:
+        return int(self._kwargs.get("tensor_parallel_size", 1))
 
     def init_weight_update_group(self, master_address: str, master_port: int,
                                  backend: str | None = None, *, timeout_s: float = 120.0,
                                  wait: bool = True) -> PoolCall | None:
         """Join every worker to the learner's weight-sync group: worker ``i`` is rank ``1 + i``
-        of ``1 + num_workers`` (the learner's ``WeightSender`` is rank 0). The rendezvous
-        needs the learner at the same time: from another thread or process, or pass
+        of ``1 + num_workers`` (the learner's ``WeightSender`` is rank 0); with tensor
+        parallelism of size N, ranks ``1 + i*N .. i*N + N`` of ``1 + num_workers * N``. The
+        rendezvous needs the learner at the same time: from another thread or process, or pass
         ``wait=False``, create the sender, then call ``.result()`` on what this returns.
         ``backend`` None: NCCL when the workers have GPUs, else gloo."""
         if backend is None:
@@ -70,7 +78,8 @@ class PoolWeights:
 
         call = self._call("init_weight_update_group", range(self.num_workers),
                           "init_weight_update_group", per_worker=[
-                              (master_address, master_port, 1 + i, world, backend, timeout_s)
+                              (master_address, master_port, 1 + i * self._tensor_parallel_size,
+                               world, backend, timeout_s)
                               for i in range(self.num_workers)], combine=joined)
         return call.result() if wait else call
 

@@ -115,12 +115,13 @@ class TensorParallel:
         """``KVCache``'s constructor for rank 0: its own heads (``num_kv_heads`` is the
         model's), and the same block layout allocated on every worker."""
         attn = self.model.model.layers[0].self_attn  # type: ignore[union-attr]
-        self._check_replies(self.group.call("init_kv", num_blocks, block_size,
+        self.check_replies(self.group.call("init_kv", num_blocks, block_size,
                                             reply=("ok", None)))
         return ShardedKVCache(self, num_blocks, block_size, num_layers, attn.num_kv_heads,
                               head_dim, dtype, device, **kwargs)
 
-    def _check_replies(self, replies: list[tuple[str, Any]]) -> list[Any]:
+    def check_replies(self, replies: list[tuple[str, Any]]) -> list[Any]:
+        """The workers' reply values; raises naming every rank that failed."""
         bad = [f"rank {r}: {v}" for r, (s, v) in enumerate(replies) if s == "error"]
         if bad:
             raise TensorParallelError("; ".join(bad))

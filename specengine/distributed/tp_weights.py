@@ -160,7 +160,38 @@ class TPWeightReceiver:
             self.own = None
 
 
+def full_named_tensors(tp: TensorParallel, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every policy tensor by HF name, whole (CPU copies): each rank's slices put together
+    (a KV head replicated on several ranks is written once per rank, the same values)."""
+    from specengine.distributed.tp_layers import shard_specs
+    from specengine.model.loader import full_shape, hf_named_tensors
+
+    params = hf_named_tensors(model)
+    replies = tp.check_replies(tp.group.call("shards", reply=("ok", None)))
+    cfg, n = model.config, tp.world_size  # type: ignore[attr-defined]
+    out: dict[str, torch.Tensor] = {}
+    for name, p in params.items():
+        if name not in model.tp_shards:  # type: ignore[attr-defined]
+            out[name] = p.detach().to("cpu", copy=True)
+            continue
+        full = torch.empty(full_shape(model, name, p), dtype=p.dtype)
+        for r, shards in enumerate(replies):
+            spec = shard_specs([name], cfg, r, n)[name]
+            shard = p.detach().cpu() if r == 0 else shards[name]
+            full.narrow(spec.dim, spec.start, spec.valid).copy_(
+                shard.narrow(spec.dim, 0, spec.valid))
+        out[name] = full
+    return out
+
+
 # ---- the workers' side (``tp_worker`` dispatches these) -----------------------------------
+def worker_shards(st: WorkerState) -> dict[str, torch.Tensor]:
+    from specengine.model.loader import hf_named_tensors
+
+    return {n: t.detach().cpu() for n, t in hf_named_tensors(st.model).items()
+            if n in st.model.tp_shards}  # type: ignore[operator]
+
+
 def worker_load_check(st: WorkerState, payload: Payload) -> list[str]:
     items = _tensors(payload)
     errors = _check(st.model, items)
@@ -199,4 +230,4 @@ def worker_leave(st: WorkerState) -> None:
         st.receiver = None
 
 
-__all__ = ["TPWeightReceiver", "load_policy"]
+__all__ = ["TPWeightReceiver", "full_named_tensors", "load_policy"]

@@ -124,6 +124,7 @@ def _handlers() -> dict[str, tuple[Callable[..., Any], bool]]:
         "join": (w.worker_join, True),
         "recv": (w.worker_receive, True),
         "leave": (w.worker_leave, False),
+        "shards": (w.worker_shards, True),
     }
 
 

@@ -76,6 +76,10 @@ class RolloutWorker:
         from specengine.weights.receiver import update_target
 
         module, _ = update_target(self.engine, which)
+        if which == "policy" and getattr(self.engine, "tp", None) is not None:
+            from specengine.distributed.tp_weights import full_named_tensors
+
+            return full_named_tensors(self.engine.tp, module)  # every rank's slices, whole
         return {n: t.detach().to("cpu", copy=True) for n, t in hf_named_tensors(module).items()}
 
     def restore(self, weights: Mapping[str, object], version: int) -> int:
