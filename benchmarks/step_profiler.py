@@ -30,6 +30,7 @@ Instruments, combined by :class:`StepProfiler` (a context manager):
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -115,6 +116,14 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+@functools.cache
+def _short(filename: str) -> str:
+    """``dir/file.py`` of a source file (cached: the profiler's own cost counts as host time
+    at every sync site it wraps)."""
+    p = Path(filename)
+    return f"{p.parent.name}/{p.name}"
+
+
 class StepProfiler:
     """``with StepProfiler(dispatch=True) as p: ...; p.counts`` (see the module docstring).
 
@@ -174,7 +183,7 @@ class StepProfiler:
             if name != _HERE and not (skip_torch and name.startswith(_TORCH_DIR)):
                 if not name.startswith(self.roots):
                     return None
-                return f"{Path(name).parent.name}/{Path(name).name}:{frame.f_lineno}"
+                return f"{_short(name)}:{frame.f_lineno}"
             frame = frame.f_back
         return None
 

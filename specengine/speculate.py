@@ -93,15 +93,15 @@ def speculative_step(
     #    pass (a static draft loop reads positions from the state).
     drafting = drafter is not None and k > 0
     rows = graphs.padded_rows(batch)
-    num_drafts = state.stage_step(k if drafting else 0,
-                                  tree.num_nodes - 1 if drafting and tree is not None else -1,
-                                  rows, max_model_len)
+    num_drafts, max_drafts = state.stage_step(
+        k if drafting else 0, tree.num_nodes - 1 if drafting and tree is not None else -1,
+        rows, max_model_len)
     proposal = None
-    if num_drafts.any():
+    if max_drafts:
         proposal = drafter.propose(seqs, num_drafts.tolist(), tree)  # type: ignore[union-attr]
         # A chain drafter may propose fewer tokens than asked (an n-gram without a match).
         proposed = np.asarray(proposal.num_draft_tokens, dtype=np.int64)
-        if (proposed != num_drafts).any():
+        if not proposal.as_asked and (proposed != num_drafts).any():
             num_drafts = proposed
             state.restage_num_drafts(num_drafts)
             if not num_drafts.any():

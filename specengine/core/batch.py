@@ -192,20 +192,23 @@ class BatchState:
                     lens)
 
     def stage_step(self, k: int, tree_drafts: int, padded_rows: int, max_model_len: int
-                   ) -> np.ndarray:
+                   ) -> tuple[np.ndarray, int]:
         """:meth:`stage` with the step's draft plan made here: a chain of ``k`` drafts cut per
         row as ``speculate.num_drafts_for``, or (``tree_drafts >= 0``) a tree's for every
-        row, none for all when a row would feed past ``max_model_len``. Returns the counts."""
-        self._stage(None, k, tree_drafts, max_model_len, padded_rows, None)
-        return self.host_ints[NUM_DRAFT, : len(self.seqs)].copy()
+        row, none for all when a row would feed past ``max_model_len``. Returns the counts
+        and the largest."""
+        max_drafts = self._stage(None, k, tree_drafts, max_model_len, padded_rows, None)
+        # A view: the host writes this row again only at the next stage, after this step.
+        return self.host_ints[NUM_DRAFT, : len(self.seqs)], max_drafts
 
     def _stage(self, num_drafts: np.ndarray | None, k: int, tree_drafts: int,
-               max_model_len: int, padded_rows: int, lens: np.ndarray | None) -> None:
+               max_model_len: int, padded_rows: int, lens: np.ndarray | None) -> int:
+        """Write and send the step fields; returns the largest draft count staged."""
         seqs = self.seqs
         n = len(seqs)
         if self._all_attached:  # one C++ pass over the rows, reading the arena
             arena = self.arena
-            _, grown = _C.stage_rows(
+            max_drafts, grown = _C.stage_rows(
                 self.host_ints, self.host_limits, self.row_slots, self.blocks.sent, n,
                 arena.lens, arena.tokens, arena.num_blocks, num_drafts, k,  # type: ignore
                 tree_drafts, max_model_len)
@@ -223,6 +226,7 @@ class BatchState:
             self.host_ints[OFFSET, :n] = lens
             self.host_ints[LAST, :n] = np.fromiter((s.last_token for s in seqs), np.int64, n)
             self.host_ints[NUM_DRAFT, :n] = num_drafts
+            max_drafts = int(num_drafts.max(initial=0))
             self.blocks.sync([(s.seq_id, s.block_table) for s in seqs])
         self._changed_rows.clear()
         nb = self.device.type == "cuda"
@@ -234,6 +238,7 @@ class BatchState:
         if self._floats_dirty:  # sampling fields change only when rows join or leave
             self.floats.copy_(self._host_floats_t, non_blocking=nb)
             self._floats_dirty = False
+        return max_drafts
 
     def restage_num_drafts(self, num_drafts: np.ndarray) -> None:
         """Send new draft counts of rows ``0 .. B-1`` (a drafter proposed fewer than asked)."""

@@ -70,16 +70,18 @@ class GraphRunner:
         self._pool: Any = None
         self.num_replays = 0
         self.num_captures = 0
+        self._padded: dict[int, int] = {}  # padded_rows answers
         #: static passes run, by kind (``verify``, ``draft``, ``observe``, ``lm-draft``)
         self.num_runs: Counter[str] = Counter()
 
     def padded_rows(self, num_rows: int) -> int:
         """Rows a batch of ``num_rows`` runs as: its bucket, or itself (eager / too large)."""
-        if self.static:
-            for b in self.buckets:
-                if b >= num_rows:
-                    return b
-        return num_rows
+        rows = self._padded.get(num_rows)
+        if rows is None:
+            rows = next((b for b in self.buckets if b >= num_rows), num_rows) if self.static \
+                else num_rows
+            self._padded[num_rows] = rows
+        return rows
 
     def run(self, shape: VerifyShape) -> VerifyOutput:
         """The verify pass of ``shape``."""

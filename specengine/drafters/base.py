@@ -23,6 +23,8 @@ class DraftProposal:
     token_ids: Tensor  # [B, N-1] int64, on the engine's device
     num_draft_tokens: np.ndarray  # [B] int: host data (the step plans with it, no sync)
     probs: Tensor | None  # [B, N-1, V] float32 draft distributions, or None for point masses
+    # Every row drafted exactly what ``propose`` asked (the step then skips comparing counts)
+    as_asked: bool = False
 
 
 class Drafter(ABC):

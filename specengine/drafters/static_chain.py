@@ -111,13 +111,13 @@ class StaticFeatureChain(StaticDrafts):
         """``seqs`` in batch-row order (the step arranged them); every row drafts
         ``max(num_drafts)`` tokens, ``num_draft_tokens`` says how many count."""
         d = self.drafter
-        counts = np.asarray(num_drafts, dtype=np.int64)
-        k = int(counts.max())
+        k = max(num_drafts)
         rows = self.graphs.padded_rows(len(seqs))
         ids, probs = self.graphs.run_graph(("draft", rows, k, d.sample), rows,
                                            lambda: self._loop(rows, k))
         b = len(seqs)
-        return DraftProposal(ids[:b], counts, None if probs is None else probs[:b])
+        return DraftProposal(ids[:b], np.asarray(num_drafts, dtype=np.int64),
+                             None if probs is None else probs[:b], as_asked=True)
 
     @torch.inference_mode()
     def _loop(self, rows: int, k: int) -> tuple[Tensor, Tensor | None]:
