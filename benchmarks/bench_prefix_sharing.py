@@ -166,8 +166,12 @@ def run_bundled(args: argparse.Namespace) -> list[dict]:
             for _ in prompts for i in range(N)]
     alone = run_engine(plain, [p for p in prompts for _ in range(N)], lone)
     same = grouped.pop("tokens") == alone.pop("tokens")
-    rows = [dict(model="bundled", sharing=True, **grouped, same_tokens=same),
-            dict(model="bundled", sharing=False, **alone, same_tokens=same)]
+    many = prompts_of(4096, 32, 224, 20, seed=1)
+    fits = {s: largest_batch(many, N, args.bundled_max_tokens, args.bundled_budget, s)
+            for s in (True, False)}  # groups whose rollouts the budget holds at once
+    rows = [dict(model="bundled", sharing=s, **r, same_tokens=same,
+                 budget_blocks=args.bundled_budget, largest_groups=fits[s])
+            for s, r in ((True, grouped), (False, alone))]
     for r in rows:
         print(json.dumps(r), flush=True)
     return rows
@@ -182,6 +186,8 @@ def main() -> None:
     ap.add_argument("part", choices=["bundled", "shapes"])
     ap.add_argument("--max-tokens", type=int, default=1024, help="8B shapes: tokens per sample")
     ap.add_argument("--bundled-max-tokens", type=int, default=16)
+    ap.add_argument("--bundled-budget", type=int, default=1024,
+                    help="bundled pair: KV blocks for the largest-batch count")
     args = ap.parse_args()
     run_bundled(args) if args.part == "bundled" else run_shapes(args)
 
