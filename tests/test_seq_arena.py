@@ -78,3 +78,26 @@ def test_append_packed_refuses_bad_input_and_changes_nothing() -> None:
         arena.append_packed(np.ascontiguousarray(ok[:, :5]), 3, rows, zeros, zeros, stats, 1)
     _same(arena, before)
     assert not stats.any()
+
+
+def test_stage_rows_refuses_bad_rows_and_writes_nothing() -> None:
+    """The staging pass checks every row before writing any (``BatchState.stage_step``)."""
+    from specengine import _C
+
+    arena = SeqArena(4, max_model_len=64, width=16)
+    slot = arena.take([5, 6, 7], 3, 10, frozenset())
+    ints = np.zeros((8, 4), dtype=np.int64)
+    limits = np.array([[10] * 4, [3] * 4], dtype=np.int64)
+    sent = np.zeros(4, dtype=np.int64)
+    args = (arena.lens, arena.tokens, arena.num_blocks, None, 3, -1, 64)
+    max_drafts, grown = _C.stage_rows(ints, limits, np.array([slot]), sent, 1, *args)
+    assert (max_drafts, grown) == (3, [])
+    assert ints[:4, 0].tolist() == [2, 7, 3, 3]  # CTX, LAST, OFFSET, NUM_DRAFT
+    before = ints.copy()
+    with pytest.raises(ValueError, match="row 1 has slot 9 outside the arena's 4"):
+        _C.stage_rows(ints, limits, np.array([slot, 9]), sent, 2, *args)
+    with pytest.raises(ValueError, match="row 1 has length 0"):  # a free slot
+        _C.stage_rows(ints, limits, np.array([slot, (slot + 1) % 4]), sent, 2, *args)
+    with pytest.raises(TypeError, match="int64"):
+        _C.stage_rows(ints.astype(np.int32), limits, np.array([slot]), sent, 1, *args)
+    np.testing.assert_array_equal(ints, before)
