@@ -51,11 +51,16 @@ class CMakeBuild(build_ext):
 
 
 setup(
+    # Every subpackage, listed (``specengine.kernels`` comes from ``kernels/``, see above).
     packages=[
         "specengine",
         "specengine.assets",
-        "specengine.model",
+        "specengine.core",
+        "specengine.distributed",
         "specengine.drafters",
+        "specengine.model",
+        "specengine.server",
+        "specengine.weights",
         "specengine.kernels",
     ],
     package_dir={"specengine.kernels": "kernels"},
