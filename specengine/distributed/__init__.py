@@ -1,4 +1,4 @@
-"""Scaling out (docs/design.md §12, §15): :class:`RolloutPool`, data-parallel rollout
+"""Scaling out (docs/design.md §12, §19): :class:`RolloutPool`, data-parallel rollout
 workers on Ray, each a ``SpecEngine`` in its own actor, updated together by one learner; and
 tensor parallelism inside one engine (``tensor_parallel``, which needs no Ray).
 

@@ -1,5 +1,5 @@
 """Tensor parallelism inside one engine: ``SpecEngine(..., tensor_parallel_size=N)``
-(docs/design.md §15).
+(docs/design.md §19).
 
 Rank 0 is the engine's own process; :class:`TensorParallel` spawns ranks ``1 .. N-1``
 (``tp_worker``), each loading its shard of the same checkpoint (``tp_layers``). The engine

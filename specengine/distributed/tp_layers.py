@@ -1,6 +1,6 @@
 """Megatron-style tensor-parallel layers and the map from full HF tensors to each rank's shard.
 
-A rank of ``N`` owns (docs/design.md §15): its ``num_heads / N`` query heads and their K/V
+A rank of ``N`` owns (docs/design.md §19): its ``num_heads / N`` query heads and their K/V
 heads (``num_kv_heads / N``, or one replicated head when there are fewer KV heads than ranks)
 in the merged QKV projection, its ``1/N`` of the gate and up rows (column-parallel: no
 communication), the matching input columns of ``o_proj`` and ``down_proj`` (row-parallel: the
