@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_sampling_lossless import (  # noqa: F401  (module fixtures)
-    NUM_SEQS,
     P_MIN,
     PROMPT,
     chi_square_p,
@@ -33,10 +32,14 @@ from specengine.core.cost_model import (
     fit_relative,
 )
 
+NUM_SEQS = 12_000  # samples of the (t2, t3) law: enough for cells >= 5 expected counts
+
 # t_draft = 0.3 k (per row: 0), t_verify = 1: a step costs 1 + 0.3 k at every batch size
 FLAT = StepCost(draft=(0, 0, 0, 0, 0.3, 0), verify=(1, 0, 0, 0, 0, 0))
 # a draft token costs 1 % of a step per sequence: drafting pays at small batches only
 BATCHY = StepCost(draft=(0, 0, 0, 0, 0, 0.01), verify=(1, 0, 0, 0, 0, 0))
+# 3 %: with the bundled head's ~0.98 acceptance drafting pays below ~32 sequences only
+TAIL = StepCost(draft=(0, 0, 0, 0, 0, 0.03), verify=(1, 0, 0, 0, 0, 0))
 
 
 def controller(cost: StepCost, conditional: float | None = None, history: float = 1e6,
@@ -92,6 +95,17 @@ def test_useless_drafts_choose_zero_and_probe_rarely() -> None:
     assert auto.num_probes == len(drafting) + 1  # the last one is due next step
 
 
+def test_explores_first_and_keeps_the_drafter_in_sync_only_when_it_may_pay() -> None:
+    fresh = controller(StepCost(draft=(0, 0, 0, 0, 0, 1.0), verify=(1, 0, 0, 0, 0, 0)))
+    assert fresh.uncertain and fresh.choose(64, 8) >= 1  # too dear, but not measured yet
+    assert fresh.observes() and fresh.on_prefill(8) and fresh.synced
+    useless = controller(FLAT, 0.0)
+    assert not useless.observes() and useless.choose(1, 8) == 0
+    assert not useless.on_prefill(8) and not useless.synced  # the next draft catches up first
+    good = controller(BATCHY, 0.9)
+    assert good.observes() and good.on_prefill(8) and good.synced
+
+
 def test_probe_notices_when_drafting_pays_again() -> None:
     auto = controller(FLAT, 0.0, history=64, probe_min=2, probe_max=2, memory=64)
     k, steps = 0, 0
@@ -127,7 +141,7 @@ def test_cost_fit_recovers_a_linear_cost_and_shrugs_off_bursts() -> None:
 @pytest.fixture(scope="module")
 def engine() -> SpecEngine:
     eng = SpecEngine(DEFAULT_TARGET, draft=DEFAULT_DRAFT, device="cpu", seed=0)
-    eng.core.auto_k = controller(BATCHY, probe_min=2, probe_max=4)
+    eng.core.auto_k = controller(TAIL, probe_min=2, probe_max=4)
     return eng
 
 
@@ -141,8 +155,8 @@ def test_greedy_auto_equals_k0_while_k_changes(engine: SpecEngine, cuda_graphs: 
         DEFAULT_TARGET, draft=DEFAULT_DRAFT, device="cpu", seed=0, cuda_graphs=True,
         graph_buckets=(1, 2, 4, 8, 16, 32, 64, 128))
     if cuda_graphs:
-        eng.core.auto_k = controller(BATCHY, probe_min=2, probe_max=4)
-    # BATCHY: 96 sequences do not draft (the drafter catches up), the long tail drafts
+        eng.core.auto_k = controller(TAIL, probe_min=2, probe_max=4)
+    # TAIL: 96 sequences do not draft (the drafter catches up), the long tail drafts
     prompts = arith(96)
     params = [SamplingParams(temperature=0.0, max_tokens=8 + (i % 5) * 12) for i in range(96)]
     base = eng.generate(prompts, k=0, sampling=params)

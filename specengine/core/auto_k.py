@@ -11,8 +11,13 @@ cost model and its accepted drafts per position to the acceptance tracker. The r
   drafting from a stale root would be rejected and would teach the tracker a false low rate.
 * ``k = 0`` otherwise. While drafting would pay at batch 1 (the drafts are good; the batch is
   what makes them too dear, and it shrinks as a rollout's long tail runs) the drafter keeps
-  catching up at ``k = 0`` steps (``SYNC``), as vLLM's proposer does on non-speculative steps;
-  with drafts that pay nowhere it stays idle and a ``k = 0`` step costs a plain one.
+  catching up at ``k = 0`` steps (``SYNC``) and on the prefills of auto requests
+  (:meth:`AutoK.observes`), as vLLM's proposer does on non-speculative steps; with drafts that
+  pay nowhere it stays idle and a ``k = 0`` step (and a prefill) costs a plain one. Positions
+  it skipped stay unwritten in its KV cache: later drafts of those sequences are accepted less
+  (lossless either way).
+* Exploration: until ``explore_min`` first drafts were counted, the acceptance estimate is not
+  trusted: steps draft at least one token and the drafter keeps catching up.
 * Probes: after ``probe_interval`` consecutive ``k = 0`` steps, one step drafts the best
   ``k >= 1`` (after a catch-up step if needed) so a drafter that became good is noticed. The
   interval starts at ``probe_min``, doubles after every probe (up to ``probe_max``) and goes
@@ -71,6 +76,7 @@ class AutoKConfig:
     probe_min: int = 16
     probe_max: int = 256
     memory: float = 2048.0  # drafts per position the acceptance estimate remembers
+    explore_min: float = 16.0  # first drafts counted before the estimate decides alone
     window: int = 512  # measured steps the cost fit keeps next to the calibration
     refit_every: int = 16
     calibration_batches: tuple[int, ...] = (1, 16, 64)
@@ -167,6 +173,8 @@ class AutoK:
             k, self._probe_next = min(self._probe_next, k_max), None
             return k
         k, rates = self.rates(batch, k_max)
+        if k == 0 and self.uncertain:
+            k = 1 + int(np.argmax(rates[1:]))  # explore: measure the drafts first
         if k > 0:
             self.probe_interval = self.config.probe_min
             return k if self.synced else SYNC
@@ -180,7 +188,26 @@ class AutoK:
                 return probe
             self._probe_next = probe
             return SYNC
-        return SYNC if batch > 1 and self.rates(1, k_max)[0] > 0 else 0
+        return SYNC if self.observes(k_max) else 0
+
+    def on_prefill(self, k_max: int) -> bool:
+        """A prefill of auto requests: whether the drafter observes it (:meth:`observes`);
+        if not, the next drafting step catches up first."""
+        observe = self.observes(k_max)
+        self.synced = self.synced and observe
+        return observe
+
+    @property
+    def uncertain(self) -> bool:
+        """Too few first drafts counted (recently) to trust the acceptance estimate."""
+        return bool(self.acceptance.proposed[0] < self.config.explore_min)
+
+    def observes(self, k_max: int = DEFAULT_K_MAX) -> bool:
+        """Whether the drafter should catch up when an auto group does not draft (k = 0 steps,
+        prefills): while the estimate is uncertain, or drafting would pay at batch 1."""
+        if not self.calibrated or k_max == 0:
+            return False
+        return self.uncertain or self.rates(1, k_max)[0] > 0
 
     def record(self, batch: int, k: int, before: _Before, times: StepTimes) -> None:
         """The step just run with ``k`` (``choose``'s) for ``batch`` sequences: ``times``

@@ -217,7 +217,7 @@ class EngineCore:
             seqs = scheduled.seqs
             if scheduled.is_prefill:
                 t0 = time.perf_counter()
-                self._prefill(seqs, any(self._by_seq[s.seq_id].k > 0 for s in seqs), version)
+                self._prefill(seqs, self._prefill_observes(seqs), version)
                 run.prefill_s += time.perf_counter() - t0
                 run.add_prefill(self.runner.last_prefill)
                 run.num_forwards += 1
@@ -280,6 +280,14 @@ class EngineCore:
             out = [(kt, tuple(group)) for kt, group in groups.values()]
         self._groups_of = (seqs, out)
         return out
+
+    def _prefill_observes(self, seqs: tuple[Sequence, ...]) -> bool:
+        """Whether the drafter catches up on this prefill: some request will draft (a k="auto"
+        one while the auto rule keeps the drafter in sync, ``core.auto_k``)."""
+        reqs = [self._by_seq[s.seq_id] for s in seqs]
+        auto = [r.k for r in reqs if r.auto and r.k > 0]
+        return any(r.k > 0 and not r.auto for r in reqs) or (
+            bool(auto) and self.auto_k.on_prefill(max(auto)))
 
     def _prefill(self, seqs: tuple[Sequence, ...], observe: bool, version: int) -> None:
         """Prompt pass + first token; the drafter catches up only when some request will
