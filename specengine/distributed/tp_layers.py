@@ -167,5 +167,30 @@ class ParallelLMHead(nn.Module):
             return self.tp.all_gather_last(local)[..., : self.vocab_size]
 
 
+def row_linear(in_features: int, out_features: int, bias: bool, tp: TPGroup | None
+               ) -> nn.Module:
+    """``nn.Linear``, or its row-parallel shard (``in_features`` this rank's) under ``tp``."""
+    if tp is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp)
+
+
+def embedding(vocab_size: int, dim: int, tp: TPGroup | None) -> nn.Module:
+    """``nn.Embedding``, or this rank's vocab-parallel rows under ``tp``."""
+    return nn.Embedding(vocab_size, dim) if tp is None else \
+        VocabParallelEmbedding(vocab_size, dim, tp)
+
+
+def lm_head(dim: int, vocab_size: int, tp: TPGroup | None, tied: nn.Module | None
+            ) -> nn.Module:
+    """The LM head (sharing ``tied``'s weight when given), vocab-parallel under ``tp``."""
+    if tp is not None:
+        return ParallelLMHead(dim, vocab_size, tp, tied)  # type: ignore[arg-type]
+    head = nn.Linear(dim, vocab_size, bias=False)
+    if tied is not None:
+        head.weight = tied.weight  # type: ignore[assignment]
+    return head
+
+
 __all__ = ["ParallelLMHead", "RowParallelLinear", "ShardSpec", "VocabParallelEmbedding",
-           "check_tensor_parallel", "shard_specs"]
+           "check_tensor_parallel", "embedding", "lm_head", "row_linear", "shard_specs"]

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specengine.distributed.tp_layers import embedding, lm_head, row_linear, shard_specs
 from specengine.kernels import reference
 from specengine.model.attention import AttentionBackend, AttentionMetadata
 from specengine.model.config import ModelConfig
@@ -135,12 +136,7 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(
             in_features or h, (("q_proj", self.num_heads * d), ("k_proj", self.num_kv_heads * d),
                                ("v_proj", self.num_kv_heads * d)), bias=cfg.qkv_bias)
-        if tp is None:
-            self.o_proj: nn.Module = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
-        else:
-            from specengine.distributed.tp_layers import RowParallelLinear
-
-            self.o_proj = RowParallelLinear(self.num_heads * d, h, cfg.o_bias, tp)
+        self.o_proj = row_linear(self.num_heads * d, h, cfg.o_bias, tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -171,12 +167,7 @@ class MLP(nn.Module):
         i = cfg.intermediate_size // (tp.world_size if tp is not None else 1)
         self.gate_up_proj = MergedLinear(h, (("gate_proj", i), ("up_proj", i)),
                                          bias=cfg.mlp_bias)
-        if tp is None:
-            self.down_proj: nn.Module = nn.Linear(i, h, bias=cfg.mlp_bias)
-        else:
-            from specengine.distributed.tp_layers import RowParallelLinear
-
-            self.down_proj = RowParallelLinear(i, h, cfg.mlp_bias, tp)
+        self.down_proj = row_linear(i, h, cfg.mlp_bias, tp)
         self.register_load_state_dict_pre_hook(_load_hf_names)
 
     def forward(self, x: Tensor, backend: AttentionBackend | None = None) -> Tensor:
@@ -237,12 +228,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        if tp is None:
-            self.embed_tokens: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        else:
-            from specengine.distributed.tp_layers import VocabParallelEmbedding
-
-            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, self.rotary_emb, tp) for _ in range(cfg.num_layers)
         )
@@ -262,20 +248,11 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.model = DecoderModel(cfg, tp)
-        if tp is None:
-            self.lm_head: nn.Module = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-            if cfg.tie_word_embeddings:
-                self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            from specengine.distributed.tp_layers import ParallelLMHead
-
-            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp,
-                                          self.model.embed_tokens  # type: ignore[arg-type]
-                                          if cfg.tie_word_embeddings else None)
+        self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size, tp,
+                               self.model.embed_tokens if cfg.tie_word_embeddings else None)
         #: HF name -> this rank's slice of that tensor, for the tensors that are split
         self.tp_shards: dict[str, Any] = {}
         if tp is not None:
-            from specengine.distributed.tp_layers import shard_specs
             from specengine.model.loader import hf_named_tensors
 
             names = list(hf_named_tensors(self, remove_duplicate=False))
