@@ -151,6 +151,8 @@ class TPGroup:
     # ---- commands ----------------------------------------------------------------------
     def send_command(self, op: str, *args: Any) -> None:
         """Rank 0: tell every worker to run ``op(*args)``."""
+        if self._ctl is None:
+            raise TensorParallelError("the tensor-parallel ranks were shut down (engine.close())")
         raw = pickle.dumps((op, to_cpu(args)), protocol=pickle.HIGHEST_PROTOCOL)
         self._ctl_broadcast(torch.tensor([MAGIC, len(raw)], dtype=torch.int64))
         self._ctl_broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
