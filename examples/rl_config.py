@@ -37,9 +37,10 @@ class LoopConfig:
     eval_prompts: int = 0  # held-out prompts scored before and after training (0: skip)
     workers: int = 0  # 0: one engine process; N: a RolloutPool of N Ray workers
     # Online adaptation of the EAGLE-3 head: adapt after every N finished rollouts (0: off),
-    # adapt_draft_steps optimiser steps each time (engine draft_options adapt_*).
+    # adapt_draft_steps optimiser steps at adapt_draft_lr each time (draft_options adapt_*).
     adapt_draft_every: int = 0
     adapt_draft_steps: int = 8
+    adapt_draft_lr: float = 3e-4
 
     def __post_init__(self) -> None:
         for name in ("steps", "num_prompts", "max_tokens"):
@@ -54,8 +55,10 @@ class LoopConfig:
                 and self.eval_prompts >= 0 and self.workers >= 0):
             raise ValueError("need lr > 0, gain_lr > 0, 0 < clip_eps < 1, eval_prompts >= 0, "
                              "workers >= 0")
-        if self.adapt_draft_every < 0 or self.adapt_draft_steps < 1:
-            raise ValueError("need adapt_draft_every >= 0 and adapt_draft_steps >= 1")
+        if self.adapt_draft_every < 0 or self.adapt_draft_steps < 1 or not (
+                self.adapt_draft_lr > 0):
+            raise ValueError("need adapt_draft_every >= 0, adapt_draft_steps >= 1 and "
+                             "adapt_draft_lr > 0")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
 

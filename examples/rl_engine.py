@@ -42,6 +42,7 @@ def engine_kwargs(cfg: LoopConfig, device: str) -> dict[str, object]:
         rollout_tokens = cfg.num_prompts * cfg.group_size * (cfg.max_tokens + 16)
         kwargs["draft_options"] = {"adapt_every": cfg.adapt_draft_every,
                                    "adapt_steps": cfg.adapt_draft_steps,
+                                   "adapt_lr": cfg.adapt_draft_lr,
                                    "adapt_buffer_tokens": 4 * rollout_tokens,
                                    "adapt_batch_tokens": 2048}
     return kwargs

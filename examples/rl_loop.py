@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(0: one engine process)")
     defaults = LoopConfig()
     for name in ("steps", "num_prompts", "group_size", "k", "temperature", "max_tokens", "lr",
-                 "gain_lr", "seed", "adapt_draft_every", "adapt_draft_steps"):
+                 "gain_lr", "seed", "adapt_draft_every", "adapt_draft_steps",
+                 "adapt_draft_lr"):
         # defaults and help from LoopConfig, one source of truth
         value = getattr(defaults, name)
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value,

@@ -41,8 +41,9 @@ def check_adapt_options(buffer_tokens: object, every: object, steps: object,
 
 @dataclass(frozen=True)
 class AdaptResult:
-    """One ``adapt_draft`` call: the EAGLE-3 loss on the whole buffer before and after the
-    ``steps`` optimiser steps, what it trained on and how long it took."""
+    """One ``adapt_draft`` call: the EAGLE-3 loss before and after the ``steps`` optimiser
+    steps on the first step's batch (the whole buffer when it holds at most
+    ``adapt_batch_tokens`` positions), what it trained on and how long it took."""
 
     steps: int
     num_seqs: int
@@ -90,13 +91,16 @@ class DraftAdapter:
             self.optimizer = HeadOptimizer(self.drafter.module)
         opt = self.optimizer
         opt.sync_in()
-        before = self.loss(seqs)
-        for _ in range(steps):
+        first = self._pick(seqs)  # the loss is reported on this batch, before and after
+        before = 0.0
+        for step in range(steps):
             with torch.enable_grad():
-                loss = self._objective(self._pick(seqs))
+                loss = self._objective(first if step == 0 else self._pick(seqs))
+            if step == 0:
+                before = float(loss.detach())
             opt.step(loss, float(lr))
         opt.sync_out()
-        after = self.loss(seqs)
+        after = self.loss(first)
         num_tokens = sum(len(s.rows) - s.num_prompt_tokens for s in seqs)
         res = AdaptResult(steps, len(seqs), num_tokens, before, after,
                           time.perf_counter() - t0)
