@@ -78,7 +78,7 @@ class AutoKConfig:
     memory: float = 2048.0  # drafts per position the acceptance estimate remembers
     explore_min: float = 16.0  # first drafts counted before the estimate decides alone
     window: int = 512  # measured steps the cost fit keeps next to the calibration
-    refit_every: int = 16
+    refit_every: int = 128
     calibration_batches: tuple[int, ...] = (1, 16, 64)
     calibration_ks: tuple[int, ...] = (0, 1, 2, 4, 8)
     calibration_steps: int = 2  # timed decode steps per (batch, k) and pass, after one untimed
