@@ -18,7 +18,7 @@ untouched head's acceptance on the step-3 prompts is printed as the reference.
 
 Usage::
 
-    python benchmarks/bench_adapt.py [--spoil noise --sigma 1.5] [--steps 40 --lr 3e-3]
+    python benchmarks/bench_adapt.py [--spoil noise --sigma 1.5] [--steps 40 --lr 3e-3] [--static]
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> dict:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             seed=args.seed)
     engine = SpecEngine(DEFAULT_TARGET, DEFAULT_DRAFT, device=args.device,
+                        cuda_graphs=True if args.static else None,
                         draft_options={"adapt_buffer_tokens": args.buffer_tokens})
     reference, _, _ = acceptance(engine, test, params)
     engine.drafter.adapter.buffer.clear()  # the buffer keeps only the spoilt head's rollouts
@@ -73,7 +74,8 @@ def run(args: argparse.Namespace) -> dict:
     before, before_pos, gen_s = acceptance(engine, train, params)
     res = engine.adapt_draft(steps=args.steps, lr=args.lr)
     after, after_pos, gen2_s = acceptance(engine, test, params)
-    return dict(spoil=args.spoil, sigma=args.sigma, steps=args.steps, lr=args.lr,
+    return dict(static=args.static, spoil=args.spoil, sigma=args.sigma, steps=args.steps,
+                lr=args.lr,
                 prompts=args.prompts, reference=reference, before=before,
                 before_per_position=before_pos, after=after, after_per_position=after_pos,
                 loss_before=res.loss_before, loss_after=res.loss_after,
@@ -94,6 +96,8 @@ def main() -> None:
     ap.add_argument("--buffer-tokens", type=int, default=16384)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--static", action="store_true",
+                    help="the static decode step (cuda_graphs=True; padded buffers on a CPU)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
     r = run(args)
