@@ -85,7 +85,7 @@ class GraphRunner:
 
     def run(self, shape: VerifyShape) -> VerifyOutput:
         """The verify pass of ``shape``."""
-        return self.run_graph(("verify", *shape.key), shape.num_rows,
+        return self.run_graph(shape.graph_keys["verify"], shape.num_rows,
                               lambda: self.verifier.run(shape))
 
     def run_graph(self, key: tuple, num_rows: int, fn: Callable[[], Any]) -> Any:

@@ -15,6 +15,7 @@ of bounds, and their outputs are ignored. A real query only reads keys its own r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,10 +58,17 @@ class VerifyShape:
             raise ValueError(f"a tree of {self.tree.num_nodes} nodes feeds {self.tree.num_nodes}"
                              f" tokens, not {self.num_tokens}")
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple[int, int, tuple | None, bool]:
+        """What a pass of this shape is keyed by (graphs, constants); made once per object."""
         return (self.num_rows, self.num_tokens,
                 None if self.tree is None else self.tree.paths, self.has_probs)
+
+    @functools.cached_property
+    def graph_keys(self) -> dict[str, tuple]:
+        """``run_graph`` keys of the passes of this shape: verify, and the drafter catch-up
+        that reads its outputs."""
+        return {kind: (kind, *self.key) for kind in ("verify", "observe")}
 
 
 @dataclass(frozen=True)

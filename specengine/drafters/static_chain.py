@@ -155,7 +155,7 @@ class StaticFeatureChain(StaticDrafts):
         (a draft update dropped them)."""
         if not self.has_roots(len(seqs)):
             return False
-        self.graphs.run_graph(("observe", *shape.key), shape.num_rows,
+        self.graphs.run_graph(shape.graph_keys["observe"], shape.num_rows,
                               lambda: self._observe(shape, out))
         return True
 
