@@ -77,7 +77,7 @@ class AutoKConfig:
     probe_max: int = 256
     memory: float = 2048.0  # drafts per position the acceptance estimate remembers
     explore_min: float = 16.0  # first drafts counted before the estimate decides alone
-    window: int = 512  # measured steps the cost fit keeps next to the calibration
+    window: int = 64  # measured steps per batch-size octave the fit keeps (and calibration)
     refit_every: int = 128
     calibration_batches: tuple[int, ...] = (1, 16, 64)
     calibration_ks: tuple[int, ...] = (0, 1, 2, 4, 8)
@@ -150,18 +150,19 @@ class AutoK:
     def calibrated(self) -> bool:
         return self.costs.fitted
 
-    def rates(self, batch: int, k_max: int) -> tuple[int, np.ndarray]:
-        """The best k for ``batch`` and the expected tokens per second of k = 0..k_max."""
+    def rates(self, batch: int, k_max: int, sync: bool = False) -> tuple[int, np.ndarray]:
+        """The best k for ``batch`` and the expected tokens per second of k = 0..k_max
+        (``sync``: a k = 0 step would have the drafter catch up, and costs that)."""
         cost = self.costs.cost
         assert cost is not None
         # Cached until the acceptance or the fit changes (a k = 0 run recomputes nothing).
-        key = (batch, k_max, self.acceptance.version, self.costs.version, id(cost))
+        key = (batch, k_max, sync, self.acceptance.version, self.costs.version, id(cost))
         hit = self._rates.get(key)
         if hit is None:
             if len(self._rates) > 64:
                 self._rates.clear()
             hit = self._rates[key] = best_k(expected_by_k(self.acceptance.conditional(), k_max),
-                                            cost.step_times(batch, k_max))
+                                            cost.step_times(batch, k_max, sync))
         return hit
 
     def choose(self, batch: int, k_max: int) -> int:
@@ -172,7 +173,9 @@ class AutoK:
         if self._probe_next is not None:
             k, self._probe_next = min(self._probe_next, k_max), None
             return k
-        k, rates = self.rates(batch, k_max)
+        # Compared with what k = 0 would cost: a catch-up step while the drafter is kept in sync.
+        observe = self.observes(k_max)
+        k, rates = self.rates(batch, k_max, observe)
         if k == 0 and self.uncertain:
             k = 1 + int(np.argmax(rates[1:]))  # explore: measure the drafts first
         if k > 0:
@@ -188,7 +191,7 @@ class AutoK:
                 return probe
             self._probe_next = probe
             return SYNC
-        return SYNC if self.observes(k_max) else 0
+        return SYNC if observe else 0
 
     def on_prefill(self, k_max: int) -> bool:
         """A prefill of auto requests: whether the drafter observes it (:meth:`observes`);

@@ -113,21 +113,23 @@ class StepCost:
         ``sync``)."""
         return self.t_draft(batch, k) + self.t_verify(batch, k + 1, sync or k > 0)
 
-    def step_times(self, batch: int, k_max: int) -> np.ndarray:
-        """:meth:`step_time` of k = 0..k_max (no catch-up at k = 0), made non-decreasing in
-        k: a fit to noisy steps may dip, but a longer chain never costs less."""
-        hit = self._cache.get((batch, k_max))
+    def step_times(self, batch: int, k_max: int, sync: bool = False) -> np.ndarray:
+        """:meth:`step_time` of k = 0..k_max (at k = 0 the drafter catches up iff ``sync``),
+        made non-decreasing in k: a fit to noisy steps may dip, but a longer chain never
+        costs less."""
+        hit = self._cache.get((batch, k_max, sync))
         if hit is not None:
             return hit
         ks = np.arange(k_max + 1, dtype=float)
         d = (ks > 0).astype(float)
+        s = np.maximum(d, float(sync))
         b = float(batch)
         xd = np.stack([np.ones_like(ks), np.full_like(ks, b), d, d * b, ks, ks * b], axis=1)
-        xv = np.stack([np.ones_like(ks), np.full_like(ks, b), b * (ks + 1), ks + 1, d, d * b],
+        xv = np.stack([np.ones_like(ks), np.full_like(ks, b), b * (ks + 1), ks + 1, s, s * b],
                       axis=1)
         t = np.maximum(xd @ np.asarray(self.draft), 0.0) + np.maximum(
             xv @ np.asarray(self.verify), 1e-9)
-        out = self._cache[(batch, k_max)] = np.maximum.accumulate(t)
+        out = self._cache[(batch, k_max, sync)] = np.maximum.accumulate(t)
         if len(self._cache) > 4096:  # batch sizes are bounded; this is only a guard
             self._cache.clear()
         return out
@@ -146,13 +148,15 @@ class StepMeasure:
 
 
 class CostModel:
-    """:class:`StepCost` fitted to calibration steps (kept for good) and the latest
-    ``window`` measured steps, refitted every ``refit_every`` new ones (``iters`` IRLS
-    iterations: a refit costs milliseconds, so it is spread over many steps)."""
+    """:class:`StepCost` fitted to calibration steps (kept for good) and the latest measured
+    steps, ``window`` of each batch-size octave (1, 2-3, 4-7, ...: a run of small batches
+    does not crowd out what large ones cost), refitted every ``refit_every`` new steps
+    (``iters`` IRLS iterations: a refit costs milliseconds, so it is spread over many)."""
 
-    def __init__(self, window: int = 512, refit_every: int = 128, iters: int = 12) -> None:
+    def __init__(self, window: int = 64, refit_every: int = 128, iters: int = 12) -> None:
         self.calibration: list[StepMeasure] = []
-        self.recent: deque[StepMeasure] = deque(maxlen=window)
+        self.window = window
+        self.recent: dict[int, deque[StepMeasure]] = {}
         self.refit_every = refit_every
         self.iters = iters
         self.cost: StepCost | None = None
@@ -174,13 +178,16 @@ class CostModel:
         """A measured step; refits every ``refit_every`` (once calibrated)."""
         if sample.draft_s < 0 or sample.verify_s <= 0:
             return  # a clock that went backwards or a step that did nothing says nothing
-        self.recent.append(sample)
+        octave = max(sample.batch, 1).bit_length()
+        if octave not in self.recent:
+            self.recent[octave] = deque(maxlen=self.window)
+        self.recent[octave].append(sample)
         self._since_fit += 1
         if self.calibration and self._since_fit >= self.refit_every:
             self.refit()
 
     def refit(self) -> StepCost:
-        samples = self.calibration + list(self.recent)
+        samples = self.calibration + [s for q in self.recent.values() for s in q]
         draft = [s for s in samples if s.draft_s > 0]
         xd = np.array([draft_features(s.batch, s.k) for s in draft])
         xv = np.array([verify_features(s.batch, s.k + 1, s.sync) for s in samples])
