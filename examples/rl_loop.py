@@ -5,6 +5,8 @@ a learner process trains, and the new weights travel over torch.distributed ever
     python examples/rl_loop.py --device cuda  # learner GPU 0, engine GPU 1 (or both on one)
     python examples/rl_loop.py --quick      # 2-step smoke run
     python examples/rl_loop.py --workers 2  # rollouts on a RolloutPool of 2 Ray workers
+    python examples/rl_loop.py --adapt-draft-every 128  # the engine adapts its EAGLE-3 head
+                                                        # after every 128 rollouts (a step)
 
 Two processes (``torch.multiprocessing``, spawn), joined by a Pipe for rollouts (plain lists)
 and by a process group for weights (gloo on CPU, NCCL between two GPUs):
