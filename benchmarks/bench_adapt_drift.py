@@ -14,6 +14,7 @@ per draft is each engine's ``num_accepted_tokens / num_draft_tokens`` of the ste
 Usage::
 
     python benchmarks/bench_adapt_drift.py [--steps 20] [--lr 1e-3] [--adapt-lr 1e-3]
+        [--spoil-sigma 0.7] [--oracle]
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ def run(args: argparse.Namespace) -> list[dict]:
         "adapt_every": n, "adapt_steps": args.adapt_steps, "adapt_lr": args.adapt_lr,
         "adapt_buffer_tokens": 4 * n * (args.max_tokens + 16),
         "adapt_batch_tokens": args.adapt_batch_tokens})
+    if args.spoil_sigma > 0:  # a weaker head for both (bench_adapt.py's noise)
+        from bench_adapt import spoilt_tensors
+
+        weak = spoilt_tensors(frozen, "noise", args.spoil_sigma, args.seed)
+        frozen.load_weights(weak, which="draft")
+        adaptive.load_weights(weak, which="draft")
+    # The policy drafting for itself (greedy, k=3): each draft is the policy's own argmax,
+    # so its acceptance is the ceiling of any greedy drafter on these rollouts.
+    oracle = SpecEngine(DEFAULT_TARGET, DEFAULT_TARGET, **common) if args.oracle else None
     problems, rng = training_problems(), random.Random(args.seed)
     rows = []
     for step in range(args.steps):
@@ -69,18 +79,26 @@ def run(args: argparse.Namespace) -> list[dict]:
         t0 = time.perf_counter()
         adaptive.generate(ids, k=3, sampling=sampling)  # adapts at the end of the step
         acc_adapted, adapt_gen_s = acceptance(adaptive), time.perf_counter() - t0
+        acc_oracle = None
+        if oracle is not None:
+            oracle.generate(ids, k=3, sampling=sampling)
+            acc_oracle = acceptance(oracle)
         rewards = [reward(p, decode(o.token_ids)) for p, o in zip(group, outs)]
         grpo_step(learner, opt, ids, [list(o.token_ids) for o in outs],
                   [list(o.logprobs) for o in outs], rewards, temperature=args.temperature,
                   group_size=args.group_size, clip_eps=0.2)
         weights = {name: p.detach().clone() for name, p in learner.named_parameters()}
-        frozen.load_weights(weights)
-        adaptive.load_weights(weights)
+        for engine in (frozen, adaptive, oracle):
+            if engine is not None:
+                engine.load_weights(weights)
+        if oracle is not None:  # its drafter is a second copy of the policy
+            oracle.load_weights(weights, which="draft")
         rows.append(dict(step=step, reward=sum(rewards) / n, frozen=acc_frozen,
-                         adapted=acc_adapted, adapt_gen_s=adapt_gen_s))
+                         adapted=acc_adapted, oracle=acc_oracle, adapt_gen_s=adapt_gen_s))
         print(f"step {step:2d} | reward {rows[-1]['reward']:.3f} | acceptance frozen "
-              f"{acc_frozen:.3f} adapted {acc_adapted:.3f} | adaptive generate + adapt "
-              f"{adapt_gen_s:.1f} s", flush=True)
+              f"{acc_frozen:.3f} adapted {acc_adapted:.3f}"
+              + (f" policy-as-drafter {acc_oracle:.3f}" if oracle is not None else "")
+              + f" | adaptive generate + adapt {adapt_gen_s:.1f} s", flush=True)
     return rows
 
 
@@ -96,6 +114,10 @@ def main() -> None:
     ap.add_argument("--adapt-steps", type=int, default=8)
     ap.add_argument("--adapt-lr", type=float, default=1e-3)
     ap.add_argument("--adapt-batch-tokens", type=int, default=2048)
+    ap.add_argument("--spoil-sigma", type=float, default=0.0,
+                    help="start both engines from the bundled head with this much noise")
+    ap.add_argument("--oracle", action="store_true",
+                    help="also roll out with the policy as its own greedy drafter (ceiling)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
