@@ -56,6 +56,8 @@ def _params_json(params: SamplingParams | Mapping[str, Any] | None) -> dict[str,
     if isinstance(params, SamplingParams):
         d = dataclasses.asdict(params)
         d["stop_token_ids"] = list(d["stop_token_ids"])
+        if d.get("n") == 1:  # the default; a server from before SamplingParams.n knows no n
+            del d["n"]
         return d
     return dict(params)
 
