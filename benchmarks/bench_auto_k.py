@@ -12,7 +12,10 @@ seeded requests (every round replays the same completions):
 
 Each round runs every (head, batch, k) unit once, in a shuffled order, so a shared machine's
 load drifts over all of them alike; the figure of a unit is its median over ``--rounds``
-rounds (tokens / wall seconds of ``engine.stats``, prefill included; next to it tokens per
+rounds, and each verdict's ratio is also given as the median of the per-round ratios (paired:
+both runs of a round saw about the same load). An A/A control (the useless head's k = 0 run
+twice per round, ``0'``) shows the noise floor: identical work, different figures. Figures:
+tokens / wall seconds of ``engine.stats``, prefill included; next to it tokens per
 CPU second of this thread, ``time.thread_time``: with one torch thread every op runs on it,
 so on a shared machine it leaves out the time slices other jobs took). Each engine runs one
 untimed ``k="auto"`` call first: the calibration sweep (timed separately, printed) happens
@@ -105,7 +108,7 @@ def main() -> None:
         eng.generate(prompts[:4], k=3, sampling=params[:4])
         engines[name] = eng
     units = [("trained", b, k) for b in (1, 64) for k in KS] + \
-        [("useless", b, k) for b in (1, 64) for k in (0, "auto")]
+        [("useless", b, k) for b in (1, 64) for k in (0, "0'", "auto")]
     data = {b: (prompts[:args.b1_prompts], params[:args.b1_prompts]) if b == 1
             else (prompts, params) for b in (1, 64)}
     results: dict[tuple, list[dict]] = {u: [] for u in units}
@@ -114,21 +117,29 @@ def main() -> None:
         rng.shuffle(units)
         t0 = time.perf_counter()
         for head, b, k in units:
-            results[(head, b, k)].append(run_unit(engines[head], *data[b], k, b))
+            kk = 0 if k == "0'" else k  # the A/A control runs k = 0 again
+            results[(head, b, k)].append(run_unit(engines[head], *data[b], kk, b))
         print(f"round {r + 1}/{args.rounds}: {time.perf_counter() - t0:.1f} s", flush=True)
 
     rows = []
     for (head, b, k), reps in sorted(results.items(), key=lambda x: (x[0][0], x[0][1],
                                                                        str(x[0][2]))):
-        hist = [sum(x) for x in zip(*[r["k_hist"] for r in reps if r["k_hist"]])]
+        width = max(len(r["k_hist"]) for r in reps)
+        hist = [sum(r["k_hist"][j] for r in reps if j < len(r["k_hist"])) for j in range(width)]
         rows.append(dict(head=head, batch=b, k=k,
                          tok_s=statistics.median(r["tok_s"] for r in reps),
                          cpu_tok_s=statistics.median(r["cpu_tok_s"] for r in reps),
-                         tok_s_all=[r["tok_s"] for r in reps], steps=reps[0]["steps"],
+                         tok_s_all=[r["tok_s"] for r in reps],
+                         cpu_tok_s_all=[r["cpu_tok_s"] for r in reps], steps=reps[0]["steps"],
                          tokens=reps[0]["tokens"], k_hist=hist))
     report(rows, calib, engines)
     write_json(dict(args={k: str(v) for k, v in vars(args).items()}, rows=rows,
                     calibration_s=calib), args.out, "bench_auto_k")
+
+
+def paired(a: dict, b: dict, key: str) -> float:
+    """Median over rounds of ``a``'s figure over ``b``'s in the same round."""
+    return statistics.median(x / y for x, y in zip(a[key + "_all"], b[key + "_all"]))
 
 
 def report(rows: list[dict], calib: dict, engines: dict) -> None:
@@ -140,7 +151,7 @@ def report(rows: list[dict], calib: dict, engines: dict) -> None:
               f"{tuple(round(x * 1e3, 4) for x in c.verify)} ms; acceptance a_1..a_4 "
               f"{[round(float(a), 2) for a in eng.core.auto_k.acceptance.conditional()[:4]]}")
     print("\n| head | batch | tokens per | " + " | ".join(f"k={k}" for k in range(9))
-          + " | auto | best fixed | auto / best | auto k: steps | within 10% |")
+          + " | auto | best fixed | auto / best (paired) | auto k: steps | within 10% |")
     print("|---|---:|---|" + "---:|" * 9 + "---:|---|---:|---|---|")
     for b in (1, 64):
         auto = by[("trained", b, "auto")]
@@ -149,21 +160,24 @@ def report(rows: list[dict], calib: dict, engines: dict) -> None:
             fixed = {k: by[("trained", b, k)][key] for k in range(9)}
             best = max(fixed, key=fixed.get)
             ratio = auto[key] / fixed[best]
+            pr = paired(auto, by[("trained", b, best)], key)
             print(f"| trained | {b} | {label} | " + " | ".join(f"{fixed[k]:.0f}" for k in range(9))
-                  + f" | {auto[key]:.0f} | k={best} | {ratio:.2f} | {ks} | "
+                  + f" | {auto[key]:.0f} | k={best} | {ratio:.2f} ({pr:.2f}) | {ks} | "
                   + ("yes" if ratio >= 1 - TOLERANCE else "**no**") + " |")
-    print("\n| head | batch | tokens per | k=0 | auto | auto / k=0 | steps drafting | auto k: "
-          "steps | within 10% |")
-    print("|---|---:|---|---:|---:|---:|---:|---|---|")
+    print("\n| head | batch | tokens per | k=0 | auto | auto / k=0 (paired) | A/A: k=0' / k=0 "
+          "(paired) | steps drafting | auto k: steps | within 10% |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---|---|")
     for b in (1, 64):
-        base, auto = by[("useless", b, 0)], by[("useless", b, "auto")]
+        base, auto, again = (by[("useless", b, k)] for k in (0, "auto", "0'"))
         hist = auto["k_hist"]
         drafting = sum(hist[1:]) / max(1, sum(hist))
         ks = " ".join(f"{k}:{n}" for k, n in enumerate(hist) if n)
         for key, label in (("tok_s", "wall s"), ("cpu_tok_s", "CPU s")):
             ratio = auto[key] / base[key]
+            aa = again[key] / base[key]
             print(f"| useless | {b} | {label} | {base[key]:.0f} | {auto[key]:.0f} | "
-                  f"{ratio:.2f} | {drafting:.1%} | {ks} | "
+                  f"{ratio:.2f} ({paired(auto, base, key):.2f}) | {aa:.2f} "
+                  f"({paired(again, base, key):.2f}) | {drafting:.1%} | {ks} | "
                   + ("yes" if ratio >= 1 - TOLERANCE else "**no**") + " |")
 
 
