@@ -21,10 +21,15 @@ from specengine.drafters.adapt_math import HeadMath, ttt_loss, ttt_sums
 if TYPE_CHECKING:
     from specengine.drafters.base import Drafter
     from specengine.drafters.eagle3 import Eagle3Drafter
+    from specengine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
 GROUP_SEQS = 16  # sequences per padded forward (sorted by length)
+DEFAULT_ADAPT_BUFFER_TOKENS = 32768
+DEFAULT_ADAPT_STEPS = 50
+DEFAULT_ADAPT_LR = 1e-3
+DEFAULT_ADAPT_BATCH_TOKENS = 8192
 
 
 def check_adapt_options(buffer_tokens: object, every: object, steps: object,
@@ -165,6 +170,44 @@ class DraftAdapter:
             tg = to_draft[ids[:, d + 1: d + 1 + t]]
             targets.append(torch.where(torch.from_numpy(ok).to(dev), tg, -100))
         return feats, ids, valid, targets
+
+
+class OnlineAdaptation:
+    """What an EAGLE-3 drafter (a ``FeatureDrafter``) adds for online adaptation: its
+    :class:`DraftAdapter` (whose buffer is the catch-up pass's ``capture``), :meth:`adapt`,
+    and the automatic mode, counted in :meth:`release` (finished requests)."""
+
+    adapter: DraftAdapter | None = None
+    adapt_every = 0
+
+    def init_adaptation(self, buffer_tokens: int, every: int, steps: int, lr: float,
+                        batch_tokens: int) -> None:
+        self.adapt_every, self.adapt_steps, self.adapt_lr = every, steps, lr
+        self._num_finished = 0  # finished requests since the last automatic adaptation
+        if buffer_tokens or every:
+            self.adapter = DraftAdapter(self,  # type: ignore[arg-type]
+                                        buffer_tokens or DEFAULT_ADAPT_BUFFER_TOKENS,
+                                        batch_tokens=batch_tokens)
+            self.capture = self.adapter.buffer
+
+    def adapt(self, steps: int = DEFAULT_ADAPT_STEPS, lr: float = DEFAULT_ADAPT_LR
+              ) -> AdaptResult:
+        """Train the head on the rollout buffer in place (:meth:`DraftAdapter.adapt`)."""
+        if self.adapter is None:
+            raise ValueError("adapt_draft: this engine keeps no rollout buffer; create it with "
+                             "draft_options={'adapt_buffer_tokens': N} (or 'adapt_every': N)")
+        return self.adapter.adapt(steps, lr)
+
+    def release(self, seq: Sequence) -> None:
+        from specengine.sequence import SeqStatus
+
+        super().release(seq)  # type: ignore[misc]
+        if self.adapt_every and seq.status is SeqStatus.FINISHED:
+            self._num_finished += 1
+            if self._num_finished >= self.adapt_every:
+                self._num_finished = 0
+                if self.adapter.trainable():  # type: ignore[union-attr]
+                    self.adapt(self.adapt_steps, self.adapt_lr)
 
 
 def eagle3_drafter(drafter: Drafter | None) -> Eagle3Drafter:

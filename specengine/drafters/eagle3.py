@@ -38,24 +38,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from specengine.drafters.adapt_train import DraftAdapter, check_adapt_options
+from specengine.drafters.adapt_train import (
+    DEFAULT_ADAPT_BATCH_TOKENS,
+    DEFAULT_ADAPT_LR,
+    DEFAULT_ADAPT_STEPS,
+    OnlineAdaptation,
+    check_adapt_options,
+)
 from specengine.drafters.feature_drafter import FeatureDrafter
 from specengine.model.attention import AttentionBackend, AttentionMetadata
 from specengine.model.config import CheckpointError, ModelConfig
 from specengine.model.llama import MLP, Attention, RMSNorm
 from specengine.model.rope import RotaryEmbedding
 from specengine.model_runner import ForwardOutput
-from specengine.sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
-    from specengine.drafters.adapt_train import AdaptResult
     from specengine.drafters.context import DraftContext
 
 VOCAB_MAP_KEYS = ("d2t", "t2d")
-DEFAULT_ADAPT_BUFFER_TOKENS = 32768
-DEFAULT_ADAPT_STEPS = 50
-DEFAULT_ADAPT_LR = 1e-3
-DEFAULT_ADAPT_BATCH_TOKENS = 8192
 EMBED_KEY = "embed_tokens.weight"
 
 
@@ -170,7 +170,7 @@ def aux_layer_inputs(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     return inputs
 
 
-class Eagle3Drafter(FeatureDrafter):
+class Eagle3Drafter(OnlineAdaptation, FeatureDrafter):
     """Drafts with an EAGLE-3 head dir. Greedy point masses by default; ``sample=True``
     samples chain drafts from the head's distribution (mapped to target ids) with each
     request's temperature / top-k / top-p. Trees take each node's rank-r children.
@@ -235,30 +235,8 @@ class Eagle3Drafter(FeatureDrafter):
         if d2t is not None:
             module.draft_to_target.copy_(d2t)
         super().__init__(ctx, module, hcfg.num_kv_heads, hcfg.head_dim, sample=sample)
-        self.adapter: DraftAdapter | None = None
-        self.adapt_every, self.adapt_steps, self.adapt_lr = adapt_every, adapt_steps, adapt_lr
-        self._num_finished = 0  # finished requests since the last automatic adaptation
-        if adapt_buffer_tokens or adapt_every:
-            self.adapter = DraftAdapter(self, adapt_buffer_tokens or DEFAULT_ADAPT_BUFFER_TOKENS,
-                                        batch_tokens=adapt_batch_tokens)
-            self.capture = self.adapter.buffer
-
-    def adapt(self, steps: int = DEFAULT_ADAPT_STEPS, lr: float = DEFAULT_ADAPT_LR
-              ) -> AdaptResult:
-        """Train the head on the rollout buffer in place (``DraftAdapter.adapt``)."""
-        if self.adapter is None:
-            raise ValueError("adapt_draft: this engine keeps no rollout buffer; create it with "
-                             "draft_options={'adapt_buffer_tokens': N} (or 'adapt_every': N)")
-        return self.adapter.adapt(steps, lr)
-
-    def release(self, seq: Sequence) -> None:
-        super().release(seq)
-        if self.adapt_every and seq.status is SeqStatus.FINISHED:
-            self._num_finished += 1
-            if self._num_finished >= self.adapt_every:
-                self._num_finished = 0
-                if self.adapter.trainable():  # type: ignore[union-attr]
-                    self.adapt(self.adapt_steps, self.adapt_lr)
+        self.init_adaptation(adapt_buffer_tokens, adapt_every, adapt_steps, adapt_lr,
+                             adapt_batch_tokens)
 
     def features(self, target: ForwardOutput, rows: Tensor) -> Tensor:
         if len(target.aux_hidden) != len(self.aux_layers):
