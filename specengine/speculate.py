@@ -100,12 +100,13 @@ def speculative_step(
     if max_drafts:
         proposal = drafter.propose(seqs, num_drafts.tolist(), tree)  # type: ignore[union-attr]
         # A chain drafter may propose fewer tokens than asked (an n-gram without a match).
-        proposed = np.asarray(proposal.num_draft_tokens, dtype=np.int64)
-        if not proposal.as_asked and (proposed != num_drafts).any():
-            num_drafts = proposed
-            state.restage_num_drafts(num_drafts)
-            if not num_drafts.any():
-                proposal = None
+        if not proposal.as_asked:
+            proposed = np.asarray(proposal.num_draft_tokens, dtype=np.int64)
+            if (proposed != num_drafts).any():
+                num_drafts = proposed
+                state.restage_num_drafts(num_drafts)
+                if not num_drafts.any():
+                    proposal = None
     if proposal is None:
         tree = None
     if tree is not None:
