@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,6 +16,9 @@ from specengine.config import MAX_K, EngineConfig
 from specengine.model.config import ModelConfig
 from specengine.prefix_cache import PrefixCache, block_hashes
 from specengine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from specengine.core.seq_arena import SeqArena
 
 logger = logging.getLogger(__name__)
 
@@ -86,21 +90,42 @@ class KVCache:
         return math.ceil(num_tokens / self.block_size)
 
     def num_missing_blocks(self, seq: Sequence, num_tokens: int) -> int:
-        return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
+        return max(0, self.blocks_for(num_tokens) - _num_blocks(seq))
 
     def can_ensure(self, seq: Sequence, num_tokens: int) -> bool:
         return self.num_missing_blocks(seq, num_tokens) <= self.num_free_blocks
 
     def ensure(self, seq: Sequence, num_tokens: int) -> None:
         """Grow ``seq.block_table`` to hold ``num_tokens`` tokens (raises if blocks run out)."""
-        if num_tokens <= len(seq.block_table) * self.block_size:  # the common case: no work
+        if num_tokens <= _num_blocks(seq) * self.block_size:  # the common case: no work
             return
         missing = self.num_missing_blocks(seq, num_tokens)
-        if missing:
-            short = missing - int(self.allocator.num_free)
-            if short > 0 and self.prefix is not None and short <= len(self.prefix.evictable):
-                self.prefix.evict(short)
-            seq.block_table.extend(int(b) for b in self.allocator.allocate(missing))
+        if not missing:
+            return
+        ids = self._allocate(missing)
+        if isinstance(seq, Sequence):
+            seq.add_blocks(ids)
+        else:  # a drafter's own per-sequence state: a plain list
+            seq.block_table.extend(ids.tolist())
+
+    def ensure_slots(self, arena: SeqArena, slots: np.ndarray, num_tokens: np.ndarray) -> bool:
+        """:meth:`ensure` for the running sequences in arena ``slots`` at once (one
+        allocation, one scatter into the arena's tables), all or nothing: False, with nothing
+        allocated, when the free blocks do not cover them all."""
+        missing = np.maximum(-(-num_tokens // self.block_size) - arena.num_blocks[slots], 0)
+        total = int(missing.sum())
+        if total > self.num_free_blocks:
+            return False
+        if total:
+            arena.add_blocks(slots, missing, self._allocate(total))
+        return True
+
+    def _allocate(self, num: int) -> np.ndarray:
+        """``num`` fresh blocks (int32), evicting cached ones nobody holds when needed."""
+        short = num - int(self.allocator.num_free)
+        if short > 0 and self.prefix is not None and short <= len(self.prefix.evictable):
+            self.prefix.evict(short)
+        return self.allocator.allocate(num)
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references (shared blocks stay with their other holders)."""
@@ -191,6 +216,11 @@ class KVCache:
                 f"has only {self.num_blocks} (block_size {self.block_size}); raise "
                 "kv_cache_tokens or lower max_tokens / max_model_len"
             )
+
+
+def _num_blocks(holder: Sequence) -> int:
+    """Blocks a sequence (or a drafter's per-sequence state, which has a plain list) owns."""
+    return holder.num_blocks if isinstance(holder, Sequence) else len(holder.block_table)
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,

@@ -156,25 +156,17 @@ class Scheduler:
 
     def _grow_all(self, short: np.ndarray, need: np.ndarray) -> bool:
         """Grow the tables of ``running[short]`` to ``need`` when the free blocks cover them
-        all (no preemption: the batch is unchanged). False, with nothing allocated, if not."""
-        arena, bs = self.arena, self.kv_cache.block_size
-        seqs = [self.running[i] for i in short.tolist()]
-        missing = -(-need[short] // bs) - arena.num_blocks[self._slots[short]]  # type: ignore
-        if int(missing.sum()) > self.kv_cache.num_free_blocks:
-            return False
-        for seq, n in zip(seqs, need[short].tolist()):
-            self.kv_cache.ensure(seq, n)
-            arena.num_blocks[seq.slot] = len(seq.block_table)
-        return True
+        all (no preemption: the batch is unchanged), in one allocation and one scatter into
+        the arena. False, with nothing allocated, if not."""
+        return self.kv_cache.ensure_slots(self.arena, self._slots[short],  # type: ignore
+                                          need[short])
 
     def _make_room(self, seq: Sequence, need: int, scheduled: list[Sequence]) -> bool:
         """Blocks for ``need`` tokens of ``seq``, preempting the latest admitted others (or
         ``seq`` itself) when they run out. True if ``seq`` still runs."""
-        if need > len(seq.block_table) * self.kv_cache.block_size:
+        if need > seq.num_blocks * self.kv_cache.block_size:
             if not self._grow(seq, need, scheduled):
                 return False
-        if self.arena is not None:
-            self.arena.num_blocks[seq.slot] = len(seq.block_table)
         return True
 
     def _grow(self, seq: Sequence, need: int, scheduled: list[Sequence]) -> bool:
@@ -211,7 +203,6 @@ class Scheduler:
             return
         slot = seq.attach(self.arena)
         self.arena.lookahead[slot] = self.lookahead_of(seq) if self.lookahead_of else 0
-        self.arena.num_blocks[slot] = len(seq.block_table)
 
     def _changed(self) -> None:
         self._decode, self._slots = None, None

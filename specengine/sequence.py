@@ -31,9 +31,10 @@ class Sequence:
 
     Storage: plain lists while waiting or finished; while running the sequence is *attached*
     to a slot of the engine's :class:`~specengine.core.seq_arena.SeqArena`, which is then the
-    only copy of its tokens, logprobs, per-token versions and counters (a step appends every
-    sequence's tokens at once). The accessors below read whichever holds them;
-    :meth:`token_slice` and :meth:`token_array` read a part without copying the whole list.
+    only copy of its tokens, logprobs, per-token versions, counters and KV block table (a step
+    appends every sequence's tokens at once and grows every short table at once). The
+    accessors below read whichever holds them; :meth:`token_slice` and :meth:`token_array`
+    read a part without copying the whole list.
     """
 
     def __init__(self, seq_id: int, prompt: list[int], params: SamplingParams, seed: int,
@@ -51,7 +52,7 @@ class Sequence:
         #: per output token, the weight version that produced it
         self._versions: list[int] = []
         self._counters = [0, 0, 0]
-        self.block_table: list[int] = []
+        self._block_table: list[int] = []
         self.num_cached_tokens = 0
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
@@ -69,6 +70,7 @@ class Sequence:
         arena.logprobs[s, p:n] = self._logprobs
         arena.versions[s, p:n] = self._versions if len(self._versions) == n - p else 0
         arena.counters[:, s] = self._counters
+        arena.set_blocks(s, self._block_table)
         self.arena, self.slot = arena, s
         return s
 
@@ -82,8 +84,40 @@ class Sequence:
         self._logprobs = a.logprobs[s, p:n].tolist()
         self._versions = a.versions[s, p:n].tolist()
         self._counters = a.counters[:, s].tolist()
+        self._block_table = a.blocks_of(s)
         a.give_back(s)
         self.arena, self.slot = None, -1
+
+    # ---- KV blocks -----------------------------------------------------------------------------
+    @property
+    def block_table(self) -> list[int]:
+        """The KV blocks holding this sequence's tokens, in order (a copy while attached:
+        change it by assigning or with :meth:`add_blocks`, never in place)."""
+        a = self.arena
+        if a is None:
+            return self._block_table
+        return a.blocks_of(self.slot)
+
+    @block_table.setter
+    def block_table(self, ids: list[int]) -> None:
+        if self.arena is None:
+            self._block_table = list(ids)
+        else:
+            self.arena.set_blocks(self.slot, ids)
+
+    @property
+    def num_blocks(self) -> int:
+        """``len(block_table)`` without a copy."""
+        a = self.arena
+        return len(self._block_table) if a is None else int(a.num_blocks[self.slot])
+
+    def add_blocks(self, ids: list[int] | np.ndarray) -> None:
+        """Append ``ids`` to the block table."""
+        if self.arena is None:
+            self._block_table.extend(int(b) for b in ids)
+        else:
+            counts = np.array([len(ids)], dtype=np.int64)
+            self.arena.add_blocks(np.array([self.slot]), counts, np.asarray(ids, np.int32))
 
     # ---- tokens ------------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -132,7 +132,7 @@ def speculative_step(
     result = None
     if tree is not None:
         result = StepResult.unpack(packed, batch)
-        _compact_tree_path(seqs, result, kv_cache)
+        _compact_tree_path(arena, state.row_slots, result, kv_cache)
     depths = num_drafts if tree is None else np.where(num_drafts > 0, tree.max_depth, 0)
     times.num_step_tokens += append_step(arena, seqs, packed, batch, state.row_slots,
                                          num_drafts, depths, times, version)
@@ -177,31 +177,39 @@ def _shape(num_rows: int, num_tokens: int, tree: DraftTree | None, has_probs: bo
     return VerifyShape(num_rows, num_tokens, tree, has_probs)
 
 
-def _compact_tree_path(seqs: tuple[Sequence, ...], result: StepResult, kv_cache: KVCache) -> None:
+def _compact_tree_path(arena: SeqArena, slots: np.ndarray, result: StepResult,
+                       kv_cache: KVCache) -> None:
     """Move the accepted nodes' K/V (root excluded: it is already in place) from slot
-    ``ctx + node`` to ``ctx + depth``, in every layer, with one kernel launch."""
+    ``ctx + node`` to ``ctx + depth``, in every layer, with one kernel launch. Row ``b`` is
+    the sequence in arena slot ``slots[b]`` (before this step's tokens are appended)."""
     from specengine.kernels.kv_cache import compact_kv
 
     bs = kv_cache.block_size
-    src: list[int] = []
-    dst: list[int] = []
-    for b, seq in enumerate(seqs):
-        ctx = len(seq) - 1
-        for depth in range(1, int(result.num_accepted[b]) + 1):
-            node = int(result.row_ids[b, depth])
-            if node == depth:
-                continue
-            for pos, out in ((ctx + node, src), (ctx + depth, dst)):
-                out.append(seq.block_table[pos // bs] * bs + pos % bs)
-    if not src:
+    num_accepted = result.num_accepted
+    rows = len(num_accepted)
+    deepest = int(num_accepted.max(initial=0))
+    if deepest == 0:
         return
+    depth = np.arange(1, deepest + 1)  # [D]
+    node = result.row_ids[:, 1: deepest + 1]  # [B, D]: the accepted node at each depth
+    moves = (depth[None, :] <= num_accepted[:, None]) & (node != depth[None, :])
+    b, j = np.nonzero(moves)
+    if not len(b):
+        return
+    ctx = arena.lens[slots[:rows]][b] - 1
+    tables = arena.block_ids[slots[:rows][b]]  # [moves, width]
+
+    def slot_of(pos: np.ndarray) -> np.ndarray:
+        return tables[np.arange(len(pos)), pos // bs].astype(np.int64) * bs + pos % bs
+
+    src, dst = slot_of(ctx + node[b, j]), slot_of(ctx + depth[j])
     if hasattr(kv_cache, "mirror_compact"):  # tensor parallel: every rank's heads move
-        kv_cache.mirror_compact(src, dst)
+        kv_cache.mirror_compact(src.tolist(), dst.tolist())
     dev = kv_cache.kv.device
     layers = kv_cache.kv.shape[1]
     compact_kv(
         [kv_cache.kv[0, i] for i in range(layers)],
         [kv_cache.kv[1, i] for i in range(layers)],
-        to_device(np.array(src, dtype=np.int64), dev),
-        to_device(np.array(dst, dtype=np.int64), dev),
+        to_device(src, dev),
+        to_device(dst, dev),
     )

@@ -3,10 +3,12 @@ all-or-nothing growth, freeing (double frees through stale tables refused), capa
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from specengine import _C
+from specengine.core.seq_arena import SeqArena
 from specengine.kv_cache import KVCache, KVCacheFullError
 from specengine.sampling import SamplingParams
 from specengine.sequence import Sequence
@@ -107,3 +109,29 @@ def test_kv_cache_check_fits() -> None:
     seq = make_seq(0)
     cache.ensure(seq, 16)
     cache.check_fits(16)
+
+
+def test_ensure_slots_grows_many_tables_at_once_or_none() -> None:
+    """The decode step's growth of every short table: one allocation scattered into the
+    arena's rows, all or nothing, evicting cached blocks nobody holds when it must."""
+    cache = KVCache(6, 4, num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float16,
+                    device="cpu", prefix_caching=True)
+    arena = SeqArena(4, 100)
+    a, b, c = make_seq(0, 4), make_seq(1, 4), make_seq(2, 8)
+    for s in (a, b, c):
+        cache.ensure(s, len(s))
+    cache.prefix.register(c.block_table, [b"x", b"y"], cache.prefix.epoch)  # type: ignore
+    cache.free(c)  # c's two blocks stay cached, held by nobody: they count as free
+    for s in (a, b):
+        s.attach(arena)
+    slots = np.array([a.slot, b.slot])
+    before = (a.block_table, b.block_table)
+    assert cache.num_free_blocks == 4
+    assert not cache.ensure_slots(arena, slots, np.array([4 * 3 + 1, 4 * 3 + 1]))  # 6 > 4
+    assert (a.block_table, b.block_table) == before and cache.num_free_blocks == 4
+    assert cache.ensure_slots(arena, slots, np.array([4 * 3, 4 * 3]))  # 2 + 2: evicts both
+    assert [len(a.block_table), len(b.block_table)] == [3, 3]
+    assert a.block_table[0] == before[0][0] and b.block_table[0] == before[1][0]
+    owned = a.block_table + b.block_table
+    assert sorted(owned) == list(range(6)) and cache.num_free_blocks == 0
+    assert cache.prefix.match([b"x"]) == []  # type: ignore[union-attr]  # evicted

@@ -6,9 +6,12 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
+from arena_reference import pack
 
 from specengine import SamplingParams, SpecEngine
+from specengine.core.seq_arena import SeqArena
 from specengine.kv_cache import KVCache
 from specengine.scheduler import Scheduler
 from specengine.sequence import SeqStatus, Sequence
@@ -79,20 +82,26 @@ def test_max_model_len_cuts_generation(big: SpecEngine) -> None:
         assert out.finish_reason == "length"
 
 
-def test_scheduler_invariants_under_random_load() -> None:
+@pytest.mark.parametrize("in_arena", [False, True], ids=["lists", "arena"])
+def test_scheduler_invariants_under_random_load(in_arena: bool) -> None:
     """A model of the engine loop: no batch exceeds its limits, every scheduled sequence owns
-    exactly the blocks it needs, and everything is freed at the end."""
+    exactly the blocks it needs, and everything is freed at the end. With an arena (the
+    engine's case) running tables live in it and a decode step grows every short one at once
+    (``KVCache.ensure_slots``), or falls back to preempting when the blocks do not cover
+    them all."""
     rng = random.Random(0)
     kv = KVCache(num_blocks=12, block_size=16, num_layers=1, num_kv_heads=1, head_dim=8,
                  dtype=__import__("torch").float32, device="cpu")
-    sched = Scheduler(kv, max_batch_size=5, max_num_batched_tokens=64)
+    lookahead = 3
+    arena = SeqArena(5, 10_000) if in_arena else None
+    sched = Scheduler(kv, max_batch_size=5, max_num_batched_tokens=64, arena=arena,
+                      lookahead_of=lambda s: lookahead)
     seqs = []
     for i in range(40):
         params = SamplingParams(max_tokens=rng.randrange(1, 60))
         seq = Sequence(i, [1] * rng.randrange(1, 50), params, seed=i, eos_token_ids=())
         seqs.append(seq)
         sched.add(seq)
-    lookahead = 3
     steps = 0
     while sched.has_unfinished():
         steps += 1
@@ -110,7 +119,16 @@ def test_scheduler_invariants_under_random_load() -> None:
             assert len(batch.seqs) == 1 or sum(len(s) for s in batch.seqs) <= 64
         for seq in batch.seqs:  # emit 1 .. lookahead+1 tokens
             n = 1 if batch.is_prefill else rng.randrange(1, lookahead + 2)
-            seq.append([7] * n, [0.0] * n, max_model_len=10_000)
+            if arena is None:
+                seq.append([7] * n, [0.0] * n, max_model_len=10_000)
+            else:
+                assert seq.block_table == arena.blocks_of(seq.slot)
+                none = np.zeros(1, dtype=np.int64)
+                _, ended = arena.append_packed(
+                    pack(np.full((1, n), 7), np.zeros((1, n)), np.array([n - 1])), 1,
+                    np.array([seq.slot]), none, none, np.zeros((2, 0), np.int64), 0)
+                if ended:
+                    seq.finish("length")
             seq.num_cached_tokens = len(seq) - 1
             if seq.status is SeqStatus.FINISHED:
                 sched.finish(seq)

@@ -9,6 +9,8 @@ import pytest
 from arena_reference import append_reference, pack
 
 from specengine.core.seq_arena import SeqArena
+from specengine.sampling import SamplingParams
+from specengine.sequence import Sequence
 
 
 def _arena(rng: np.random.Generator, capacity: int, width: int) -> tuple[SeqArena, list[int]]:
@@ -101,3 +103,40 @@ def test_stage_rows_refuses_bad_rows_and_writes_nothing() -> None:
     with pytest.raises(TypeError, match="int64"):
         _C.stage_rows(ints.astype(np.int32), limits, np.array([slot]), sent, 1, *args)
     np.testing.assert_array_equal(ints, before)
+
+
+def test_block_tables_in_the_arena_equal_lists() -> None:
+    """``add_blocks`` (one scatter for many slots) and ``set_blocks`` keep every slot's row
+    equal to a list kept the slow way, past a widening; attach / detach carry the table."""
+    rng = np.random.default_rng(0)
+    arena = SeqArena(6, 1000, width=4, block_width=2)
+    lists: dict[int, list[int]] = {}
+    seqs = []
+    for i in range(6):
+        seq = Sequence(i, [1, 2, 3], SamplingParams(max_tokens=8), i, ())
+        seq.block_table = rng.integers(0, 99, size=rng.integers(0, 3)).tolist()
+        lists[i] = list(seq.block_table)
+        seq.attach(arena)
+        seqs.append(seq)
+    for _ in range(30):
+        chosen = rng.choice(6, size=rng.integers(1, 5), replace=False)
+        counts = rng.integers(0, 3, size=len(chosen))
+        ids = rng.integers(0, 99, size=int(counts.sum())).astype(np.int32)
+        arena.add_blocks(np.array([seqs[i].slot for i in chosen]), counts, ids)
+        flat = iter(ids.tolist())
+        for i, c in zip(chosen, counts):
+            lists[int(i)] += [next(flat) for _ in range(c)]
+        if rng.random() < 0.2:  # a whole new table (as after a preemption)
+            i = int(rng.integers(6))
+            lists[i] = rng.integers(0, 99, size=2).tolist()
+            seqs[i].block_table = lists[i]
+        for i, seq in enumerate(seqs):
+            assert seq.block_table == lists[i] and seq.num_blocks == len(lists[i])
+            assert not arena.block_ids[seq.slot, len(lists[i]):].any()  # zeros after
+    assert arena.block_ids.shape[1] > 2  # it widened
+    seqs[0].add_blocks([5, 6])  # one sequence, through the arena
+    seqs[0].detach()
+    assert seqs[0].block_table == lists[0] + [5, 6]
+    with pytest.raises(ValueError, match="block ids"):
+        arena.add_blocks(np.array([seqs[1].slot]), np.array([2]), np.zeros(3, np.int32))
+    assert seqs[1].block_table == lists[1]  # refused: nothing written

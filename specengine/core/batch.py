@@ -213,9 +213,10 @@ class BatchState:
                 arena.lens, arena.tokens, arena.num_blocks, num_drafts, k,  # type: ignore
                 tree_drafts, max_model_len)
             if grown or self._changed_rows or n != self.blocks.num_used:
-                rows = self._changed_rows.union(grown)
-                self.blocks.sync_some(n, [(r, seqs[r].seq_id, seqs[r].block_table)
-                                          for r in rows])
+                rows = np.fromiter(self._changed_rows.union(grown), np.int64)
+                slots = self.row_slots[rows]
+                self.blocks.sync_from(n, rows, arena.block_ids[slots],  # type: ignore
+                                      arena.num_blocks[slots])  # type: ignore
         else:  # detached sequences (tests): the same fields from their lists
             lens = self.lengths() if lens is None else lens
             if num_drafts is None:

@@ -5,6 +5,11 @@ with the batch: row ``r`` holds the block table of the sequence in batch row ``r
 owner changed (another sequence moved in, or the same one got a new table after preemption) is
 sent whole; a row whose table grew sends its new ids; rows past the batch are zeroed (a padded
 row then reads block 0 and owns nothing). All changed rows go in one non-blocking copy.
+
+Two ways in: :meth:`BlockRows.sync_from` takes whole rows from arrays (the running sequences'
+tables in ``SeqArena.block_ids``: no Python per row), :meth:`BlockRows.sync` /
+:meth:`BlockRows.sync_some` take Python lists keyed by owner (sequences not in an arena, and
+drafters' own caches).
 """
 
 from __future__ import annotations
@@ -13,8 +18,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-
-from specengine.core.transfer import to_device
 
 
 class BlockRows:
@@ -25,10 +28,15 @@ class BlockRows:
             raise ValueError(f"BlockRows needs capacity and max_blocks >= 1, got {capacity}, "
                              f"{max_blocks}")
         self.capacity, self.max_blocks, self.device = capacity, max_blocks, device
-        self.host = np.zeros((capacity, max_blocks), dtype=np.int32)
+        # The host mirror is page-locked on CUDA, so :meth:`_send` never blocks the host.
+        self._host_t = torch.zeros(capacity, max_blocks, dtype=torch.int32,
+                                   pin_memory=device.type == "cuda")
+        self.host = self._host_t.numpy()
         self.table = torch.zeros(capacity, max_blocks, dtype=torch.int32, device=device)
-        self._keys: list[int | None] = [None] * capacity  # owner of each row
-        self._tables: list[list[int] | None] = [None] * capacity  # the table list it mirrors
+        # Owner of each row and the table list it mirrors (keyed syncs); None after a sync
+        # from arrays, so the next keyed sync sends the row whole.
+        self._keys = np.full(capacity, None, dtype=object)
+        self._tables = np.full(capacity, None, dtype=object)
         self.sent = np.zeros(capacity, dtype=np.int64)  # ids of that table the device has
         self._used = 0
 
@@ -70,10 +78,41 @@ class BlockRows:
             keys[r], tables[r], sent_[r] = None, None, 0
             self.host[r] = 0
             dirty.append(r)
+        self._send(max(dirty) + 1 if dirty else 0)
         self._used = num_rows
-        if dirty:
-            idx = np.asarray(dirty, dtype=np.int64)
-            self.table[to_device(idx, self.device)] = to_device(self.host[idx], self.device)
+
+
+    def sync_from(self, num_rows: int, rows: np.ndarray, ids: np.ndarray,
+                  counts: np.ndarray) -> None:
+        """Make rows ``rows`` hold ``ids[i, :counts[i]]`` (``ids [len(rows), w]``, zeros past
+        each count, as ``SeqArena.block_ids`` rows are) for a batch of ``num_rows`` rows whose
+        other rows are unchanged; rows past ``num_rows`` become empty. Array ops only."""
+        if num_rows > self.capacity:
+            raise ValueError(f"{num_rows} rows exceed the capacity {self.capacity}")
+        if len(counts) and int(counts.max()) > self.max_blocks:
+            r = int(rows[int(np.argmax(counts))])
+            raise ValueError(f"row {r} holds {int(counts.max())} KV blocks, more than the "
+                             f"{self.max_blocks} of a block-table row")
+        stale = np.arange(num_rows, self._used, dtype=np.int64)
+        w = min(ids.shape[1], self.max_blocks)
+        self.host[rows, :w] = ids[:, :w]
+        self.host[rows, w:] = 0
+        self.host[stale] = 0
+        self.sent[rows], self.sent[stale] = counts, 0
+        self._keys[rows] = self._tables[rows] = None
+        self._keys[stale] = self._tables[stale] = None
+        self._send(max(num_rows, self._used) if len(rows) or len(stale) else 0)
+        self._used = num_rows
+
+    def _send(self, num_rows: int) -> None:
+        """Copy the first ``num_rows`` rows of the mirror to the device, non-blocking: one
+        contiguous copy (as vLLM commits its block table) is cheaper to issue than an
+        indexed scatter of the changed rows, and a few KB more of H2D traffic is free next to
+        the step. The host writes the mirror again only after the step's blocking read-back,
+        so the copy has run by then."""
+        if num_rows:
+            self.table[:num_rows].copy_(self._host_t[:num_rows],
+                                        non_blocking=self.device.type == "cuda")
 
 
 def slots_of(table: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,

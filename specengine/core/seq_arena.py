@@ -12,6 +12,11 @@ state by slot too.
 Columns are token positions: ``tokens[s, :lens[s]]`` are the sequence's tokens (prompt
 first), ``logprobs`` and ``versions`` are meaningful from ``num_prompt[s]`` on. The width grows
 by doubling when a sequence needs more (amortised; never in a steady step).
+
+A running sequence's KV block table lives here too: ``block_ids[s, :num_blocks[s]]`` (the rest
+of the row is zero). The scheduler grows every short table of a step in one allocation and one
+scatter (:meth:`SeqArena.add_blocks`), and the batch state sends grown rows by copying arena
+rows, so no step visits a sequence in Python to grow or send its table.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ NUM_STEPS, NUM_DRAFT, NUM_ACCEPTED = range(3)
 class SeqArena:
     """Host storage for up to ``capacity`` running sequences (see the module docstring)."""
 
-    def __init__(self, capacity: int, max_model_len: int, width: int = 256) -> None:
+    def __init__(self, capacity: int, max_model_len: int, width: int = 256,
+                 block_width: int = 16) -> None:
         if capacity < 1 or max_model_len < 1:
             raise ValueError(f"SeqArena needs capacity and max_model_len >= 1, got {capacity}, "
                              f"{max_model_len}")
@@ -45,6 +51,9 @@ class SeqArena:
         # KV blocks owned (kept current by the scheduler; the batch state sends grown rows).
         self.lookahead = np.zeros(capacity, dtype=np.int64)
         self.num_blocks = np.zeros(capacity, dtype=np.int64)
+        # [capacity, block_width] int32: slot s's block table in its first num_blocks[s]
+        # columns, zeros after (widened by doubling, like the token columns).
+        self.block_ids = np.zeros((capacity, max(1, block_width)), dtype=np.int32)
         self.done = np.zeros(capacity, dtype=bool)  # ended in its last step (not released yet)
         # Takes of each slot so far: a sequence that left and came back to the same slot
         # (preempted, prefilled again) is told apart from one that stayed.
@@ -76,6 +85,7 @@ class SeqArena:
         self.limit[s] = min(num_prompt + max_tokens, self.max_model_len)
         self.counters[:, s] = 0
         self.lookahead[s] = self.num_blocks[s] = 0
+        self.block_ids[s] = 0
         self.done[s] = False
         self.epoch[s] += 1
         if len(stop_ids) > self.stop_ids.shape[1]:
@@ -87,7 +97,48 @@ class SeqArena:
 
     def give_back(self, slot: int) -> None:
         self.lens[slot] = 0
+        self.num_blocks[slot] = 0
+        self.block_ids[slot] = 0
         self._free.append(slot)
+
+    # ---- block tables ------------------------------------------------------------------------
+    def blocks_of(self, slot: int) -> list[int]:
+        """Slot ``slot``'s block table (a copy)."""
+        return self.block_ids[slot, : self.num_blocks[slot]].tolist()
+
+    def set_blocks(self, slot: int, ids: list[int] | np.ndarray) -> None:
+        """Make ``ids`` slot ``slot``'s whole block table."""
+        n = len(ids)
+        self._grow_blocks(n)
+        self.block_ids[slot] = 0
+        self.block_ids[slot, :n] = ids
+        self.num_blocks[slot] = n
+
+    def add_blocks(self, slots: np.ndarray, counts: np.ndarray, ids: np.ndarray) -> None:
+        """Append ``counts[i]`` blocks to the table of ``slots[i]`` (distinct slots), taking
+        them in order from ``ids`` (``len(ids) == counts.sum()``): one scatter for all."""
+        counts = np.asarray(counts, dtype=np.int64)
+        if len(ids) != int(counts.sum()):
+            raise ValueError(f"{len(ids)} block ids for {int(counts.sum())} new entries")
+        start = self.num_blocks[slots]
+        self._grow_blocks(int((start + counts).max(initial=0)))
+        # entry j of the flat ids goes to row slots[i], column start[i] + (j - first[i]) where
+        # i is the slot it belongs to and first[i] = counts[:i].sum()
+        row_of = np.repeat(np.arange(len(slots)), counts)
+        first = np.cumsum(counts) - counts
+        cols = start[row_of] + np.arange(len(ids)) - first[row_of]
+        self.block_ids[np.asarray(slots)[row_of], cols] = ids
+        self.num_blocks[slots] = start + counts
+
+    def _grow_blocks(self, need: int) -> None:
+        width = self.block_ids.shape[1]
+        if need <= width:
+            return
+        while width < need:
+            width *= 2
+        new = np.zeros((self.capacity, width), dtype=np.int32)
+        new[:, : self.block_ids.shape[1]] = self.block_ids
+        self.block_ids = new
 
     def _grow(self, need: int) -> None:
         if need <= self.width:
