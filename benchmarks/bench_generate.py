@@ -130,7 +130,7 @@ def bench_step_cost(args: argparse.Namespace) -> list[dict]:
             base = None
             for k in tqdm(args.ks, desc=f"batch {batch} ctx {ctx}"):
                 shape = VerifyShape(graphs.padded_rows(batch), k + 1, None, False)
-                state.stage(np.full(batch, k, dtype=np.int64), shape.num_rows)
+                state.stage(np.full(batch, k, dtype=np.int64))
                 drafts = torch.randint(0, vocab, (batch, k), device="cuda")
                 graphs.verifier.load_drafts(shape, drafts, None)
                 t = _time_cuda(functools.partial(graphs.run, shape), 10)

@@ -5,6 +5,8 @@
 
 #include <string>
 
+#include "block_allocator.h"
+#include "grow_tables.h"
 #include "stage_rows.h"
 #include "step_append.h"
 
@@ -118,27 +120,34 @@ in place (``specengine.core.seq_arena.SeqArena.append_packed`` calls it; the ref
 )doc");
   m.def(
       "stage_rows",
-      [](py::handle ints, py::handle limits, py::handle row_slots, py::handle sent_blocks,
-         int64_t num_rows, py::handle lens, py::handle tokens, py::handle num_blocks,
-         py::object num_drafts, int64_t k, int64_t tree_drafts, int64_t max_model_len) {
+      [](py::handle ints, py::handle limits, py::handle row_slots, int64_t num_rows,
+         py::handle lens, py::handle tokens, py::handle num_blocks, py::object num_drafts,
+         int64_t k, int64_t tree_drafts, int64_t max_model_len, py::handle block_ids,
+         py::handle table, py::handle sent_blocks, py::handle changed, int64_t num_used) {
         auto in = exact<int64_t>(ints, "ints", 2, true);
         auto lim = exact<int64_t>(limits, "limits", 2, false);
         auto sl = exact<int64_t>(row_slots, "row_slots", 1, false);
-        auto sent = exact<int64_t>(sent_blocks, "sent_blocks", 1, false);
         auto ln = exact<int64_t>(lens, "lens", 1, false);
         auto tok = exact<int64_t>(tokens, "tokens", 2, false);
         auto nb = exact<int64_t>(num_blocks, "num_blocks", 1, false);
+        auto ids = exact<int32_t>(block_ids, "block_ids", 2, false);
+        auto tab = exact<int32_t>(table, "table", 2, true);
+        auto sent = exact<int64_t>(sent_blocks, "sent_blocks", 1, true);
+        auto ch = exact<int64_t>(changed, "changed", 1, false);
         const int64_t cap = in.shape(1);
         if (in.shape(0) < 4) throw py::value_error("ints needs the 4 step-field rows");
         same(lim.shape(0), 2, "limits rows");
         same(lim.shape(1), cap, "limits columns");
-        if (num_rows < 0 || num_rows > cap || sl.shape(0) < num_rows ||
-            sent.shape(0) < num_rows) {
+        same(tab.shape(0), cap, "table rows");
+        same(sent.shape(0), cap, "sent_blocks length");
+        if (num_rows < 0 || num_rows > cap || sl.shape(0) < num_rows) {
           throw py::value_error("num_rows " + std::to_string(num_rows) +
-                                " exceeds the capacity or row_slots / sent_blocks");
+                                " exceeds the capacity or row_slots");
         }
+        if (num_used < 0 || num_used > cap) throw py::value_error("num_used exceeds the capacity");
         same(ln.shape(0), tok.shape(0), "lens vs tokens rows");
         same(nb.shape(0), tok.shape(0), "num_blocks vs tokens rows");
+        same(ids.shape(0), tok.shape(0), "block_ids vs tokens rows");
         const int64_t* drafts = nullptr;
         py::array_t<int64_t> nd;
         if (!num_drafts.is_none()) {
@@ -146,25 +155,62 @@ in place (``specengine.core.seq_arena.SeqArena.append_packed`` calls it; the ref
           same(nd.shape(0), num_rows, "num_drafts length");
           drafts = nd.data();
         }
-        StageInput input{in.mutable_data(), lim.data(), cap,      sl.data(),
-                         sent.data(),       num_rows,   ln.data(), tok.data(),
-                         tok.shape(1),      nb.data(),  tok.shape(0), drafts,
-                         k,                 tree_drafts, max_model_len};
+        StageInput input{in.mutable_data(), lim.data(),   cap,          sl.data(),
+                         num_rows,          ln.data(),    tok.data(),   tok.shape(1),
+                         nb.data(),         tok.shape(0), drafts,       k,
+                         tree_drafts,       max_model_len, ids.data(),  ids.shape(1),
+                         tab.mutable_data(), tab.shape(1), sent.mutable_data(), ch.data(),
+                         ch.shape(0),       num_used};
         StageResult r;
         try {
           r = stage_rows(input);
         } catch (const std::invalid_argument& e) {
           throw py::value_error(e.what());
         }
-        py::list grown;
-        for (int64_t row : r.grown) grown.append(row);
-        return py::make_tuple(r.max_drafts, grown);
+        return py::make_tuple(r.max_drafts, r.send_rows);
       },
       R"doc(
 Write rows ``0 .. num_rows-1`` of the batch state's step fields (CTX, LAST, OFFSET, NUM_DRAFT)
 from the arena and plan their drafts (``num_drafts`` given, a tree's ``tree_drafts`` for all,
-or a chain of ``k`` cut per row as ``speculate.num_drafts_for``). Returns ``(max drafts,
-[rows whose block table grew])`` (``core.batch.BatchState.stage_step`` calls it).
+or a chain of ``k`` cut per row as ``speculate.num_drafts_for``); copy into the block-table
+mirror ``table`` the arena rows of the rows that grew (per ``sent_blocks``) or are ``changed``,
+and zero rows ``num_rows .. num_used-1``. Returns ``(max drafts, rows of the mirror to send)``
+(``core.batch.BatchState.stage_step`` calls it).
+)doc");
+  m.def(
+      "grow_tables",
+      [](BlockAllocator& allocator, py::handle slots, int64_t num_rows, py::handle lens,
+         py::handle lookahead, py::handle num_blocks, py::handle block_ids,
+         int64_t max_model_len, int64_t block_size) {
+        auto sl = exact<int64_t>(slots, "slots", 1, false);
+        auto ln = exact<int64_t>(lens, "lens", 1, false);
+        auto la = exact<int64_t>(lookahead, "lookahead", 1, false);
+        auto nb = exact<int64_t>(num_blocks, "num_blocks", 1, true);
+        auto ids = exact<int32_t>(block_ids, "block_ids", 2, true);
+        if (num_rows < 0 || num_rows > sl.shape(0)) {
+          throw py::value_error("num_rows " + std::to_string(num_rows) + " exceeds slots");
+        }
+        if (block_size < 1) throw py::value_error("block_size must be >= 1");
+        same(la.shape(0), ln.shape(0), "lookahead vs lens length");
+        same(nb.shape(0), ln.shape(0), "num_blocks vs lens length");
+        same(ids.shape(0), ln.shape(0), "block_ids rows vs lens length");
+        GrowInput input{sl.data(),        num_rows,     ln.data(),     la.data(),
+                        nb.mutable_data(), ids.mutable_data(), ids.shape(1), ln.shape(0),
+                        max_model_len,    block_size};
+        GrowResult r;
+        try {
+          r = grow_tables(input, allocator);
+        } catch (const std::invalid_argument& e) {
+          throw py::value_error(e.what());
+        }
+        return py::make_tuple(r.status, r.value);
+      },
+      R"doc(
+Grow the block tables of the sequences in arena ``slots[:num_rows]`` to cover their next
+verify step (length + lookahead, capped by ``max_model_len``), all from one allocation.
+Returns ``(status, value)``: 0 = done (value: blocks allocated), 1 = short of free blocks
+(value: blocks needed), 2 = ``block_ids`` too narrow (value: columns needed); nothing changes
+unless 0 (``kv_cache.KVCache.ensure_running`` calls it).
 )doc");
 }
 

@@ -6,8 +6,22 @@
 
 namespace specengine {
 
+namespace {
+
+// Copy the arena row of `slot` into mirror row r (zeros past its count).
+void copy_table_row(const StageInput& in, int64_t r, int64_t slot) {
+  const int64_t n = in.num_blocks[slot];
+  const int32_t* src = in.block_ids + slot * in.block_width;
+  int32_t* dst = in.table + r * in.max_blocks;
+  std::copy(src, src + n, dst);
+  std::fill(dst + n, dst + in.max_blocks, 0);
+  in.sent_blocks[r] = n;
+}
+
+}  // namespace
+
 StageResult stage_rows(const StageInput& in) {
-  StageResult res{0, {}};
+  StageResult res{0, 0};
   bool tree_fits = true;
   for (int64_t r = 0; r < in.num_rows; ++r) {
     const int64_t slot = in.row_slots[r];
@@ -21,7 +35,19 @@ StageResult stage_rows(const StageInput& in) {
       throw std::invalid_argument("stage_rows: row " + std::to_string(r) + " has length " +
                                   std::to_string(len));
     }
+    const int64_t blocks = in.num_blocks[slot];
+    if (blocks < 0 || blocks > in.max_blocks || blocks > in.block_width) {
+      throw std::invalid_argument("stage_rows: row " + std::to_string(r) + " holds " +
+                                  std::to_string(blocks) + " KV blocks, more than the " +
+                                  std::to_string(in.max_blocks) + " of a block-table row");
+    }
     if (in.tree_drafts >= 0 && len + in.tree_drafts > in.max_model_len) tree_fits = false;
+  }
+  for (int64_t i = 0; i < in.num_changed; ++i) {
+    if (in.changed[i] < 0 || in.changed[i] >= in.num_rows) {
+      throw std::invalid_argument("stage_rows: changed row " + std::to_string(in.changed[i]) +
+                                  " is outside the batch of " + std::to_string(in.num_rows));
+    }
   }
   int64_t* ints = in.ints;
   const int64_t cap = in.capacity;
@@ -42,7 +68,20 @@ StageResult stage_rows(const StageInput& in) {
     }
     ints[kNumDraft * cap + r] = d;
     res.max_drafts = std::max(res.max_drafts, d);
-    if (in.num_blocks[slot] != in.sent_blocks[r]) res.grown.push_back(r);
+    if (in.num_blocks[slot] != in.sent_blocks[r]) {  // grew since the mirror was written
+      copy_table_row(in, r, slot);
+      res.send_rows = r + 1;
+    }
+  }
+  for (int64_t i = 0; i < in.num_changed; ++i) {  // another owner: the whole row again
+    const int64_t r = in.changed[i];
+    copy_table_row(in, r, in.row_slots[r]);
+    res.send_rows = std::max(res.send_rows, r + 1);
+  }
+  for (int64_t r = in.num_rows; r < in.num_used; ++r) {  // rows that left the batch
+    std::fill(in.table + r * in.max_blocks, in.table + (r + 1) * in.max_blocks, 0);
+    in.sent_blocks[r] = 0;
+    res.send_rows = r + 1;
   }
   return res;
 }

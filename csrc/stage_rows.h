@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <vector>
 
 namespace specengine {
 
@@ -16,8 +15,7 @@ struct StageInput {
   int64_t* ints;           // [>= 4, capacity] step fields (written)
   const int64_t* limits;   // [2, capacity]
   int64_t capacity;
-  const int64_t* row_slots;    // [num_rows] arena slot of each row
-  const int64_t* sent_blocks;  // [num_rows] block ids the device has of each row's table
+  const int64_t* row_slots;  // [num_rows] arena slot of each row
   int64_t num_rows;
   const int64_t* lens;        // arena [slots]
   const int64_t* tokens;      // arena [slots, width]
@@ -30,15 +28,27 @@ struct StageInput {
   int64_t tree_drafts;  // >= 0: a tree's drafts for every row, or none for all when one row
                         // would feed past max_model_len; -1: a chain
   int64_t max_model_len;
+  // Block tables: the arena's rows and the batch state's host mirror of the device table.
+  const int32_t* block_ids;  // arena [slots, block_width]
+  int64_t block_width;
+  int32_t* table;            // [capacity, max_blocks] (written)
+  int64_t max_blocks;
+  int64_t* sent_blocks;      // [capacity] table entries the mirror holds per row (written)
+  const int64_t* changed;    // [num_changed] rows whose owner changed: copied whole
+  int64_t num_changed;
+  int64_t num_used;          // rows the mirror held before (rows past num_rows are zeroed)
 };
 
 struct StageResult {
-  int64_t max_drafts;          // the largest draft count staged
-  std::vector<int64_t> grown;  // rows whose block table grew past what the device has
+  int64_t max_drafts;  // the largest draft count staged
+  int64_t send_rows;   // the mirror's rows 0 .. send_rows-1 hold every change (0: none)
 };
 
-// Throws std::invalid_argument (nothing written) on a slot outside the arena or an empty
-// sequence.
+// Writes the step fields and, for every row whose table grew (the arena's count differs from
+// sent_blocks) or whose owner changed, its whole mirror row (zeros past its count); rows
+// num_rows .. num_used-1 become zero. Throws std::invalid_argument (nothing written) on a slot
+// outside the arena, an empty sequence, a changed row outside the batch or a table wider than
+// max_blocks.
 StageResult stage_rows(const StageInput& in);
 
 }  // namespace specengine

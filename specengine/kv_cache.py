@@ -108,17 +108,27 @@ class KVCache:
         else:  # a drafter's own per-sequence state: a plain list
             seq.block_table.extend(ids.tolist())
 
-    def ensure_slots(self, arena: SeqArena, slots: np.ndarray, num_tokens: np.ndarray) -> bool:
-        """:meth:`ensure` for the running sequences in arena ``slots`` at once (one
-        allocation, one scatter into the arena's tables), all or nothing: False, with nothing
-        allocated, when the free blocks do not cover them all."""
-        missing = np.maximum(-(-num_tokens // self.block_size) - arena.num_blocks[slots], 0)
-        total = int(missing.sum())
-        if total > self.num_free_blocks:
-            return False
-        if total:
-            arena.add_blocks(slots, missing, self._allocate(total))
-        return True
+    def ensure_running(self, arena: SeqArena, slots: np.ndarray) -> bool:
+        """:meth:`ensure` for every running sequence (arena ``slots``) before a verify step:
+        each table covers ``len + min(lookahead, max_model_len - len)`` tokens, from one
+        allocation written straight into the arena's rows (one C++ pass, ``_C.grow_tables``),
+        all or nothing: False, with nothing allocated, when the free blocks (cached ones
+        nobody holds included) do not cover them all."""
+        from specengine import _C
+
+        while True:
+            status, value = _C.grow_tables(self.allocator, slots, len(slots), arena.lens,
+                                           arena.lookahead, arena.num_blocks, arena.block_ids,
+                                           arena.max_model_len, self.block_size)
+            if status == 0:
+                return True
+            if status == 2:  # a table outgrew the arena's columns: widen, then grow
+                arena.grow_block_columns(value)
+                continue
+            short = value - int(self.allocator.num_free)
+            if self.prefix is None or short > len(self.prefix.evictable):
+                return False
+            self.prefix.evict(short)  # cached blocks nobody holds make up the rest
 
     def _allocate(self, num: int) -> np.ndarray:
         """``num`` fresh blocks (int32), evicting cached ones nobody holds when needed."""

@@ -135,12 +135,17 @@ class Scheduler:
             self._slots = np.fromiter((s.slot for s in self.running), np.int64,
                                       len(self.running))
         slots = self._slots
+        # The steady case: every table grown in one C++ pass, no sequence visited.
+        if self.kv_cache.ensure_running(arena, slots):
+            if self._decode is None:
+                self._decode = ScheduledBatch(
+                    tuple(s for s in self.running if s.status is SeqStatus.RUNNING), False)
+            return self._decode
+        # Blocks ran out: grow sequence by sequence, preempting the latest admitted.
         lens = arena.lens[slots]
         # context (len - 1) + the newest token + drafts, the drafts capped by the context
         need = lens + np.minimum(arena.lookahead[slots], arena.max_model_len - lens)
         short = np.flatnonzero(need > arena.num_blocks[slots] * self.kv_cache.block_size)
-        if self._decode is not None and (short.size == 0 or self._grow_all(short, need)):
-            return self._decode
         running = list(self.running)
         short_set = set(short.tolist())
         scheduled: list[Sequence] = []
@@ -153,13 +158,6 @@ class Scheduler:
             raise RuntimeError("scheduler: no sequence can run (KV cache too small for one)")
         self._decode = ScheduledBatch(tuple(scheduled), is_prefill=False)
         return self._decode
-
-    def _grow_all(self, short: np.ndarray, need: np.ndarray) -> bool:
-        """Grow the tables of ``running[short]`` to ``need`` when the free blocks cover them
-        all (no preemption: the batch is unchanged), in one allocation and one scatter into
-        the arena. False, with nothing allocated, if not."""
-        return self.kv_cache.ensure_slots(self.arena, self._slots[short],  # type: ignore
-                                          need[short])
 
     def _make_room(self, seq: Sequence, need: int, scheduled: list[Sequence]) -> bool:
         """Blocks for ``need`` tokens of ``seq``, preempting the latest admitted others (or

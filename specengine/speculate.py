@@ -95,7 +95,7 @@ def speculative_step(
     rows = graphs.padded_rows(batch)
     num_drafts, max_drafts = state.stage_step(
         k if drafting else 0, tree.num_nodes - 1 if drafting and tree is not None else -1,
-        rows, max_model_len)
+        max_model_len)
     proposal = None
     if max_drafts:
         proposal = drafter.propose(seqs, num_drafts.tolist(), tree)  # type: ignore[union-attr]

@@ -116,13 +116,13 @@ def test_incremental_updates_equal_a_rebuild(seed: int, attached: bool) -> None:
                                           [num_drafts_for(s, k, 30) for s in ordered])
         padded = min(CAPACITY, 1 << (len(ordered) - 1).bit_length())
         for k in (0, 3, 16):  # the plan staged in one pass (C++ when attached) is the same
-            np.testing.assert_array_equal(state.stage_step(k, -1, padded, 30)[0],
+            np.testing.assert_array_equal(state.stage_step(k, -1, 30)[0],
                                           [num_drafts_for(s, k, 30) for s in ordered])
         fits = all(len(s) + 4 <= 30 for s in ordered)  # a 5-node tree: all rows or none
-        np.testing.assert_array_equal(state.stage_step(3, 4, padded, 30)[0],
+        np.testing.assert_array_equal(state.stage_step(3, 4, 30)[0],
                                       np.full(len(ordered), 4 if fits else 0))
         num_drafts = np.array([rng.randint(0, 4) for _ in ordered], np.int64)
-        state.stage(num_drafts, padded)
+        state.stage(num_drafts)
         ints, floats, blocks = expected_rows(ordered, num_drafts, padded)
         np.testing.assert_array_equal(state.ints[:, :padded].numpy(), ints)
         np.testing.assert_array_equal(state.floats[:, :padded].numpy(), floats)
@@ -138,6 +138,6 @@ def test_bad_use_is_refused() -> None:
     ordered = state.arrange(seqs[:1])
     ordered[0].block_table = [1, 2, 3]
     with pytest.raises(ValueError, match="more than the 2 of a block-table row"):
-        state.stage(np.zeros(1, np.int64), 1)
+        state.stage(np.zeros(1, np.int64))
     with pytest.raises(ValueError, match="num_drafts has shape"):
-        state.stage(np.zeros(2, np.int64), 1)
+        state.stage(np.zeros(2, np.int64))

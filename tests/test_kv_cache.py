@@ -111,12 +111,13 @@ def test_kv_cache_check_fits() -> None:
     cache.check_fits(16)
 
 
-def test_ensure_slots_grows_many_tables_at_once_or_none() -> None:
-    """The decode step's growth of every short table: one allocation scattered into the
-    arena's rows, all or nothing, evicting cached blocks nobody holds when it must."""
+def test_ensure_running_grows_every_table_at_once_or_none() -> None:
+    """The decode step's growth of every short table (length + lookahead, capped by the
+    context): one allocation written into the arena's rows, all or nothing, evicting cached
+    blocks nobody holds when it must, widening the arena's table columns when needed."""
     cache = KVCache(6, 4, num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float16,
                     device="cpu", prefix_caching=True)
-    arena = SeqArena(4, 100)
+    arena = SeqArena(4, 100, block_width=2)
     a, b, c = make_seq(0, 4), make_seq(1, 4), make_seq(2, 8)
     for s in (a, b, c):
         cache.ensure(s, len(s))
@@ -127,11 +128,22 @@ def test_ensure_slots_grows_many_tables_at_once_or_none() -> None:
     slots = np.array([a.slot, b.slot])
     before = (a.block_table, b.block_table)
     assert cache.num_free_blocks == 4
-    assert not cache.ensure_slots(arena, slots, np.array([4 * 3 + 1, 4 * 3 + 1]))  # 6 > 4
+    arena.lookahead[slots] = 9  # 4 + 9 tokens: 4 blocks each, 3 missing each, 6 > 4
+    assert not cache.ensure_running(arena, slots)
     assert (a.block_table, b.block_table) == before and cache.num_free_blocks == 4
-    assert cache.ensure_slots(arena, slots, np.array([4 * 3, 4 * 3]))  # 2 + 2: evicts both
+    arena.lookahead[slots] = 0  # covered already: nothing allocated
+    assert cache.ensure_running(arena, slots) and cache.num_free_blocks == 4
+    arena.lookahead[slots] = 8
+    assert cache.ensure_running(arena, slots)  # 2 + 2 blocks: both cached ones evicted
     assert [len(a.block_table), len(b.block_table)] == [3, 3]
+    assert arena.block_ids.shape[1] >= 3  # widened from 2 columns
     assert a.block_table[0] == before[0][0] and b.block_table[0] == before[1][0]
-    owned = a.block_table + b.block_table
-    assert sorted(owned) == list(range(6)) and cache.num_free_blocks == 0
+    assert sorted(a.block_table + b.block_table) == list(range(6))
+    assert cache.num_free_blocks == 0
     assert cache.prefix.match([b"x"]) == []  # type: ignore[union-attr]  # evicted
+    arena.lens[a.slot] = 99  # near the context: lookahead capped at 1 token, 25 blocks
+    with pytest.raises(ValueError, match="outside the arena"):
+        _C.grow_tables(cache.allocator, np.array([7]), 1, arena.lens, arena.lookahead,
+                       arena.num_blocks, arena.block_ids, 100, 4)
+    assert not cache.ensure_running(arena, slots)  # 22 more blocks: none free
+    assert len(a.block_table) == 3

@@ -83,26 +83,47 @@ def test_append_packed_refuses_bad_input_and_changes_nothing() -> None:
 
 
 def test_stage_rows_refuses_bad_rows_and_writes_nothing() -> None:
-    """The staging pass checks every row before writing any (``BatchState.stage_step``)."""
+    """The staging pass checks every row before writing any (``BatchState.stage_step``),
+    copies the block-table rows that grew or changed owner, and zeroes rows that left."""
     from specengine import _C
 
-    arena = SeqArena(4, max_model_len=64, width=16)
+    arena = SeqArena(4, max_model_len=64, width=16, block_width=4)
     slot = arena.take([5, 6, 7], 3, 10, frozenset())
+    arena.set_blocks(slot, [9, 4])
     ints = np.zeros((8, 4), dtype=np.int64)
     limits = np.array([[10] * 4, [3] * 4], dtype=np.int64)
+    table = np.full((4, 3), 77, dtype=np.int32)  # stale rows: 1 and 2 left the batch
     sent = np.zeros(4, dtype=np.int64)
-    args = (arena.lens, arena.tokens, arena.num_blocks, None, 3, -1, 64)
-    max_drafts, grown = _C.stage_rows(ints, limits, np.array([slot]), sent, 1, *args)
-    assert (max_drafts, grown) == (3, [])
+    none = np.zeros(0, dtype=np.int64)
+
+    def stage(slots: list[int], changed: np.ndarray = none, ints: np.ndarray = ints,
+              used: int = 3) -> tuple[int, int]:
+        return _C.stage_rows(ints, limits, np.array(slots), len(slots), arena.lens,
+                             arena.tokens, arena.num_blocks, None, 3, -1, 64, arena.block_ids,
+                             table, sent, changed, used)
+
+    assert stage([slot]) == (3, 3)  # 3 drafts; rows 0 (grew) .. 2 (left) to send
     assert ints[:4, 0].tolist() == [2, 7, 3, 3]  # CTX, LAST, OFFSET, NUM_DRAFT
-    before = ints.copy()
+    assert table[:3].tolist() == [[9, 4, 0], [0, 0, 0], [0, 0, 0]]
+    assert table[3].tolist() == [77] * 3 and sent.tolist() == [2, 0, 0, 0]
+    assert stage([slot], used=1) == (3, 0)  # nothing changed: nothing to send
+    table[0] = 55
+    assert stage([slot], np.array([0]), used=1) == (3, 1)  # a new owner: the row whole
+    assert table[0].tolist() == [9, 4, 0]
+    before = (ints.copy(), table.copy(), sent.copy())
     with pytest.raises(ValueError, match="row 1 has slot 9 outside the arena's 4"):
-        _C.stage_rows(ints, limits, np.array([slot, 9]), sent, 2, *args)
+        stage([slot, 9])
     with pytest.raises(ValueError, match="row 1 has length 0"):  # a free slot
-        _C.stage_rows(ints, limits, np.array([slot, (slot + 1) % 4]), sent, 2, *args)
+        stage([slot, (slot + 1) % 4])
+    with pytest.raises(ValueError, match="changed row 1 is outside the batch of 1"):
+        stage([slot], np.array([1]))
+    arena.set_blocks(slot, [1, 2, 3, 4])
+    with pytest.raises(ValueError, match="holds 4 KV blocks, more than the 3"):
+        stage([slot])
     with pytest.raises(TypeError, match="int64"):
-        _C.stage_rows(ints.astype(np.int32), limits, np.array([slot]), sent, 1, *args)
-    np.testing.assert_array_equal(ints, before)
+        stage([slot], ints=ints.astype(np.int32))
+    for got, want in zip((ints, table, sent), before):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_block_tables_in_the_arena_equal_lists() -> None:

@@ -34,6 +34,7 @@ NUM_INT_FIELDS = 8
 TEMPERATURE, TOP_P = range(2)
 # Rows of the host-only limits (they plan draft lengths; the device never needs them).
 MAX_TOKENS, PROMPT_LEN = range(2)
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 def _pinned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -49,17 +50,24 @@ class BatchState:
             raise ValueError(f"BatchState needs capacity and max_blocks >= 1, got {capacity}, "
                              f"{max_blocks}")
         self.capacity, self.max_blocks, self.device = capacity, max_blocks, device
-        self._host_ints_t = _pinned((NUM_INT_FIELDS, capacity), torch.int64, device)
+        # One host buffer (page-locked on CUDA) and one device buffer hold the step fields
+        # (ints [8, R] int64) followed by the block tables ([R, max_blocks] int32), so a step
+        # sends both with one copy: the fields and the table rows up to the last one changed.
+        self._ints_bytes = NUM_INT_FIELDS * capacity * 8
+        self._row_bytes = max_blocks * 4
+        size = self._ints_bytes + capacity * self._row_bytes
+        self._host_bytes = _pinned((size,), torch.uint8, device)
+        self._dev_bytes = torch.zeros(size, dtype=torch.uint8, device=device)
+        self._host_ints_t, host_table = self._split(self._host_bytes)
+        self.ints, self.block_tables = self._split(self._dev_bytes)
         self._host_floats_t = _pinned((2, capacity), torch.float32, device)
         self.host_ints = self._host_ints_t.numpy()
         self.host_floats = self._host_floats_t.numpy()
         self.host_limits = np.zeros((2, capacity), dtype=np.int64)
-        # Device copies: ints [7, R] int64, floats [2, R] float32, block tables [R, max_blocks].
-        self.ints = torch.zeros(NUM_INT_FIELDS, capacity, dtype=torch.int64, device=device)
         self.floats = torch.zeros(2, capacity, dtype=torch.float32, device=device)
-        self._int_views: dict[int, tuple[Tensor, Tensor]] = {}
-        self.blocks = BlockRows(capacity, max_blocks, device)
-        self.block_tables = self.blocks.table
+        self._send_views: dict[int, tuple[Tensor, Tensor]] = {}
+        self.blocks = BlockRows(capacity, max_blocks, device, host=host_table,
+                                table=self.block_tables)
         self.seqs: list[Sequence] = []
         self._rows: dict[int, int] = {}  # seq_id -> row
         # Each row's slot in the sequences' arena (``core.seq_arena``; -1: a detached one),
@@ -77,6 +85,12 @@ class BatchState:
         self._floats_dirty = True  # sampling fields changed since they were last sent
         for r in range(capacity):
             self._neutral(r)
+
+    def _split(self, buf: Tensor) -> tuple[Tensor, Tensor]:
+        """(ints [8, R] int64, block tables [R, max_blocks] int32) views of a byte buffer."""
+        ints = buf[: self._ints_bytes].view(torch.int64).view(NUM_INT_FIELDS, self.capacity)
+        table = buf[self._ints_bytes:].view(torch.int32).view(self.capacity, self.max_blocks)
+        return ints, table
 
     @property
     def num_rows(self) -> int:
@@ -180,43 +194,42 @@ class BatchState:
         remaining = self.host_limits[MAX_TOKENS, :n] - (lens - self.host_limits[PROMPT_LEN, :n])
         return np.maximum(0, np.minimum(np.minimum(k, remaining - 1), max_model_len - lens))
 
-    def stage(self, num_drafts: np.ndarray, padded_rows: int,
-              lens: np.ndarray | None = None) -> None:
+    def stage(self, num_drafts: np.ndarray, lens: np.ndarray | None = None) -> None:
         """Write the step fields of rows ``0 .. B-1`` (in row order, after :meth:`arrange`)
-        with the given draft counts, and send rows ``0 .. padded_rows-1`` to the device
-        (``lens`` = :meth:`lengths` when the caller has them)."""
+        with the given draft counts and send them, with the changed block-table rows, to the
+        device (``lens`` = :meth:`lengths` when the caller has them). Rows past ``B`` are
+        neutral, so any bucket's padded rows read neutral fields."""
         n = len(self.seqs)
         if num_drafts.shape != (n,):
             raise ValueError(f"num_drafts has shape {num_drafts.shape}, expected ({n},)")
-        self._stage(np.ascontiguousarray(num_drafts, dtype=np.int64), 0, -1, 0, padded_rows,
-                    lens)
+        self._stage(np.ascontiguousarray(num_drafts, dtype=np.int64), 0, -1, 0, lens)
 
-    def stage_step(self, k: int, tree_drafts: int, padded_rows: int, max_model_len: int
+    def stage_step(self, k: int, tree_drafts: int, max_model_len: int
                    ) -> tuple[np.ndarray, int]:
         """:meth:`stage` with the step's draft plan made here: a chain of ``k`` drafts cut per
         row as ``speculate.num_drafts_for``, or (``tree_drafts >= 0``) a tree's for every
         row, none for all when a row would feed past ``max_model_len``. Returns the counts
         and the largest."""
-        max_drafts = self._stage(None, k, tree_drafts, max_model_len, padded_rows, None)
+        max_drafts = self._stage(None, k, tree_drafts, max_model_len, None)
         # A view: the host writes this row again only at the next stage, after this step.
         return self.host_ints[NUM_DRAFT, : len(self.seqs)], max_drafts
 
     def _stage(self, num_drafts: np.ndarray | None, k: int, tree_drafts: int,
-               max_model_len: int, padded_rows: int, lens: np.ndarray | None) -> int:
+               max_model_len: int, lens: np.ndarray | None) -> int:
         """Write and send the step fields; returns the largest draft count staged."""
         seqs = self.seqs
         n = len(seqs)
+        blocks = self.blocks
         if self._all_attached:  # one C++ pass over the rows, reading the arena
             arena = self.arena
-            max_drafts, grown = _C.stage_rows(
-                self.host_ints, self.host_limits, self.row_slots, self.blocks.sent, n,
-                arena.lens, arena.tokens, arena.num_blocks, num_drafts, k,  # type: ignore
-                tree_drafts, max_model_len)
-            if grown or self._changed_rows or n != self.blocks.num_used:
-                rows = np.fromiter(self._changed_rows.union(grown), np.int64)
-                slots = self.row_slots[rows]
-                self.blocks.sync_from(n, rows, arena.block_ids[slots],  # type: ignore
-                                      arena.num_blocks[slots])  # type: ignore
+            changed = (np.fromiter(self._changed_rows, np.int64, len(self._changed_rows))
+                       if self._changed_rows else _NO_ROWS)
+            max_drafts, send_rows = _C.stage_rows(
+                self.host_ints, self.host_limits, self.row_slots, n, arena.lens,  # type: ignore
+                arena.tokens, arena.num_blocks, num_drafts, k, tree_drafts,  # type: ignore
+                max_model_len, arena.block_ids, blocks.host, blocks.sent, changed,  # type: ignore
+                blocks.num_used)
+            blocks.written(n)
         else:  # detached sequences (tests): the same fields from their lists
             lens = self.lengths() if lens is None else lens
             if num_drafts is None:
@@ -228,13 +241,13 @@ class BatchState:
             self.host_ints[LAST, :n] = np.fromiter((s.last_token for s in seqs), np.int64, n)
             self.host_ints[NUM_DRAFT, :n] = num_drafts
             max_drafts = int(num_drafts.max(initial=0))
-            self.blocks.sync([(s.seq_id, s.block_table) for s in seqs])
+            send_rows = blocks.sync([(s.seq_id, s.block_table) for s in seqs], send=False)
         self._changed_rows.clear()
         nb = self.device.type == "cuda"
-        views = self._int_views.get(padded_rows)
-        if views is None:  # (device, host) views of the first rows, made once per bucket
-            views = self._int_views[padded_rows] = (self.ints[:, :padded_rows],
-                                                    self._host_ints_t[:, :padded_rows])
+        views = self._send_views.get(send_rows)
+        if views is None:  # (device, host) bytes of the fields and the first table rows
+            end = self._ints_bytes + send_rows * self._row_bytes
+            views = self._send_views[send_rows] = (self._dev_bytes[:end], self._host_bytes[:end])
         views[0].copy_(views[1], non_blocking=nb)
         if self._floats_dirty:  # sampling fields change only when rows join or leave
             self.floats.copy_(self._host_floats_t, non_blocking=nb)

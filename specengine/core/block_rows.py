@@ -6,10 +6,10 @@ owner changed (another sequence moved in, or the same one got a new table after 
 sent whole; a row whose table grew sends its new ids; rows past the batch are zeroed (a padded
 row then reads block 0 and owns nothing). All changed rows go in one non-blocking copy.
 
-Two ways in: :meth:`BlockRows.sync_from` takes whole rows from arrays (the running sequences'
-tables in ``SeqArena.block_ids``: no Python per row), :meth:`BlockRows.sync` /
-:meth:`BlockRows.sync_some` take Python lists keyed by owner (sequences not in an arena, and
-drafters' own caches).
+Two ways in: the batch state's C++ staging pass writes whole mirror rows from the running
+sequences' tables in ``SeqArena.block_ids`` (no Python per row) and sends them with its step
+fields (:meth:`BlockRows.written`); :meth:`BlockRows.sync` / :meth:`BlockRows.sync_some` take
+Python lists keyed by owner (sequences not in an arena, and drafters' own caches).
 """
 
 from __future__ import annotations
@@ -21,23 +21,29 @@ import torch
 
 
 class BlockRows:
-    """``table [capacity, max_blocks]`` int32 on the device and its host mirror."""
+    """``table [capacity, max_blocks]`` int32 on the device and its host mirror ``host``
+    (given as views when an owner sends them with its own data, as ``core.batch`` does)."""
 
-    def __init__(self, capacity: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, capacity: int, max_blocks: int, device: torch.device,
+                 host: torch.Tensor | None = None, table: torch.Tensor | None = None) -> None:
         if capacity < 1 or max_blocks < 1:
             raise ValueError(f"BlockRows needs capacity and max_blocks >= 1, got {capacity}, "
                              f"{max_blocks}")
         self.capacity, self.max_blocks, self.device = capacity, max_blocks, device
         # The host mirror is page-locked on CUDA, so :meth:`_send` never blocks the host.
-        self._host_t = torch.zeros(capacity, max_blocks, dtype=torch.int32,
-                                   pin_memory=device.type == "cuda")
+        self._host_t = host if host is not None else torch.zeros(
+            capacity, max_blocks, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.host = self._host_t.numpy()
-        self.table = torch.zeros(capacity, max_blocks, dtype=torch.int32, device=device)
-        # Owner of each row and the table list it mirrors (keyed syncs); None after a sync
-        # from arrays, so the next keyed sync sends the row whole.
-        self._keys = np.full(capacity, None, dtype=object)
-        self._tables = np.full(capacity, None, dtype=object)
-        self.sent = np.zeros(capacity, dtype=np.int64)  # ids of that table the device has
+        self.table = table if table is not None else torch.zeros(
+            capacity, max_blocks, dtype=torch.int32, device=device)
+        for name, t in (("host", self._host_t), ("table", self.table)):
+            if tuple(t.shape) != (capacity, max_blocks) or t.dtype != torch.int32:
+                raise ValueError(f"BlockRows {name} must be [{capacity}, {max_blocks}] int32, "
+                                 f"got {tuple(t.shape)} {t.dtype}")
+        # Owner of each row and the table list it mirrors (keyed syncs).
+        self._keys: list[object] = [None] * capacity
+        self._tables: list[list[int] | None] = [None] * capacity
+        self.sent = np.zeros(capacity, dtype=np.int64)  # entries of each row the mirror has
         self._used = 0
 
     @property
@@ -45,18 +51,34 @@ class BlockRows:
         """Rows the last sync made current (the rest are empty)."""
         return self._used
 
-    def sync(self, rows: Sequence[tuple[int, list[int]]]) -> None:
+    def written(self, num_rows: int) -> None:
+        """The owner wrote the mirror's rows itself (whole rows, ``sent`` kept current: the
+        batch state's C++ staging pass) for a batch of ``num_rows`` rows: the keyed
+        bookkeeping is void, so a later keyed sync writes every row whole."""
+        self._used = num_rows
+        if self._keys[0] is not _VOID:
+            self._keys = [_VOID] * self.capacity
+
+    def sync(self, rows: Sequence[tuple[int, list[int]]], send: bool = True) -> int:
         """Make row ``r`` hold ``rows[r] = (owner key, block table)``; rows past
         ``len(rows)`` become empty."""
-        self.sync_some(len(rows), [(r, key, table) for r, (key, table) in enumerate(rows)])
+        return self.sync_some(len(rows), [(r, key, table) for r, (key, table) in enumerate(rows)],
+                              send)
 
-    def sync_some(self, num_rows: int, changed: Sequence[tuple[int, int, list[int]]]) -> None:
+    def sync_some(self, num_rows: int, changed: Sequence[tuple[int, int, list[int]]],
+                  send: bool = True) -> int:
         """Like :meth:`sync` for ``num_rows`` rows of which only ``changed = [(row, owner
         key, block table)]`` may differ from what the device has (the others are unchanged
-        owners whose tables did not grow)."""
+        owners whose tables did not grow). Checks every row before writing any. Sends the
+        mirror's rows up to the last one written (``send=False``: the owner sends them) and
+        returns their number."""
         if num_rows > self.capacity:
             raise ValueError(f"{num_rows} rows exceed the capacity {self.capacity}")
-        dirty: list[int] = []
+        for r, _, table in changed:
+            if len(table) > self.max_blocks:
+                raise ValueError(f"row {r} holds {len(table)} KV blocks, more than the "
+                                 f"{self.max_blocks} of a block-table row")
+        last = -1
         keys, tables, sent_ = self._keys, self._tables, self.sent
         for r, key, table in changed:
             if tables[r] is table and keys[r] == key and len(table) == sent_[r]:
@@ -64,45 +86,18 @@ class BlockRows:
             if tables[r] is not table or keys[r] != key:
                 keys[r], tables[r], sent_[r] = key, table, 0
                 self.host[r] = 0
-                dirty.append(r)
             sent = int(sent_[r])
-            if len(table) > sent:
-                if len(table) > self.max_blocks:
-                    raise ValueError(f"row {r} holds {len(table)} KV blocks, more than the "
-                                     f"{self.max_blocks} of a block-table row")
-                self.host[r, sent:len(table)] = table[sent:]
-                sent_[r] = len(table)
-                if not dirty or dirty[-1] != r:
-                    dirty.append(r)
+            self.host[r, sent:len(table)] = table[sent:]
+            sent_[r] = len(table)
+            last = max(last, r)
         for r in range(num_rows, self._used):
             keys[r], tables[r], sent_[r] = None, None, 0
             self.host[r] = 0
-            dirty.append(r)
-        self._send(max(dirty) + 1 if dirty else 0)
+            last = max(last, r)
         self._used = num_rows
-
-
-    def sync_from(self, num_rows: int, rows: np.ndarray, ids: np.ndarray,
-                  counts: np.ndarray) -> None:
-        """Make rows ``rows`` hold ``ids[i, :counts[i]]`` (``ids [len(rows), w]``, zeros past
-        each count, as ``SeqArena.block_ids`` rows are) for a batch of ``num_rows`` rows whose
-        other rows are unchanged; rows past ``num_rows`` become empty. Array ops only."""
-        if num_rows > self.capacity:
-            raise ValueError(f"{num_rows} rows exceed the capacity {self.capacity}")
-        if len(counts) and int(counts.max()) > self.max_blocks:
-            r = int(rows[int(np.argmax(counts))])
-            raise ValueError(f"row {r} holds {int(counts.max())} KV blocks, more than the "
-                             f"{self.max_blocks} of a block-table row")
-        stale = np.arange(num_rows, self._used, dtype=np.int64)
-        w = min(ids.shape[1], self.max_blocks)
-        self.host[rows, :w] = ids[:, :w]
-        self.host[rows, w:] = 0
-        self.host[stale] = 0
-        self.sent[rows], self.sent[stale] = counts, 0
-        self._keys[rows] = self._tables[rows] = None
-        self._keys[stale] = self._tables[stale] = None
-        self._send(max(num_rows, self._used) if len(rows) or len(stale) else 0)
-        self._used = num_rows
+        if send:
+            self._send(last + 1)
+        return last + 1
 
     def _send(self, num_rows: int) -> None:
         """Copy the first ``num_rows`` rows of the mirror to the device, non-blocking: one
@@ -113,6 +108,9 @@ class BlockRows:
         if num_rows:
             self.table[:num_rows].copy_(self._host_t[:num_rows],
                                         non_blocking=self.device.type == "cuda")
+
+
+_VOID = object()  # a key no owner has: the row is written whole at the next keyed sync
 
 
 def slots_of(table: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,

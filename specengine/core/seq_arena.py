@@ -14,9 +14,9 @@ first), ``logprobs`` and ``versions`` are meaningful from ``num_prompt[s]`` on. 
 by doubling when a sequence needs more (amortised; never in a steady step).
 
 A running sequence's KV block table lives here too: ``block_ids[s, :num_blocks[s]]`` (the rest
-of the row is zero). The scheduler grows every short table of a step in one allocation and one
-scatter (:meth:`SeqArena.add_blocks`), and the batch state sends grown rows by copying arena
-rows, so no step visits a sequence in Python to grow or send its table.
+of the row is zero). The scheduler grows every short table of a step in one C++ pass
+(``KVCache.ensure_running``), and the batch state sends grown rows by copying arena rows, so no
+step visits a sequence in Python to grow or send its table.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class SeqArena:
     def set_blocks(self, slot: int, ids: list[int] | np.ndarray) -> None:
         """Make ``ids`` slot ``slot``'s whole block table."""
         n = len(ids)
-        self._grow_blocks(n)
+        self.grow_block_columns(n)
         self.block_ids[slot] = 0
         self.block_ids[slot, :n] = ids
         self.num_blocks[slot] = n
@@ -121,7 +121,7 @@ class SeqArena:
         if len(ids) != int(counts.sum()):
             raise ValueError(f"{len(ids)} block ids for {int(counts.sum())} new entries")
         start = self.num_blocks[slots]
-        self._grow_blocks(int((start + counts).max(initial=0)))
+        self.grow_block_columns(int((start + counts).max(initial=0)))
         # entry j of the flat ids goes to row slots[i], column start[i] + (j - first[i]) where
         # i is the slot it belongs to and first[i] = counts[:i].sum()
         row_of = np.repeat(np.arange(len(slots)), counts)
@@ -130,7 +130,8 @@ class SeqArena:
         self.block_ids[np.asarray(slots)[row_of], cols] = ids
         self.num_blocks[slots] = start + counts
 
-    def _grow_blocks(self, need: int) -> None:
+    def grow_block_columns(self, need: int) -> None:
+        """Widen ``block_ids`` to at least ``need`` columns (by doubling)."""
         width = self.block_ids.shape[1]
         if need <= width:
             return
