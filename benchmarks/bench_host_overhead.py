@@ -1,8 +1,10 @@
 """Host overhead of one decode step: the engine's own host time, launches and syncs per step.
 
 For every configuration (kernel backend × CUDA graphs × batch × k × chain/tree) it runs
-``generate`` twice on the same prompts (greedy, EOS ignored) and times each call of
-``SpecEngine._decode_step`` (one decode / verify step; prefills are not counted):
+``generate`` twice on the same prompts (greedy, EOS ignored) and times each engine step
+(``EngineCore.step``) that runs a decode / verify step: scheduling (KV growth), staging,
+drafting and verify glue, postprocessing and outputs, as the issue counts host time (steps
+that run a prefill are not counted):
 
 * pass 1 (timing): cheap wrappers only (blocking syncs, compute regions, Triton / ``_C``
   launches, graph replays; ``step_profiler.py``). On CUDA the host time of a step is its wall
@@ -95,35 +97,47 @@ def run_pass(engine, prompts: list, k: int, tree, steps: int, counting: bool) ->
     cuda = engine.device.type == "cuda"
     prof = StepProfiler(dispatch=counting, regions=not counting)
     records: list[dict] = []
-    orig = engine._decode_step
+    core = engine.core
+    orig_step, orig_decode = core.step, engine._decode_step
     layers = engine.model.model.layers
+    seen: dict = {}  # what the decode step of the current engine step saw
 
-    def step(seqs, k_, tree_, times, *rest):
+    def decode(seqs, k_, tree_, times, *rest):
+        phases0 = {p: getattr(times, p, 0.0) for p in PHASES}
+        orig_decode(seqs, k_, tree_, times, *rest)
+        seen["batch"] = len(seqs)
+        seen["phases"] = {p: getattr(times, p, 0.0) - phases0[p] for p in PHASES}
+
+    def step(*args, **kwargs):
         if len(records) >= steps:
+            core.abort_all()  # frees every request: the next pass starts clean
             raise _Done
+        seen.clear()
         if cuda:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         prof.reset()
         prof.layers.launches = prof.layers.calls = 0
-        phases0 = {p: getattr(times, p, 0.0) for p in PHASES}
         t0, c0 = time.perf_counter(), time.thread_time()
-        orig(seqs, k_, tree_, times, *rest)
+        out = orig_step(*args, **kwargs)
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         c = prof.reset()
-        phases = {p: getattr(times, p, 0.0) - phases0[p] for p in PHASES}
-        rec = dict(phases=phases, batch=len(seqs), wall_s=wall, cpu_s=cpu, counts=c,
-                   layer_calls=prof.layers.calls, layer_launches=prof.layers.launches)
+        if "batch" not in seen:  # a prefill step
+            return out
+        rec = dict(phases=seen["phases"], batch=seen["batch"], wall_s=wall, cpu_s=cpu,
+                   counts=c, layer_calls=prof.layers.calls,
+                   layer_launches=prof.layers.launches)
         if cuda:
             end.record()
             torch.cuda.synchronize()
             rec["device_s"] = start.elapsed_time(end) / 1e3
         records.append(rec)
+        return out
 
     max_new = max(1, engine.config.max_model_len - max(len(p) for p in prompts) - 8)
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
-    engine._decode_step = step
+    engine._decode_step, core.step = decode, step
     try:
         with prof:
             if counting:
@@ -132,7 +146,7 @@ def run_pass(engine, prompts: list, k: int, tree, steps: int, counting: bool) ->
     except _Done:
         pass
     finally:
-        del engine._decode_step  # back to the class's method
+        del engine._decode_step, core.step  # back to the classes' methods
     return records
 
 

@@ -243,9 +243,12 @@ class EngineCore:
         return outputs
 
     def _ended_in_step(self, seqs: tuple[Sequence, ...], prefill: bool) -> list[Sequence]:
-        """The sequences of this step that finished. A decode step of one group reads the
-        arena's flags through the batch state's rows (its rows are exactly ``seqs``), so no
-        sequence is visited unless it ended."""
+        """The sequences of this step that finished. A decode step reads the arena's count of
+        ended sequences (every one ended before this step was released in its own step), and
+        with one group its flags through the batch state's rows (its rows are exactly
+        ``seqs``), so no sequence is visited unless it ended."""
+        if not prefill and self.arena.num_done == 0:  # the common step: nothing ended
+            return []
         state = self.graphs.verifier.state
         if prefill or len(state.seqs) != len(seqs) or len(self._groups(seqs)) != 1:
             return [s for s in seqs if s.status is SeqStatus.FINISHED]

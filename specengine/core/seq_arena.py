@@ -55,6 +55,7 @@ class SeqArena:
         # columns, zeros after (widened by doubling, like the token columns).
         self.block_ids = np.zeros((capacity, max(1, block_width)), dtype=np.int32)
         self.done = np.zeros(capacity, dtype=bool)  # ended in its last step (not released yet)
+        self.num_done = 0  # slots flagged in ``done`` (0: no running sequence has ended)
         # Takes of each slot so far: a sequence that left and came back to the same slot
         # (preempted, prefilled again) is told apart from one that stayed.
         self.epoch = np.zeros(capacity, dtype=np.int64)
@@ -96,6 +97,9 @@ class SeqArena:
         return s
 
     def give_back(self, slot: int) -> None:
+        if self.done[slot]:
+            self.done[slot] = False
+            self.num_done -= 1
         self.lens[slot] = 0
         self.num_blocks[slot] = 0
         self.block_ids[slot] = 0
@@ -175,6 +179,7 @@ class SeqArena:
                 self.stop_ids, self.done, self.counters, packed, num_rows, slots, num_drafts,
                 depths, stats, version)
             if width == 0:
+                self.num_done += len(ended)
                 return kept, ended
             self._grow(width)  # nothing was written: widen and append again
 
