@@ -9,6 +9,7 @@
 #include "grow_tables.h"
 #include "stage_rows.h"
 #include "step_append.h"
+#include "tree_path.h"
 
 namespace py = pybind11;
 
@@ -211,6 +212,48 @@ verify step (length + lookahead, capped by ``max_model_len``), all from one allo
 Returns ``(status, value)``: 0 = done (value: blocks allocated), 1 = short of free blocks
 (value: blocks needed), 2 = ``block_ids`` too narrow (value: columns needed); nothing changes
 unless 0 (``kv_cache.KVCache.ensure_running`` calls it).
+)doc");
+  m.def(
+      "tree_path_moves",
+      [](py::handle packed, int64_t num_rows, py::handle row_slots, py::handle lens,
+         py::handle num_blocks, py::handle block_ids, int64_t block_size) {
+        auto pk = exact<double>(packed, "packed", 2, false);
+        auto sl = exact<int64_t>(row_slots, "row_slots", 1, false);
+        auto ln = exact<int64_t>(lens, "lens", 1, false);
+        auto nb = exact<int64_t>(num_blocks, "num_blocks", 1, false);
+        auto ids = exact<int32_t>(block_ids, "block_ids", 2, false);
+        if ((pk.shape(1) - 1) % 3 != 0 || pk.shape(1) < 4) {
+          throw py::value_error("packed must be [rows, 3N + 1] with N >= 1");
+        }
+        if (num_rows < 0 || num_rows > pk.shape(0) || num_rows > sl.shape(0)) {
+          throw py::value_error("num_rows " + std::to_string(num_rows) +
+                                " exceeds packed or row_slots");
+        }
+        if (block_size < 1) throw py::value_error("block_size must be >= 1");
+        same(nb.shape(0), ln.shape(0), "num_blocks vs lens length");
+        same(ids.shape(0), ln.shape(0), "block_ids rows vs lens length");
+        TreePathInput input{pk.data(),  num_rows,     (pk.shape(1) - 1) / 3, sl.data(),
+                            ln.data(),  nb.data(),    ids.data(),            ids.shape(1),
+                            ln.shape(0), block_size};
+        TreePathMoves moves;
+        try {
+          moves = tree_path_moves(input);
+        } catch (const std::invalid_argument& e) {
+          throw py::value_error(e.what());
+        }
+        const auto m = static_cast<py::ssize_t>(moves.src.size());
+        py::array_t<int64_t> out({py::ssize_t{2}, m});
+        if (m > 0) {
+          std::copy(moves.src.begin(), moves.src.end(), out.mutable_data(0, 0));
+          std::copy(moves.dst.begin(), moves.dst.end(), out.mutable_data(1, 0));
+        }
+        return out;
+      },
+      R"doc(
+The accepted tree paths' KV moves of one verify step: ``[2, M]`` int64 cache slots (row 0
+sources, row 1 destinations), rows in order, from the packed sampler output (``num_rows`` rows,
+``SamplerOutput.pack``) and the arena's block tables (lengths before the step's append).
+``speculate._compact_tree_path`` calls it.
 )doc");
 }
 

@@ -8,6 +8,7 @@ Specifications: ``kernels/reference.py`` (``reshape_and_cache``, ``compact_kv``)
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -81,6 +82,9 @@ def reshape_and_cache(
 # Device copies of the per-layer base-pointer tables, keyed by the pointers themselves: the
 # cache tensors live for the engine's lifetime, so the table is built once per cache.
 _PTR_TABLES: dict[tuple[int, ...], Tensor] = {}
+# What compact_kv_cache needs of a whole cache, by (address, shape, dtype): per-layer K / V
+# addresses, their device table on CUDA, and (Hkv, D, element size, slots per layer).
+_CACHES: dict[tuple, tuple[list[int], Tensor | None, tuple[int, int, int, int]]] = {}
 
 
 def compact_kv(
@@ -95,8 +99,6 @@ def compact_kv(
     sequence by sequence in path order always are, since within a path ``dst <= src`` and both
     increase. Destinations must be distinct. The host version checks both and raises.
     """
-    from specengine import _C
-
     caches = [*k_caches, *v_caches]
     if not caches or len(k_caches) != len(v_caches):
         raise ValueError("compact_kv needs as many K caches as V caches, at least one each")
@@ -105,6 +107,67 @@ def compact_kv(
         _check_cache(f"caches[{i}]", c)
         if c.shape != first.shape or c.dtype != first.dtype or c.device != first.device:
             raise ValueError("every cache must have the same shape, dtype and device")
+    _launch_compact([c.data_ptr() for c in caches], first, src_slots, dst_slots)
+
+
+def compact_kv_cache(
+    kv: Tensor,  # [2, num_layers, num_blocks, block_size, Hkv, D]: a whole paged cache
+    slots: np.ndarray,  # [2, N] int64 on the host: row 0 the source slots, row 1 destinations
+) -> None:
+    """:func:`compact_kv` over every layer (K and V) of one contiguous paged cache. What the
+    launch needs of ``kv`` (checks, per-layer addresses) is made once per cache, and the slot
+    pairs come from the host, where the decode step computes them (on CUDA one non-blocking
+    copy; on the CPU the host kernel reads them in place): the launcher's host cost does not
+    grow with the number of layers."""
+    key = (kv.data_ptr(), kv.shape, kv.dtype)
+    cache = _CACHES.get(key)
+    if cache is None:
+        if kv.dim() != 6 or kv.shape[0] != 2:
+            raise ValueError(f"kv must be [2, num_layers, num_blocks, block_size, Hkv, D], "
+                             f"got {tuple(kv.shape)}")
+        if not kv.is_contiguous():
+            raise ValueError("kv must be contiguous (the kernels index it as flat slots)")
+        step = kv[0, 0].numel() * kv.element_size()
+        ptrs = [kv.data_ptr() + i * step for i in range(2 * kv.shape[1])]
+        table = (torch.tensor(ptrs, dtype=torch.int64, device=kv.device) if kv.is_cuda
+                 else None)
+        cache = _CACHES[key] = (ptrs, table, (kv.shape[4], kv.shape[5], kv.element_size(),
+                                              kv.shape[2] * kv.shape[3]))
+    if not isinstance(slots, np.ndarray) or slots.dtype != np.int64 or slots.ndim != 2 \
+            or slots.shape[0] != 2:
+        raise ValueError("slots must be a [2, N] int64 numpy array (sources, destinations), "
+                         f"got {getattr(slots, 'dtype', type(slots))} "
+                         f"{getattr(slots, 'shape', '')}")
+    n = slots.shape[1]
+    if n == 0:
+        return
+    from specengine import _C
+
+    ptrs, table, (num_heads, head_dim, elem, num_slots) = cache
+    slots = np.ascontiguousarray(slots)
+    if table is not None:
+        from specengine.core.transfer import to_device
+
+        dev = to_device(slots, kv.device)
+        src = dev.data_ptr()
+        _C.compact_kv_cuda(ptrs, table.data_ptr(), src, src + 8 * n, True, n, num_heads,
+                           head_dim, elem, num_slots,
+                           torch.cuda.current_stream(kv.device).cuda_stream)
+    else:
+        src = slots.ctypes.data
+        try:
+            _C.compact_kv_host(ptrs, src, src + 8 * n, True, n, num_heads, head_dim, elem,
+                               num_slots)
+        except (IndexError, ValueError) as e:
+            raise type(e)(f"compact_kv: {e}") from None
+
+
+def _launch_compact(ptrs: list[int], first: Tensor, src_slots: Tensor,
+                    dst_slots: Tensor) -> None:
+    """The shared launch of :func:`compact_kv` / :func:`compact_kv_cache`: ``ptrs`` address
+    caches shaped like ``first`` ``[num_blocks, block_size, Hkv, D]``."""
+    from specengine import _C
+
     n = src_slots.shape[0] if src_slots.dim() == 1 else -1
     _check_slots("src_slots", src_slots, n, first.device)
     _check_slots("dst_slots", dst_slots, n, first.device)
@@ -114,7 +177,6 @@ def compact_kv(
         return
     src_slots = src_slots.contiguous()
     dst_slots = dst_slots.contiguous()
-    ptrs = [c.data_ptr() for c in caches]
     _, _, num_heads, head_dim = first.shape
     num_slots = first.shape[0] * first.shape[1]
     common = (src_slots.data_ptr(), dst_slots.data_ptr(), src_slots.dtype == torch.int64, n,

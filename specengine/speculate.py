@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specengine import _C
 from specengine.core.graphs import GraphRunner
 from specengine.core.seq_arena import SeqArena
-from specengine.core.transfer import to_device, to_host
+from specengine.core.transfer import to_host
 from specengine.core.verify import VerifyShape, forward_output
 from specengine.drafters.base import Drafter
+from specengine.kernels.kv_cache import compact_kv_cache
 from specengine.kv_cache import KVCache
 from specengine.sampler import StepResult
 from specengine.sequence import Sequence
@@ -131,9 +133,10 @@ def speculative_step(
     #    are appended at once (the arena cuts at stop tokens / max_tokens / the context).
     result = None
     if tree is not None:
-        result = StepResult.unpack(packed, batch)
-        _compact_tree_path(arena, state.row_slots, result, kv_cache)
-    depths = num_drafts if tree is None else np.where(num_drafts > 0, tree.max_depth, 0)
+        _compact_tree_path(arena, state.row_slots, packed, batch, kv_cache)
+    # Draft positions each row proposed (for the acceptance counts): a tree's depth, all rows
+    # (a tree is drafted by every row or by none: then tree is None here).
+    depths = num_drafts if tree is None else _filled(batch, tree.max_depth)
     times.num_step_tokens += append_step(arena, seqs, packed, batch, state.row_slots,
                                          num_drafts, depths, times, version)
     times.num_seq_steps += batch
@@ -170,6 +173,14 @@ def append_step(arena: SeqArena, seqs: tuple[Sequence, ...], packed: np.ndarray,
 _NO_STATS = np.zeros((2, 0), dtype=np.int64)
 
 
+@functools.lru_cache(maxsize=256)
+def _filled(num_rows: int, value: int) -> np.ndarray:
+    """A read-only ``[num_rows]`` int64 array of ``value`` (made once per shape)."""
+    a = np.full(num_rows, value, dtype=np.int64)
+    a.flags.writeable = False
+    return a
+
+
 @functools.lru_cache(maxsize=1024)
 def _shape(num_rows: int, num_tokens: int, tree: DraftTree | None, has_probs: bool
            ) -> VerifyShape:
@@ -177,39 +188,16 @@ def _shape(num_rows: int, num_tokens: int, tree: DraftTree | None, has_probs: bo
     return VerifyShape(num_rows, num_tokens, tree, has_probs)
 
 
-def _compact_tree_path(arena: SeqArena, slots: np.ndarray, result: StepResult,
+def _compact_tree_path(arena: SeqArena, slots: np.ndarray, packed: np.ndarray, num_rows: int,
                        kv_cache: KVCache) -> None:
     """Move the accepted nodes' K/V (root excluded: it is already in place) from slot
     ``ctx + node`` to ``ctx + depth``, in every layer, with one kernel launch. Row ``b`` is
-    the sequence in arena slot ``slots[b]`` (before this step's tokens are appended)."""
-    from specengine.kernels.kv_cache import compact_kv
-
-    bs = kv_cache.block_size
-    num_accepted = result.num_accepted
-    rows = len(num_accepted)
-    deepest = int(num_accepted.max(initial=0))
-    if deepest == 0:
+    the sequence in arena slot ``slots[b]`` (before this step's tokens are appended); the
+    moves come from one C++ pass over the packed output (``tests/tree_path_reference.py``)."""
+    moves = _C.tree_path_moves(packed, num_rows, slots, arena.lens, arena.num_blocks,
+                               arena.block_ids, kv_cache.block_size)  # [2, M]
+    if not moves.shape[1]:
         return
-    depth = np.arange(1, deepest + 1)  # [D]
-    node = result.row_ids[:, 1: deepest + 1]  # [B, D]: the accepted node at each depth
-    moves = (depth[None, :] <= num_accepted[:, None]) & (node != depth[None, :])
-    b, j = np.nonzero(moves)
-    if not len(b):
-        return
-    ctx = arena.lens[slots[:rows]][b] - 1
-    tables = arena.block_ids[slots[:rows][b]]  # [moves, width]
-
-    def slot_of(pos: np.ndarray) -> np.ndarray:
-        return tables[np.arange(len(pos)), pos // bs].astype(np.int64) * bs + pos % bs
-
-    src, dst = slot_of(ctx + node[b, j]), slot_of(ctx + depth[j])
     if hasattr(kv_cache, "mirror_compact"):  # tensor parallel: every rank's heads move
-        kv_cache.mirror_compact(src.tolist(), dst.tolist())
-    dev = kv_cache.kv.device
-    layers = kv_cache.kv.shape[1]
-    compact_kv(
-        [kv_cache.kv[0, i] for i in range(layers)],
-        [kv_cache.kv[1, i] for i in range(layers)],
-        to_device(src, dev),
-        to_device(dst, dev),
-    )
+        kv_cache.mirror_compact(moves[0].tolist(), moves[1].tolist())
+    compact_kv_cache(kv_cache.kv, moves)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from kv_helpers import assert_same, bits, needs_cuda_kernels, rand, scattered_tables, slot_of
@@ -224,3 +225,39 @@ def test_compact_kv_cuda_long_overlapping_path() -> None:
     dst = [slot_of(table, ctx + i, block_size) for i in range(len(path))]
     k_caches, v_caches = make_caches(2, (64, block_size, 8, 128), torch.bfloat16, gen, "cuda")
     compact_matches_reference(k_caches, v_caches, src, dst, torch.int64, "cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype,h,d", [(torch.float16, 1, 1), (torch.bfloat16, 2, 64)])
+def test_compact_kv_cache_equals_reference_per_layer(dtype: torch.dtype, h: int, d: int,
+                                                      device: str) -> None:
+    """The whole-cache launcher (layer addresses made once) moves every layer's K and V as
+    the reference does layer by layer, and refuses bad input writing nothing."""
+    if device == "cuda":
+        needs_cuda_kernels()
+    rng = random.Random(h * 10 + d)
+    gen = torch.Generator().manual_seed(h)
+    num_layers, num_blocks, block_size = 3, 64, 4
+    src, dst, moving = accepted_moves(rng, num_blocks, block_size, 8)
+    kvt = rand((2, num_layers, num_blocks, block_size, h, d), dtype, gen, device)
+    exp = kvt.clone()
+    run_compact(ref.compact_kv, [exp[0, i] for i in range(num_layers)],
+                [exp[1, i] for i in range(num_layers)], src, dst, torch.int64, device)
+    for _ in range(2):  # the second call reuses the addresses made by the first
+        got = kvt.clone()
+        kv.compact_kv_cache(got, np.array([src, dst]))
+        assert_same(got, exp)
+    assert moving and not torch.equal(bits(kvt), bits(exp))
+    before = kvt.clone()
+    cases = [
+        (ValueError, r"kv must be \[2, num_layers", (kvt[0], np.array([src, dst]))),
+        (ValueError, "kv must be contiguous", (kvt.transpose(2, 3), np.array([src, dst]))),
+        (ValueError, r"slots must be a \[2, N\] int64", (kvt, np.array(src))),
+        (ValueError, r"slots must be a \[2, N\] int64", (kvt, np.array([src, dst], np.int32))),
+        (ValueError, r"slots must be a \[2, N\] int64", (kvt, torch.tensor([src, dst]))),
+        (IndexError, "compact_kv: dst_slots", (kvt, np.array([[0], [10 ** 6]]))),
+    ]
+    for exc, match, args in cases:
+        with pytest.raises(exc, match=match):
+            kv.compact_kv_cache(*args)
+    assert_same(kvt, before)

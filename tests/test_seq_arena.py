@@ -1,4 +1,5 @@
-"""``SeqArena.append_packed`` (one C++ pass) against its numpy reference, and its refusals."""
+"""The arena's C++ passes against their numpy references, and their refusals:
+``SeqArena.append_packed``, the staging pass, block tables in the arena, tree-path moves."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import copy
 import numpy as np
 import pytest
 from arena_reference import append_reference, pack
+from tree_path_reference import tree_path_moves_reference
 
 from specengine.core.seq_arena import SeqArena
 from specengine.sampling import SamplingParams
@@ -161,3 +163,48 @@ def test_block_tables_in_the_arena_equal_lists() -> None:
     with pytest.raises(ValueError, match="block ids"):
         arena.add_blocks(np.array([seqs[1].slot]), np.array([2]), np.zeros(3, np.int32))
     assert seqs[1].block_table == lists[1]  # refused: nothing written
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tree_path_moves_equal_reference(seed: int) -> None:
+    """``_C.tree_path_moves`` (the accepted tree paths' KV moves, one C++ pass) equals its
+    numpy reference on random trees, acceptances and block tables; bad rows are refused."""
+    from specengine import _C
+
+    rng = np.random.default_rng(seed)
+    n, block_size, rows = 6, 4, 7
+    arena = SeqArena(8, 1000, width=8, block_width=2)
+    slots = []
+    for _ in range(rows):
+        length = int(rng.integers(1, 30))
+        s = arena.take(rng.integers(0, 50, size=length).tolist(), 1, 100, frozenset())
+        need = -(-(length + n) // block_size)
+        arena.set_blocks(s, rng.permutation(500)[:need].astype(np.int32))
+        slots.append(s)
+    slots_a = np.array(slots + [0], dtype=np.int64)  # one padded row past the batch
+    packed = np.zeros((rows + 1, 3 * n + 1))
+    for r in range(rows):  # a random accepted path: node ids increasing from the root
+        accepted = int(rng.integers(0, n))
+        path = np.sort(rng.choice(np.arange(1, n), size=accepted, replace=False))
+        packed[r, 2 * n: 2 * n + accepted + 1] = [0, *path]
+        packed[r, 3 * n] = accepted
+    got = _C.tree_path_moves(packed, rows, slots_a, arena.lens, arena.num_blocks,
+                             arena.block_ids, block_size)
+    want = tree_path_moves_reference(packed, rows, slots_a, arena, block_size)
+    np.testing.assert_array_equal(got, want)
+    assert got.shape[1] > 0
+    in_place = packed.copy()  # every accepted node already at its depth: nothing moves
+    in_place[:, 2 * n: 3 * n] = np.arange(n)
+    assert _C.tree_path_moves(in_place, rows, slots_a, arena.lens, arena.num_blocks,
+                              arena.block_ids, block_size).shape == (2, 0)
+    bad = packed.copy()
+    bad[0, 3 * n] = n  # more accepted drafts than the tree has
+    with pytest.raises(ValueError, match="row 0 accepted 6 drafts of a 6-node tree"):
+        _C.tree_path_moves(bad, rows, slots_a, arena.lens, arena.num_blocks, arena.block_ids,
+                           block_size)
+    arena.num_blocks[slots[1]] = 0  # a table too short for its path
+    if packed[1, 3 * n] > 0 and (packed[1, 2 * n + 1: 2 * n + 1 + int(packed[1, 3 * n])]
+                                 != np.arange(1, int(packed[1, 3 * n]) + 1)).any():
+        with pytest.raises(ValueError, match="row 1 position"):
+            _C.tree_path_moves(packed, rows, slots_a, arena.lens, arena.num_blocks,
+                               arena.block_ids, block_size)

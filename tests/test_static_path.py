@@ -73,7 +73,8 @@ def both_paths(model: str | Path, draft: str | None, prompts: list, k: int,
 def test_eagle3_bundled_pair(temperature: float, seed: int | None, k: int,
                              tree: list | None) -> None:
     # 7 prompts (not a bucket), at most 3 running: requests join as others finish.
-    passes = ("verify", "draft", "observe") if k and tree is None else ("verify",)
+    passes = (("verify",) if not k else ("verify", "draft", "observe") if tree is None
+              else ("verify", "draft-tree", "observe"))
     both_paths(DEFAULT_TARGET, DEFAULT_DRAFT, arith_prompts(7), k,
                mixed_params(7, temperature, seed), tree, max_batch_size=3, static_passes=passes)
 
@@ -100,7 +101,7 @@ def test_mtp_tree_and_chain(tmp_path: Path) -> None:
     prompts = [[5, 9, 2, 7], [1, 2, 3], [8] * 11]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for tree in (None, TREE):  # a random MTP layer is rarely right: equality is what counts
-        passes = ("verify", "observe", "draft") if tree is None else ("verify", "observe")
+        passes = ("verify", "observe", "draft" if tree is None else "draft-tree")
         both_paths(path, "mtp", prompts, 3, greedy, tree, expect_accepts=False,
                    static_passes=passes, max_model_len=96, kv_cache_tokens=4096)
 
@@ -156,3 +157,5 @@ def test_captured_passes_replayed_step_after_step(draft: str, k: int, tree: list
     runner = engines[1].graphs
     # each capture replays once at once; more replays = passes replayed on later steps
     assert runner.num_captures >= 2 and runner.num_replays > runner.num_captures + 2
+    if tree is not None:  # the tree is drafted by a captured pass too
+        assert runner.num_runs["draft-tree"] > 1

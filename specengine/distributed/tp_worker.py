@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from specengine.config import EngineConfig
@@ -91,13 +92,10 @@ def _forward(st: WorkerState, ids: torch.Tensor, positions: torch.Tensor, meta: 
 
 
 def _compact(st: WorkerState, src: list[int], dst: list[int]) -> None:
-    from specengine.kernels.kv_cache import compact_kv
+    from specengine.kernels.kv_cache import compact_kv_cache
 
     assert st.kv is not None
-    layers = st.kv.shape[1]
-    compact_kv([st.kv[0, i] for i in range(layers)], [st.kv[1, i] for i in range(layers)],
-               torch.tensor(src, dtype=torch.int64, device=st.device),
-               torch.tensor(dst, dtype=torch.int64, device=st.device))
+    compact_kv_cache(st.kv, np.array([src, dst], dtype=np.int64))
 
 
 def _copy_blocks(st: WorkerState, src: list[int], dst: list[int]) -> None:

@@ -152,13 +152,18 @@ def top_children(logits: Tensor, num: int) -> Tensor:
 
 def expand_tree(tree: DraftTree, root_logits: Tensor,
                 run_level: Callable[[int, Tensor], Tensor],
-                compute_logits: Callable[[Tensor], Tensor]) -> Tensor:
+                compute_logits: Callable[[Tensor], Tensor],
+                index: Callable[[np.ndarray], Tensor] | None = None) -> Tensor:
     """Level by level: node ``i`` of depth ``d`` is its parent's rank-``ranks[i]`` child.
     ``run_level(n, node_ids [B, n-1])`` feeds nodes ``1 .. n-1`` (every node down to depth
     ``d``, ancestor mask) and returns their output hidden states ``[B, n-1, H]``, whose logits
     (``compute_logits``) rank the children of the depth-``d`` nodes. Returns the node tokens
-    ``[B, N-1]`` (root excluded)."""
+    ``[B, N-1]`` (root excluded). ``index(host array)`` makes the device index tensors (a
+    captured pass passes one that hands out constants made once: no copy inside a graph)."""
     batch, width, dev = root_logits.shape[0], tree.max_rank + 1, root_logits.device
+    if index is None:
+        def index(a: np.ndarray) -> Tensor:
+            return _index(a, dev)
     # top[:, i, r]: the rank-r child of node i. One LM-head pass per level (the nodes of the
     # level that have children, batched) and one gather per level, not one per node.
     top = torch.zeros(batch, tree.num_nodes, width, dtype=torch.int64, device=dev)
@@ -168,17 +173,17 @@ def expand_tree(tree: DraftTree, root_logits: Tensor,
     has_children[tree.parents[1:]] = True
     for d in range(1, tree.max_depth + 1):
         level = np.flatnonzero(tree.depths == d)
-        parents = _index(tree.parents[level], dev)
-        ranks = _index(tree.ranks[level], dev)
-        node_ids[:, _index(level, dev)] = top[:, parents, ranks]
+        parents = index(tree.parents[level])
+        ranks = index(tree.ranks[level])
+        node_ids[:, index(level)] = top[:, parents, ranks]
         if d == tree.max_depth:
             break
         n = int((tree.depths <= d).sum())
         out = run_level(n, node_ids[:, 1:n])
         inner = level[has_children[level]]
-        h = out[:, _index(inner - 1, dev)]  # [B, m, H]
+        h = out[:, index(inner - 1)]  # [B, m, H]
         ranked = top_children(compute_logits(h.reshape(-1, h.shape[-1])), width)
-        top[:, _index(inner, dev)] = ranked.view(batch, len(inner), width)
+        top[:, index(inner)] = ranked.view(batch, len(inner), width)
     return node_ids[:, 1:]
 
 

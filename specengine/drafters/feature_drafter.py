@@ -200,13 +200,9 @@ class FeatureDrafter(Drafter):
                                  np.zeros(len(seqs), dtype=np.int64), None)
         if tree is None and self._static is not None:
             return self._static.propose(seqs, num_drafts)
-        counts = np.asarray(num_drafts, dtype=np.int64)
         if self.shared_tables:  # a tree on the static path: every row drafts the whole tree
-            hidden = self._static.roots(len(seqs))  # type: ignore[union-attr]
-            ids = torch.zeros(len(seqs), max(num_drafts), dtype=torch.int64, device=self.device)
-            ids[:, : tree.num_nodes - 1] = self._propose_tree(  # type: ignore[union-attr]
-                seqs, tree, hidden, self.module.compute_logits(hidden))  # type: ignore[arg-type]
-            return DraftProposal(ids, counts, None)
+            return self._static.propose_tree(seqs, num_drafts, tree)  # type: ignore
+        counts = np.asarray(num_drafts, dtype=np.int64)
         rows = [b for b, n in enumerate(num_drafts) if n > 0]
         for b in rows:  # the last proposals' entries sit after num_cached; room for k - 1 more
             st = self._states[seqs[b].seq_id]
@@ -233,7 +229,7 @@ class FeatureDrafter(Drafter):
                       root_logits: Tensor) -> Tensor:
         """Level by level: each pass feeds the entries of the nodes down to depth d (ancestor
         mask; entry of node i reads its parent's g and its own token)."""
-        states = list(seqs) if self.shared_tables else [self._states[s.seq_id] for s in seqs]
+        states = [self._states[s.seq_id] for s in seqs]  # (the static path: static_chain)
         batch = len(seqs)
         ctx = [len(s) - 1 for s in seqs]
         g = {0: root_hidden}

@@ -34,10 +34,12 @@ from specengine.core.graphs import GraphRunner
 from specengine.core.transfer import to_device
 from specengine.core.verify import VerifyOutput, VerifyShape
 from specengine.drafters.base import DraftProposal
+from specengine.drafters.drafting import expand_tree
 from specengine.drafters.static_drafts import StaticDrafts
 from specengine.model.attention import AttentionMetadata
 from specengine.model_runner import ForwardOutput
 from specengine.sequence import Sequence
+from specengine.tree import DraftTree
 
 if TYPE_CHECKING:
     from specengine.drafters.feature_drafter import FeatureDrafter
@@ -97,10 +99,6 @@ class StaticFeatureChain(StaticDrafts):
     def num_roots(self) -> int:
         return int((self.root_owner >= 0).sum())
 
-    def roots(self, num_rows: int) -> Tensor:
-        """Root hidden states of batch rows ``0 .. num_rows-1`` (for the eager tree path)."""
-        return self.root[to_device(self.state.row_slots[:num_rows], self._device)]  # type: ignore
-
     def _slot_rows(self, rows: int) -> Tensor:
         """Each padded row's row of ``root`` (padded rows share the spare last one)."""
         slot = self.state.ints[SLOT, :rows]
@@ -147,6 +145,57 @@ class StaticFeatureChain(StaticDrafts):
                                      d.runner.backend)
             tokens, probs = self.choose(d.module.compute_logits(hidden), d.sample, j, ids, probs)
         return ids, probs
+
+    def propose_tree(self, seqs: tuple[Sequence, ...], num_drafts: list[int],
+                     tree: DraftTree) -> DraftProposal:
+        """Every row drafts the whole ``tree`` (``seqs`` in batch-row order), in one static
+        pass: ``FeatureDrafter._propose_tree`` on the batch state's rows."""
+        rows = self.graphs.padded_rows(len(seqs))
+        ids = self.graphs.run_graph(("draft-tree", rows, tree.paths), rows,
+                                    lambda: self._tree(rows, tree))
+        b = len(seqs)
+        return DraftProposal(ids[:b], np.asarray(num_drafts, dtype=np.int64), None,
+                             as_asked=True)
+
+    @torch.inference_mode()
+    def _tree(self, rows: int, tree: DraftTree) -> Tensor:
+        """Level by level (``drafting.expand_tree``): the pass of depth ``d`` feeds nodes
+        ``1 .. n-1`` (every node down to ``d``); node ``i``'s entry sits at position
+        ``len - 2 + i`` (after the root's), reads its parent's output hidden and its own
+        token, attends to the context and its ancestors (the tree's prefix mask)."""
+        d, st = self.drafter, self.state
+        ints = st.ints[:, :rows]
+        ctx = ints[CTX]  # len - 1: the entries before the tree's (root's included)
+        active = ints[ACTIVE] > 0
+        table = st.block_tables[:rows]
+        bs = d.kv_cache.block_size
+        hidden = self.root[self._slot_rows(rows)]  # type: ignore[index]
+        g = {0: hidden}
+
+        def run_level(n: int, node_ids: Tensor) -> Tensor:
+            parent_g = torch.stack([g[int(p)] for p in tree.parents[1:n]], dim=1)
+            j = self.const(np.arange(n - 1, dtype=np.int64))
+            entry = ctx[:, None] + j[None, :]  # [rows, n-1]: node j + 1's entry
+            depth = self.const(tree.depths[1:n].astype(np.int64))
+            pos = (ctx - 1)[:, None] + depth[None, :]  # the root sits at len - 2
+            ok = active[:, None] & (entry < d.max_model_len)
+            mask = self.const(np.tile(tree.prefix_masks_host[n], (rows, 1)))
+            meta = AttentionMetadata(
+                slot_mapping=slots_of(table, entry, ok, bs).reshape(-1), block_tables=table,
+                context_lens=ctx.to(torch.int32), qo_indptr=self.qo_indptr(rows, n - 1),
+                max_q_len=n - 1, tree_mask=mask)
+            out, _ = d.module(node_ids.reshape(-1), parent_g.reshape(-1, parent_g.shape[-1]),
+                              pos.reshape(-1), d.kv_cache.kv, meta, d.runner.backend)
+            out = out.view(rows, n - 1, -1)
+            g.update({i: out[:, i - 1] for i in range(1, n)})
+            return out
+
+        nodes = expand_tree(tree, d.module.compute_logits(hidden), run_level,
+                            d.module.compute_logits, self.const)
+        # Straight into the verify pass's draft buffer (its load is then a no-op).
+        ids = self.graphs.verifier.draft_ids[:rows, : tree.num_nodes - 1]
+        ids.copy_(nodes)
+        return ids
 
     def observe(self, seqs: tuple[Sequence, ...], out: VerifyOutput, shape: VerifyShape,
                 num_accepted: np.ndarray) -> bool:

@@ -1,6 +1,6 @@
 """What the static draft loops share (``static_chain`` for EAGLE-3 / MTP, ``static_lm_chain``
-for a small LM): ``qo_indptr`` constants and the per-row draft choice recorded into static
-outputs."""
+for a small LM): device constants (``qo_indptr``, tree indices and masks) and the per-row draft
+choice recorded into static outputs."""
 
 from __future__ import annotations
 
@@ -22,6 +22,16 @@ class StaticDrafts:
         self.state = graphs.verifier.state
         self._device = device
         self._indptr: dict[tuple[int, int], Tensor] = {}
+        self._consts: dict[tuple, Tensor] = {}
+
+    def const(self, array: np.ndarray) -> Tensor:
+        """A device copy of host ``array`` made once (the first, eager run of a pass), so a
+        captured pass reads a constant instead of copying from host memory at capture."""
+        key = (array.dtype.str, array.shape, array.tobytes())
+        t = self._consts.get(key)
+        if t is None:
+            t = self._consts[key] = to_device(np.ascontiguousarray(array), self._device)
+        return t
 
     def qo_indptr(self, rows: int, per_row: int) -> Tensor:
         """``[rows + 1]`` int32 ``0, n, 2n, ...`` (a constant per shape, made once)."""
