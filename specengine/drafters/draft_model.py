@@ -7,6 +7,10 @@ after them. ``observe`` keeps the pending tokens the target accepted (the K/V th
 for them is exactly what it would write now) and drops the rest; ``propose`` first feeds the
 tokens the draft has not seen (the newest token, and at most one accepted draft more), so the
 cache is rewritten from the first divergence on.
+
+A sequence running in the engine's arena keeps that state in its slot's row of ``LMSlots``
+(arrays, so the static path's step visits no sequence in Python); one outside an arena keeps a
+``_State`` object. The eager passes see both through the same attributes.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from specengine.drafters.drafting import (
     run_chain,
     tree_level_mask,
 )
+from specengine.drafters.lm_slots import LMSlots
 from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
 from specengine.model_runner import ForwardOutput, ModelRunner
@@ -36,16 +41,53 @@ from specengine.tree import DraftTree
 
 if TYPE_CHECKING:
     from specengine.core.graphs import GraphRunner
+    from specengine.core.seq_arena import SeqArena
+    from specengine.core.verify import VerifyOutput, VerifyShape
     from specengine.drafters.context import DraftContext
     from specengine.drafters.static_lm_chain import StaticLMChain
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class _State:
+    """Draft-cache state of a sequence outside an arena."""
+
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
     num_pending: int = 0  # drafts fed after num_cached (their K/V is in the draft cache)
+
+
+class _SlotState:
+    """A running sequence's row of ``LMSlots``, with ``_State``'s attributes (eager passes)."""
+
+    __slots__ = ("rows", "slot")
+
+    def __init__(self, rows: LMSlots, slot: int) -> None:
+        self.rows, self.slot = rows, slot
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.rows.blocks_of(self.slot)
+
+    @property
+    def num_cached(self) -> int:
+        return int(self.rows.num_cached[self.slot])
+
+    @num_cached.setter
+    def num_cached(self, value: int) -> None:
+        self.rows.num_cached[self.slot] = value
+
+    @property
+    def num_pending(self) -> int:
+        return int(self.rows.num_pending[self.slot])
+
+    @num_pending.setter
+    def num_pending(self, value: int) -> None:
+        self.rows.num_pending[self.slot] = value
+
+
+_AnyState = _State | _SlotState
 
 
 class DraftModelDrafter(Drafter):
@@ -77,7 +119,8 @@ class DraftModelDrafter(Drafter):
         self.kv_cache = draft_kv_cache(ctx, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim)
         self.runner = ModelRunner(self.module, self.kv_cache,
                                   make_attention_backend(cfg.kernel_backend), self.device)
-        self._states: dict[int, _State] = {}
+        self._detached: dict[int, _State] = {}  # seq_id -> state, sequences outside an arena
+        self.slots: LMSlots | None = None  # running sequences' states by arena slot
         self._static: StaticLMChain | None = None
 
     def bind_static(self, graphs: GraphRunner) -> None:
@@ -95,21 +138,47 @@ class DraftModelDrafter(Drafter):
 
         names = load_named_tensors(self.module, named_tensors,  # type: ignore[arg-type]
                                    strict=False, tied=tied_names(self.module))
-        for st in self._states.values():
+        for st in self._detached.values():
             st.num_cached, st.num_pending = 0, 0
+        if self.slots is not None:
+            self.slots.drop_caches()
         return names
 
     def release(self, seq: Sequence) -> None:
-        st = self._states.pop(seq.seq_id, None)
+        st = self._detached.pop(seq.seq_id, None)
         if st is not None:
             self.kv_cache.free(st)  # type: ignore[arg-type]
+        if self.slots is not None:  # (the sequence has already left its slot)
+            self.slots.release(seq.seq_id)
+
+    @property
+    def num_states(self) -> int:
+        """Sequences the drafter holds draft-cache state for."""
+        return len(self._detached) + (self.slots.num_held if self.slots is not None else 0)
+
+    @property
+    def _states(self) -> dict[int, _AnyState]:
+        """Every held state by sequence id (a fresh dict: for accounting and tests)."""
+        states: dict[int, _AnyState] = dict(self._detached)
+        if self.slots is not None:
+            for s in self.slots.held_slots().tolist():
+                states[int(self.slots.owner[s])] = _SlotState(self.slots, s)
+        return states
+
+    def observe_step(self, seqs: tuple[Sequence, ...], out: VerifyOutput, shape: VerifyShape,
+                     num_accepted: np.ndarray) -> bool:
+        """The static path: every row's counters from ``num_accepted`` in one array update
+        (False, and the step calls :meth:`observe`, when a row has no state to update)."""
+        if self._static is None:
+            return False
+        return self._static.observe(len(seqs), num_accepted)
 
     def observe(self, seqs: tuple[Sequence, ...], target: ForwardOutput,
                 accepted_rows: list[list[int]]) -> None:
         """Keep the accepted speculative K/V; prefill the draft on new sequences' prompts."""
         new = []
         for seq, acc in zip(seqs, accepted_rows):
-            st = self._states.get(seq.seq_id)
+            st = self._find(seq)
             if st is None:
                 if seq.status is not SeqStatus.FINISHED:
                     new.append(seq)
@@ -124,11 +193,44 @@ class DraftModelDrafter(Drafter):
             self._catch_up(new, [self._state(s) for s in new], upto_last=False)
 
     # ---------------------------------------------------------------------------------------
-    def _state(self, seq: Sequence) -> _State:
-        return self._states.setdefault(seq.seq_id, _State())
+    def slots_for(self, arena: SeqArena) -> LMSlots:
+        """The state rows of ``arena``'s slots (made at the first running sequence)."""
+        if self.slots is None:
+            self.slots = LMSlots(arena.capacity, self.kv_cache)
+        elif self.slots.capacity != arena.capacity:
+            raise ValueError(f"the draft model follows an arena of {self.slots.capacity} "
+                             f"slots, not one of {arena.capacity}: one drafter per engine")
+        return self.slots
+
+    def _state(self, seq: Sequence) -> _AnyState:
+        """``seq``'s state, started empty if it has none."""
+        a = seq.arena
+        if a is None:
+            return self._detached.setdefault(seq.seq_id, _State())
+        rows, slot = self.slots_for(a), np.array([seq.slot], dtype=np.int64)
+        rows.claim(slot, np.array([seq.seq_id], dtype=np.int64), a.epoch[slot])
+        return _SlotState(rows, seq.slot)
+
+    def _find(self, seq: Sequence) -> _AnyState | None:
+        """``seq``'s state, or None if it has none."""
+        a, rows = seq.arena, self.slots
+        if a is None:
+            return self._detached.get(seq.seq_id)
+        s = seq.slot
+        if rows is None or rows.owner[s] != seq.seq_id or rows.epoch[s] != a.epoch[s]:
+            return None
+        return _SlotState(rows, s)
+
+    def _ensure(self, st: _AnyState, num_tokens: int) -> None:
+        """Grow ``st``'s table to hold ``num_tokens`` tokens."""
+        if isinstance(st, _SlotState):
+            st.rows.grow(np.array([st.slot], dtype=np.int64),
+                         np.array([num_tokens], dtype=np.int64))
+        else:
+            self.kv_cache.ensure(st, num_tokens)  # type: ignore[arg-type]
 
     @torch.inference_mode()
-    def _forward(self, states: list[_State], ctx: list[int], ids: Tensor,
+    def _forward(self, states: list[_AnyState], ctx: list[int], ids: Tensor,
                  positions: list[np.ndarray], tree_mask: Tensor | None = None) -> Tensor:
         """One draft pass; sequence b feeds its ``len(positions[b])`` tokens of ``ids [T]``
         (on the device, back to back) into slots ``ctx[b]..`` at ``positions[b]``. Returns the
@@ -140,7 +242,7 @@ class DraftModelDrafter(Drafter):
         hidden, _ = self.module(ids, pos, self.kv_cache.kv, meta, self.runner.backend)
         return hidden
 
-    def _catch_up(self, seqs: list[Sequence], states: list[_State], upto_last: bool,
+    def _catch_up(self, seqs: list[Sequence], states: list[_AnyState], upto_last: bool,
                   extra: list[int] | None = None) -> Tensor:
         """Feed every token the draft has not cached (all but the newest unless ``upto_last``),
         reserving ``extra[b]`` more slots; returns the logits after each last fed token."""
@@ -148,7 +250,7 @@ class DraftModelDrafter(Drafter):
         for b, (seq, st) in enumerate(zip(seqs, states)):
             end = len(seq) if upto_last else len(seq) - 1
             start = min(st.num_cached, end - 1)
-            self.kv_cache.ensure(st, end + (extra[b] if extra else 0))  # type: ignore[arg-type]
+            self._ensure(st, end + (extra[b] if extra else 0))
             ctx.append(start)
             tokens.append(seq.token_ids[start:end])
             positions.append(np.arange(start, end, dtype=np.int64))
@@ -177,13 +279,13 @@ class DraftModelDrafter(Drafter):
 
         def advance(keep: list[int], rows: list[int], fed: Tensor, j: int) -> Tensor:
             pos = [len(seqs[b]) - 1 + j for b in rows]  # feed draft j - 1
-            hidden = self._forward([self._states[seqs[b].seq_id] for b in rows], pos,
+            hidden = self._forward([self._state(seqs[b]) for b in rows], pos,
                                    fed, [np.array([p], dtype=np.int64) for p in pos])
             return self.module.compute_logits(hidden)
 
         ids, probs = run_chain(seqs, num_drafts, logits, advance, self.sample, self.device)
         for b in active:  # drafts 0 .. k-2 were fed; their tokens stay on the device
-            self._states[seqs[b].seq_id].num_pending = num_drafts[b] - 1
+            self._state(seqs[b]).num_pending = num_drafts[b] - 1
         return DraftProposal(ids, counts, probs)
 
     def _propose_tree(self, seqs: tuple[Sequence, ...], tree: DraftTree) -> Tensor:

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specengine.core.block_rows import BlockRows, slots_of
+from specengine.core.batch import SLOT
+from specengine.core.block_rows import slots_of
 from specengine.core.graphs import GraphRunner
-from specengine.core.transfer import to_device
 from specengine.drafters.base import DraftProposal
 from specengine.drafters.static_drafts import StaticDrafts
 from specengine.model.attention import AttentionMetadata
@@ -30,48 +30,96 @@ if TYPE_CHECKING:
     from specengine.drafters.draft_model import DraftModelDrafter
 
 MAX_CATCH_UP = 4
+_START, _COUNT = MAX_CATCH_UP, MAX_CATCH_UP + 1  # columns of the inputs after the fed tokens
 
 
 class StaticLMChain(StaticDrafts):
-    """Chain proposals of a small-LM ``drafter`` through ``graphs``."""
+    """Chain proposals of a small-LM ``drafter`` through ``graphs``.
+
+    The draft cache's state lives in ``drafter.slots`` (``LMSlots``, by arena slot), so a step
+    reads it with array ops: the catch-up tokens are gathered from ``SeqArena.tokens``, every
+    table is grown in one C++ pass, and the device table is indexed by arena slot (the pass
+    gathers each row's through the batch state's ``SLOT`` field), so only the slot rows that
+    changed are sent, in one contiguous copy."""
 
     def __init__(self, drafter: DraftModelDrafter, graphs: GraphRunner) -> None:
         super().__init__(graphs, drafter.device)
-        # The small LM's own cache: its block table, row-aligned with the batch.
-        self.blocks = BlockRows(self.state.capacity, self.state.max_blocks, drafter.device)
         self.drafter = drafter
-        dev, capacity = drafter.device, self.state.capacity
-        self.fed = torch.zeros(capacity, MAX_CATCH_UP, dtype=torch.int64, device=dev)
-        self.fields = torch.zeros(2, capacity, dtype=torch.int64, device=dev)  # start, count
+        dev, cap, width = drafter.device, self.state.capacity, self.state.max_blocks
+        pin = dev.type == "cuda"  # page-locked mirrors: the copies never block the host
+        # The small LM's own block tables by arena slot (arena slots < max_batch_size <=
+        # capacity); the spare last row (zeros) is the padded rows'.
+        self._host_table_t = torch.zeros(cap + 1, width, dtype=torch.int32, pin_memory=pin)
+        self._host_table = self._host_table_t.numpy()
+        self.table = torch.zeros(cap + 1, width, dtype=torch.int32, device=dev)
+        # Per batch row: the fed tokens (MAX_CATCH_UP columns), start, count; one copy.
+        self._host_in_t = torch.zeros(cap, MAX_CATCH_UP + 2, dtype=torch.int64, pin_memory=pin)
+        self._host_in = self._host_in_t.numpy()
+        self.inputs = torch.zeros(cap, MAX_CATCH_UP + 2, dtype=torch.int64, device=dev)
+        self._cols = np.arange(MAX_CATCH_UP, dtype=np.int64)
 
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int]) -> DraftProposal | None:
-        """``seqs`` in batch-row order; None when a catch-up is too wide for the static pass."""
-        d = self.drafter
-        states = [d._state(s) for s in seqs]
-        lens = np.fromiter((len(s) for s in seqs), np.int64, len(seqs))
-        starts = np.minimum([st.num_cached for st in states], lens - 1)
+        """``seqs`` in batch-row order; None (the drafter proposes eagerly) when a catch-up is
+        too wide for the static pass, a row's sequence is not in an arena or its table is
+        wider than a device row."""
+        d, st = self.drafter, self.state
+        b = len(seqs)
+        slots, arena = st.row_slots[:b], st.arena
+        if arena is None or (slots < 0).any():
+            return None
+        lm = d.slots_for(arena)
+        lm.claim(slots, st.row_seq_ids[:b], arena.epoch[slots])  # new holders start empty
+        lens = arena.lens[slots]
+        starts = np.minimum(lm.num_cached[slots], lens - 1)
         counts = lens - starts
         width = int(counts.max())
         if width > MAX_CATCH_UP:
             return None
-        k = max(num_drafts)
-        fed = np.zeros((len(seqs), width), dtype=np.int64)
-        for b, (seq, st, n) in enumerate(zip(seqs, states, num_drafts)):
-            fed[b, : counts[b]] = seq.token_ids[starts[b]:]
-            d.kv_cache.ensure(st, len(seq) + k - 1)  # type: ignore[arg-type]
-            # Drafts 0 .. n-2 are the ones the target may keep (observe counts them); entries
-            # written past them are rewritten by a later catch-up before they are read.
-            st.num_cached, st.num_pending = len(seq), max(n - 1, 0)
-        self.blocks.sync([(s.seq_id, st.block_table) for s, st in zip(seqs, states)])
-        b = len(seqs)
+        drafts = np.asarray(num_drafts, dtype=np.int64)
+        k = int(drafts.max())
+        lm.grow(slots, lens + k - 1)
+        if int(lm.num_blocks[slots].max()) > self.table.shape[1]:
+            return None
+        # Drafts 0 .. n-2 are the ones the target may keep (observe counts them); entries
+        # written past them are rewritten by a later catch-up before they are read.
+        lm.num_cached[slots] = lens
+        lm.num_pending[slots] = np.maximum(drafts - 1, 0)
+        self._send_tables()
         rows = self.graphs.padded_rows(b)
-        self.fed[:b, :width].copy_(to_device(fed, d.device))
-        self.fields[:, :b].copy_(to_device(np.stack([starts, counts]), d.device))
-        self.fields[:, b:rows] = 0
+        host = self._host_in
+        cols = self._cols[:width]
+        fed = arena.tokens[slots[:, None], np.minimum(starts[:, None] + cols, lens[:, None] - 1)]
+        host[:b, :width] = np.where(cols < counts[:, None], fed, 0)
+        host[:b, _START], host[:b, _COUNT] = starts, counts
+        host[b:rows] = 0
+        self.inputs[:rows].copy_(self._host_in_t[:rows], non_blocking=d.device.type == "cuda")
         ids, probs = self.graphs.run_graph(("lm-draft", rows, width, k, d.sample), rows,
                                            lambda: self._loop(rows, width, k))
-        return DraftProposal(ids[:b], np.asarray(num_drafts, dtype=np.int64),
-                             None if probs is None else probs[:b])
+        return DraftProposal(ids[:b], drafts, None if probs is None else probs[:b])
+
+    def observe(self, num_rows: int, num_accepted: np.ndarray) -> bool:
+        """``LMSlots.observe`` for batch rows ``0 .. num_rows-1``; False when a row's
+        sequence is outside an arena or has no state (the drafter then observes eagerly)."""
+        st, lm = self.state, self.drafter.slots
+        slots, arena = st.row_slots[:num_rows], st.arena
+        if lm is None or arena is None or (slots < 0).any():
+            return False
+        if not lm.holds(slots, st.row_seq_ids[:num_rows], arena.epoch[slots]):
+            return False
+        lm.observe(slots, num_accepted)
+        return True
+
+    def _send_tables(self) -> None:
+        """The slot rows whose table changed since the last send, in one copy."""
+        lm = self.drafter.slots
+        lo, hi = lm.take_changed()  # type: ignore[union-attr]
+        if lo >= hi:
+            return
+        src = lm.block_ids[lo:hi, : self.table.shape[1]]  # type: ignore[union-attr]
+        self._host_table[lo:hi] = 0
+        self._host_table[lo:hi, : src.shape[1]] = src
+        self.table[lo:hi].copy_(self._host_table_t[lo:hi],
+                                non_blocking=self.table.device.type == "cuda")
 
     def _pass(self, ids: Tensor, positions: Tensor, valid: Tensor, context: Tensor,
               table: Tensor) -> Tensor:
@@ -90,10 +138,11 @@ class StaticLMChain(StaticDrafts):
     @torch.inference_mode()
     def _loop(self, rows: int, width: int, k: int) -> tuple[Tensor, Tensor | None]:
         d = self.drafter
-        table = self.blocks.table[:rows]
-        start, count = self.fields[0, :rows], self.fields[1, :rows]
+        slot = self.state.ints[SLOT, :rows]
+        table = self.table[torch.where(slot < 0, self.table.shape[0] - 1, slot)]
+        start, count = self.inputs[:rows, _START], self.inputs[:rows, _COUNT]
         j = torch.arange(width, device=start.device)
-        hidden = self._pass(self.fed[:rows, :width], start[:, None] + j[None, :],
+        hidden = self._pass(self.inputs[:rows, :width], start[:, None] + j[None, :],
                             j[None, :] < count[:, None], start, table)
         last = hidden[torch.arange(rows, device=start.device), (count - 1).clamp_min(0)]
         logits = d.module.compute_logits(last)
