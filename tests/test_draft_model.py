@@ -138,3 +138,38 @@ def test_sampled_draft_equal_to_target_is_accepted(target_dir: Path) -> None:
     again = engine.generate(prompts, k=4, sampling=params)
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
     assert_draft_cache_empty(engine)
+
+
+def test_static_slot_bookkeeping_equals_eager(tiny_checkpoint: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The static path keeps the draft cache's state by arena slot and catches up after each
+    verify step with one array update (``StaticLMChain.observe``); the eager path keeps its
+    per-sequence loop. Both give the same tokens while sequences join, finish, are preempted
+    (a 10-block cache) and run above the largest bucket (12 rows > 8), with full and partial
+    acceptance (greedy self-drafts against greedy and sampled rows), and free every draft
+    block."""
+    from test_static_path import both_paths, mixed_params
+
+    from specengine.drafters.static_lm_chain import StaticLMChain
+
+    observed: list[bool] = []
+    array_observe = StaticLMChain.observe
+
+    def counted(self: StaticLMChain, num_rows: int, num_accepted: object) -> bool:
+        observed.append(array_observe(self, num_rows, num_accepted))  # type: ignore[arg-type]
+        return observed[-1]
+
+    monkeypatch.setattr(StaticLMChain, "observe", counted)
+    prompts, _ = ragged_requests(128, n=12, seed=4)
+    # greedy rows accept every draft (the draft is the target), sampled rows some
+    params = [SamplingParams(temperature=0.7 * (s % 2), max_tokens=p.max_tokens, seed=s)
+              for s, p in enumerate(mixed_params(12, 0.7, 0))]
+    engines = both_paths(tiny_checkpoint, str(tiny_checkpoint), prompts, 3, params,
+                         static_passes=("verify", "lm-draft"), max_model_len=96,
+                         kv_cache_tokens=160)
+    assert all(e.scheduler.num_preemptions > 0 for e in engines)
+    stats = engines[1].stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # partial acceptance
+    assert len(observed) > 5 and all(observed)  # every static step observed with arrays
+    for engine in engines:
+        assert_draft_cache_empty(engine)
