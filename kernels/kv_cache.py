@@ -112,13 +112,14 @@ def compact_kv(
 
 def compact_kv_cache(
     kv: Tensor,  # [2, num_layers, num_blocks, block_size, Hkv, D]: a whole paged cache
-    slots: np.ndarray,  # [2, N] int64 on the host: row 0 the source slots, row 1 destinations
+    slots: np.ndarray | Tensor,  # [2, N] int64: row 0 the source slots, row 1 destinations
 ) -> None:
     """:func:`compact_kv` over every layer (K and V) of one contiguous paged cache. What the
-    launch needs of ``kv`` (checks, per-layer addresses) is made once per cache, and the slot
-    pairs come from the host, where the decode step computes them (on CUDA one non-blocking
-    copy; on the CPU the host kernel reads them in place): the launcher's host cost does not
-    grow with the number of layers."""
+    launch needs of ``kv`` (checks, per-layer addresses) is made once per cache, so the
+    launcher's host cost does not grow with the number of layers. ``slots`` is a tensor on
+    ``kv``'s device (the verify pass computes them there: no host data, capturable; pairs
+    with a negative slot are skipped) or a host array (on CUDA one non-blocking copy; on the
+    CPU the host kernel reads it in place)."""
     key = (kv.data_ptr(), kv.shape, kv.dtype)
     cache = _CACHES.get(key)
     if cache is None:
@@ -133,28 +134,34 @@ def compact_kv_cache(
                  else None)
         cache = _CACHES[key] = (ptrs, table, (kv.shape[4], kv.shape[5], kv.element_size(),
                                               kv.shape[2] * kv.shape[3]))
-    if not isinstance(slots, np.ndarray) or slots.dtype != np.int64 or slots.ndim != 2 \
-            or slots.shape[0] != 2:
-        raise ValueError("slots must be a [2, N] int64 numpy array (sources, destinations), "
-                         f"got {getattr(slots, 'dtype', type(slots))} "
-                         f"{getattr(slots, 'shape', '')}")
+    on_device = isinstance(slots, Tensor)
+    if (slots.dtype != (torch.int64 if on_device else np.int64) or slots.ndim != 2
+            or slots.shape[0] != 2 or (on_device and slots.device != kv.device)):
+        raise ValueError("slots must be [2, N] int64 (sources, destinations), a tensor on the "
+                         f"cache's device or a host array, got {slots.dtype} "
+                         f"{tuple(slots.shape)} on {getattr(slots, 'device', 'the host')}")
     n = slots.shape[1]
     if n == 0:
         return
     from specengine import _C
 
     ptrs, table, (num_heads, head_dim, elem, num_slots) = cache
-    slots = np.ascontiguousarray(slots)
-    if table is not None:
+    if on_device:
+        dev = slots.contiguous()
+    elif table is not None:
         from specengine.core.transfer import to_device
 
         dev = to_device(slots, kv.device)
-        src = dev.data_ptr()
+    else:
+        dev = None
+        slots = np.ascontiguousarray(slots)
+    if table is not None:
+        src = dev.data_ptr()  # type: ignore[union-attr]
         _C.compact_kv_cuda(ptrs, table.data_ptr(), src, src + 8 * n, True, n, num_heads,
                            head_dim, elem, num_slots,
                            torch.cuda.current_stream(kv.device).cuda_stream)
     else:
-        src = slots.ctypes.data
+        src = dev.data_ptr() if dev is not None else slots.ctypes.data  # type: ignore
         try:
             _C.compact_kv_host(ptrs, src, src + 8 * n, True, n, num_heads, head_dim, elem,
                                num_slots)

@@ -128,11 +128,12 @@ def speculative_step(
     packed = to_host(out.packed)
     t2 = time.perf_counter()
 
-    # 4. Keep the accepted path: tree nodes move to contiguous slots (chains are already
-    #    contiguous); rejected slots are simply reused by the next step. Every row's tokens
-    #    are appended at once (the arena cuts at stop tokens / max_tokens / the context).
+    # 4. Keep the accepted path: tree nodes move to contiguous slots (the verify pass does it
+    #    on the device; under tensor parallelism the step does it on every rank; chains are
+    #    already contiguous); rejected slots are simply reused by the next step. Every row's
+    #    tokens are appended at once (the arena cuts at stop tokens / max_tokens / context).
     result = None
-    if tree is not None:
+    if tree is not None and not graphs.verifier.compacts_trees:  # (tensor parallel)
         _compact_tree_path(arena, state.row_slots, packed, batch, kv_cache)
     # Draft positions each row proposed (for the acceptance counts): a tree's depth, all rows
     # (a tree is drafted by every row or by none: then tree is None here).

@@ -243,18 +243,24 @@ def test_compact_kv_cache_equals_reference_per_layer(dtype: torch.dtype, h: int,
     exp = kvt.clone()
     run_compact(ref.compact_kv, [exp[0, i] for i in range(num_layers)],
                 [exp[1, i] for i in range(num_layers)], src, dst, torch.int64, device)
-    for _ in range(2):  # the second call reuses the addresses made by the first
+    host = np.array([src, dst])
+    # From the host twice (the second call reuses the addresses made by the first), then from
+    # the device with the pairs that do not move masked as -1 (the verify pass's form).
+    masked = torch.tensor([[s if s != t else -1 for s, t in zip(src, dst)], dst], device=device)
+    for slots in (host, host, masked):
         got = kvt.clone()
-        kv.compact_kv_cache(got, np.array([src, dst]))
+        kv.compact_kv_cache(got, slots)
         assert_same(got, exp)
     assert moving and not torch.equal(bits(kvt), bits(exp))
     before = kvt.clone()
     cases = [
         (ValueError, r"kv must be \[2, num_layers", (kvt[0], np.array([src, dst]))),
         (ValueError, "kv must be contiguous", (kvt.transpose(2, 3), np.array([src, dst]))),
-        (ValueError, r"slots must be a \[2, N\] int64", (kvt, np.array(src))),
-        (ValueError, r"slots must be a \[2, N\] int64", (kvt, np.array([src, dst], np.int32))),
-        (ValueError, r"slots must be a \[2, N\] int64", (kvt, torch.tensor([src, dst]))),
+        (ValueError, r"slots must be \[2, N\] int64", (kvt, np.array(src))),
+        (ValueError, r"slots must be \[2, N\] int64", (kvt, np.array([src, dst], np.int32))),
+        (ValueError, r"slots must be \[2, N\] int64", (kvt, torch.tensor([src, dst]).int())),
+        (ValueError, r"slots must be \[2, N\] int64",
+         (kvt, torch.tensor([src, dst], device="meta"))),
         (IndexError, "compact_kv: dst_slots", (kvt, np.array([[0], [10 ** 6]]))),
     ]
     for exc, match, args in cases:

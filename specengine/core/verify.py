@@ -36,6 +36,7 @@ from specengine.core.batch import (
 )
 from specengine.core.block_rows import slots_of
 from specengine.core.transfer import to_device
+from specengine.kernels.kv_cache import compact_kv_cache
 from specengine.model.attention import AttentionMetadata
 from specengine.model_runner import ForwardOutput, ModelRunner
 from specengine.sampler import Sampler, SamplerOutput, SamplingTensors
@@ -93,6 +94,9 @@ class StaticVerifier:
         self.draft_ids = torch.zeros(state.capacity, max_tokens - 1, dtype=torch.int64,
                                      device=dev)
         self._probs: dict[tuple[int, int], Tensor] = {}
+        # Tree passes move the accepted paths' K/V into place themselves (not under tensor
+        # parallelism: every rank's shard must move, the step does it through the workers).
+        self.compacts_trees = not hasattr(runner.kv_cache, "mirror_compact")
         self._consts: dict[tuple, tuple[Tensor, Tensor, Tensor | None, Tensor | None]] = {}
 
     def load_drafts(self, shape: VerifyShape, token_ids: Tensor, probs: Tensor | None) -> None:
@@ -168,7 +172,32 @@ class StaticVerifier:
         )
         probs = self.probs_buffer(shape) if shape.has_probs else None
         out = self.sampler(logits, drafts, num_draft, probs, parents, params)
+        if shape.tree is not None and self.compacts_trees:
+            self._compact_accepted_paths(shape.tree, rows, ctx, active, out)
         return VerifyOutput(out.pack(), hidden, aux, out)
+
+    def _compact_accepted_paths(self, tree: DraftTree, rows: int, ctx: Tensor, active: Tensor,
+                                out: SamplerOutput) -> None:
+        """Move each row's accepted tree path into place on the device, in the pass: the
+        node accepted at depth ``d`` (``out.row_ids[:, d]``) has its K/V at position
+        ``ctx + node`` and belongs at ``ctx + d``. Pairs of rows that accepted less, of nodes
+        already in place and of padded rows get slot ``-1`` (skipped), so the pair count is
+        fixed (``rows * max_depth``) and the launch can be captured. Within a path both
+        positions increase with ``d`` and ``node >= d``, so no pair reads a slot an earlier
+        one writes (the order ``compact_kv`` needs)."""
+        key = ("depths", tree.max_depth)
+        if key not in self._consts:
+            self._consts[key] = (to_device(np.arange(1, tree.max_depth + 1, dtype=np.int64),
+                                           self.state.device), None, None, None)
+        depth = self._consts[key][0]  # [D]
+        node = out.row_ids[:rows, 1: tree.max_depth + 1].long()  # [rows, D]
+        moves = ((depth[None, :] <= out.num_accepted[:rows, None].long())
+                 & (node != depth[None, :]) & active[:, None])
+        table = self.state.block_tables[:rows]
+        src = slots_of(table, ctx[:, None] + node.clamp_min(0), moves, self.block_size)
+        dst = slots_of(table, ctx[:, None] + depth[None, :], moves, self.block_size)
+        compact_kv_cache(self.runner.kv_cache.kv, torch.stack([src.reshape(-1),
+                                                               dst.reshape(-1)]))
 
 
 def forward_output(out: VerifyOutput, num_rows: int, num_tokens: int) -> ForwardOutput:
