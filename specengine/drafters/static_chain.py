@@ -179,7 +179,8 @@ class StaticFeatureChain(StaticDrafts):
             depth = self.const(tree.depths[1:n].astype(np.int64))
             pos = (ctx - 1)[:, None] + depth[None, :]  # the root sits at len - 2
             ok = active[:, None] & (entry < d.max_model_len)
-            mask = self.const(np.tile(tree.prefix_masks_host[n], (rows, 1)))
+            mask = self.const(lambda: np.tile(tree.prefix_masks_host[n], (rows, 1)),
+                              ("tree-mask", tree.paths, n, rows))
             meta = AttentionMetadata(
                 slot_mapping=slots_of(table, entry, ok, bs).reshape(-1), block_tables=table,
                 context_lens=ctx.to(torch.int32), qo_indptr=self.qo_indptr(rows, n - 1),

@@ -4,6 +4,8 @@ choice recorded into static outputs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -24,13 +26,18 @@ class StaticDrafts:
         self._indptr: dict[tuple[int, int], Tensor] = {}
         self._consts: dict[tuple, Tensor] = {}
 
-    def const(self, array: np.ndarray) -> Tensor:
+    def const(self, array: np.ndarray | Callable[[], np.ndarray],
+              key: tuple | None = None) -> Tensor:
         """A device copy of host ``array`` made once (the first, eager run of a pass), so a
-        captured pass reads a constant instead of copying from host memory at capture."""
-        key = (array.dtype.str, array.shape, array.tobytes())
+        captured pass reads a constant instead of copying from host memory at capture. With
+        ``key`` (which then names it) ``array`` may be a function making it, called once."""
+        if key is None:
+            assert isinstance(array, np.ndarray)
+            key = (array.dtype.str, array.shape, array.tobytes())
         t = self._consts.get(key)
         if t is None:
-            t = self._consts[key] = to_device(np.ascontiguousarray(array), self._device)
+            host = array() if callable(array) else array
+            t = self._consts[key] = to_device(np.ascontiguousarray(host), self._device)
         return t
 
     def qo_indptr(self, rows: int, per_row: int) -> Tensor:
