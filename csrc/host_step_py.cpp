@@ -4,9 +4,11 @@
 #include <pybind11/pybind11.h>
 
 #include <string>
+#include <utility>
 
 #include "block_allocator.h"
 #include "grow_tables.h"
+#include "lm_stage.h"
 #include "stage_rows.h"
 #include "step_append.h"
 #include "tree_path.h"
@@ -254,6 +256,102 @@ The accepted tree paths' KV moves of one verify step: ``[2, M]`` int64 cache slo
 sources, row 1 destinations), rows in order, from the packed sampler output (``num_rows`` rows,
 ``SamplerOutput.pack``) and the arena's block tables (lengths before the step's append).
 ``speculate._compact_tree_path`` calls it.
+)doc");
+  m.def(
+      "lm_stage",
+      [](BlockAllocator& allocator, py::handle slots, int64_t num_rows, py::handle seq_ids,
+         py::handle num_drafts, py::handle arena_epoch, py::handle lens, py::handle tokens,
+         py::handle owner, py::handle epoch, py::handle num_cached, py::handle num_pending,
+         py::handle need, py::handle zeros, py::handle num_blocks, py::handle block_ids,
+         int64_t block_size, int64_t max_blocks, py::handle out) {
+        auto sl = exact<int64_t>(slots, "slots", 1, false);
+        auto si = exact<int64_t>(seq_ids, "seq_ids", 1, false);
+        auto nd = exact<int64_t>(num_drafts, "num_drafts", 1, false);
+        auto ae = exact<int64_t>(arena_epoch, "arena_epoch", 1, false);
+        auto ln = exact<int64_t>(lens, "lens", 1, false);
+        auto tok = exact<int64_t>(tokens, "tokens", 2, false);
+        auto ow = exact<int64_t>(owner, "owner", 1, false);
+        auto ep = exact<int64_t>(epoch, "epoch", 1, false);
+        auto nc = exact<int64_t>(num_cached, "num_cached", 1, true);
+        auto np_ = exact<int64_t>(num_pending, "num_pending", 1, true);
+        auto ne = exact<int64_t>(need, "need", 1, true);
+        auto ze = exact<int64_t>(zeros, "zeros", 1, false);
+        auto nb = exact<int64_t>(num_blocks, "num_blocks", 1, true);
+        auto ids = exact<int32_t>(block_ids, "block_ids", 2, true);
+        auto o = exact<int64_t>(out, "out", 2, true);
+        if (num_rows < 0 || num_rows > sl.shape(0) || num_rows > si.shape(0) ||
+            num_rows > nd.shape(0) || num_rows > o.shape(0)) {
+          throw py::value_error("num_rows " + std::to_string(num_rows) +
+                                " exceeds slots, seq_ids, num_drafts or out");
+        }
+        if (block_size < 1 || max_blocks < 1) {
+          throw py::value_error("block_size and max_blocks must be >= 1");
+        }
+        if (o.shape(1) < 3) throw py::value_error("out needs max_catch_up + 2 >= 3 columns");
+        const int64_t n = ln.shape(0);
+        for (auto [len, what] : {std::pair{ae.shape(0), "arena_epoch"},
+                                 std::pair{tok.shape(0), "tokens rows"},
+                                 std::pair{ow.shape(0), "owner"}, std::pair{ep.shape(0), "epoch"},
+                                 std::pair{nc.shape(0), "num_cached"},
+                                 std::pair{np_.shape(0), "num_pending"},
+                                 std::pair{ne.shape(0), "need"}, std::pair{ze.shape(0), "zeros"},
+                                 std::pair{nb.shape(0), "num_blocks"},
+                                 std::pair{ids.shape(0), "block_ids rows"}}) {
+          same(len, n, what);
+        }
+        LMStageInput input{sl.data(),          si.data(),          nd.data(),
+                           num_rows,           ae.data(),          ln.data(),
+                           tok.data(),         tok.shape(1),       ow.data(),
+                           ep.data(),          nc.mutable_data(),  np_.mutable_data(),
+                           ne.mutable_data(),  ze.data(),          nb.mutable_data(),
+                           ids.mutable_data(), ids.shape(1),       n,
+                           block_size,         max_blocks,         o.mutable_data(),
+                           o.shape(1) - 2};
+        LMStageResult r;
+        try {
+          r = lm_stage(input, allocator);
+        } catch (const std::invalid_argument& e) {
+          throw py::value_error(e.what());
+        }
+        return py::make_tuple(r.status, r.value, r.lo, r.hi);
+      },
+      R"doc(
+The small-LM drafter's static step on the host (``StaticLMChain.propose``): checks every row,
+grows every draft-cache table to ``len + k - 1`` tokens from one allocation, sets the counters
+and writes each row's fed tokens, start and count to ``out``; returns ``(status, value, lo,
+hi)`` (``csrc/lm_stage.h``: 0 staged with value = catch-up width and [lo, hi) the slots whose
+table grew; otherwise nothing changed).
+)doc");
+  m.def(
+      "lm_observe",
+      [](py::handle slots, int64_t num_rows, py::handle seq_ids, py::handle num_accepted,
+         py::handle arena_epoch, py::handle owner, py::handle epoch, py::handle num_cached,
+         py::handle num_pending) {
+        auto sl = exact<int64_t>(slots, "slots", 1, false);
+        auto si = exact<int64_t>(seq_ids, "seq_ids", 1, false);
+        auto na = exact<int64_t>(num_accepted, "num_accepted", 1, false);
+        auto ae = exact<int64_t>(arena_epoch, "arena_epoch", 1, false);
+        auto ow = exact<int64_t>(owner, "owner", 1, false);
+        auto ep = exact<int64_t>(epoch, "epoch", 1, false);
+        auto nc = exact<int64_t>(num_cached, "num_cached", 1, true);
+        auto np_ = exact<int64_t>(num_pending, "num_pending", 1, true);
+        if (num_rows < 0 || num_rows > sl.shape(0) || num_rows > si.shape(0) ||
+            num_rows > na.shape(0)) {
+          throw py::value_error("num_rows " + std::to_string(num_rows) +
+                                " exceeds slots, seq_ids or num_accepted");
+        }
+        const int64_t n = ow.shape(0);
+        same(ae.shape(0), n, "arena_epoch vs owner length");
+        same(ep.shape(0), n, "epoch vs owner length");
+        same(nc.shape(0), n, "num_cached vs owner length");
+        same(np_.shape(0), n, "num_pending vs owner length");
+        return lm_observe(sl.data(), si.data(), na.data(), num_rows, ae.data(), ow.data(),
+                          ep.data(), nc.mutable_data(), np_.mutable_data(), n);
+      },
+      R"doc(
+After a verify step, the small LM's counters of every row (slot held by its sequence: owner,
+epoch): num_cached += min(num_pending, num_accepted), num_pending = 0; False with nothing
+changed when a row's slot is not held.
 )doc");
 }
 

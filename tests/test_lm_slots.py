@@ -140,3 +140,64 @@ def test_changed_rows_are_one_range_and_growth_is_all_or_nothing() -> None:
     lm.release(10)
     lm.release(11)
     assert lm.kv_cache.num_free_blocks == 6 and lm.num_held == 0
+
+
+def snapshot(lm: LMSlots) -> list:
+    """What a refused step must not change (widening the table columns is no change)."""
+    tables = [lm.blocks_of(s) for s in range(lm.capacity)]
+    return [a.tolist() for a in (lm.owner, lm.epoch, lm.num_cached, lm.num_pending,
+                                 lm.num_blocks)] + [tables, lm.kv_cache.num_free_blocks]
+
+
+def same(a: list, b: list) -> bool:
+    return a == b
+
+
+def test_stage_and_observe_passes_match_the_array_rules() -> None:
+    """``_C.lm_stage`` / ``_C.lm_observe`` (the static path's step) against numpy: fed tokens,
+    starts, counts, counters and table sizes; every refusal changes nothing."""
+    from specengine.core.seq_arena import SeqArena
+
+    rng = np.random.default_rng(0)
+    arena = SeqArena(8, 64)
+    lm = LMSlots(8, tiny_cache(40), block_width=1)
+    taken = [arena.take(rng.integers(0, 100, n).tolist(), n, 40, frozenset())
+             for n in (5, 9, 2, 13)]
+    slots, ids = i64(taken[::-1]), i64([7, 8, 9, 10])  # rows not in slot order
+    out = np.full((8, 6), -5, dtype=np.int64)  # 4 token columns + start, count
+    drafts = i64([3, 0, 2, 3])
+    # first call: no row is held yet -> claimed (started empty), but 13 tokens > 4 columns
+    assert lm.stage(slots, 4, ids, drafts, arena, 16, out) is None
+    assert lm.num_held == 4 and (lm.num_blocks == 0).all()
+    lens = arena.lens[slots]
+    lm.num_cached[slots] = lens - i64([2, 1, 1, 3])  # rows then catch up 2, 1, 1, 3 tokens
+    before = snapshot(lm)
+    with pytest.raises(RuntimeError, match="out of blocks"):
+        lm.stage(slots, 4, ids, i64([40, 0, 0, 0]), arena, 64, out)  # 50 blocks
+    assert same(snapshot(lm), before)
+    assert lm.stage(slots, 4, ids, drafts, arena, 3, out) is None  # 13 + 2 tokens: 4 blocks
+    assert same(snapshot(lm), before)
+    assert lm.stage(slots, 4, ids, drafts, arena, 16, out) == 3
+    starts = lens - i64([2, 1, 1, 3])
+    for r, s in enumerate(slots.tolist()):
+        count = lens[r] - starts[r]
+        want = np.zeros(4, dtype=np.int64)
+        want[:count] = arena.tokens[s, starts[r]:lens[r]]
+        assert out[r, :4].tolist() == want.tolist()
+        assert (out[r, 4], out[r, 5]) == (starts[r], count)
+        assert lm.num_blocks[s] == -(-(lens[r] + 3 - 1) // 4)  # len + k - 1 tokens, k = 3
+    assert (out[4:] == -5).all()
+    assert (lm.num_cached[slots] == lens).all()
+    assert lm.num_pending[slots].tolist() == [2, 0, 1, 2]
+    assert lm.take_changed() == (int(slots.min()), int(slots.max()) + 1)
+    assert lm.stage(i64([slots[0], -1]), 2, ids, drafts, arena, 16, out) is None  # no slot
+    # observe: min(pending, accepted); a row held by someone else refuses the whole batch
+    before = snapshot(lm)
+    assert not lm.observe_rows(slots, 4, i64([7, 8, 9, 99]), i64([3, 3, 0, 1]), arena)
+    assert same(snapshot(lm), before)
+    assert lm.observe_rows(slots, 4, ids, i64([3, 3, 0, 1]), arena)
+    assert (lm.num_cached[slots] == lens + i64([2, 0, 0, 1])).all()
+    assert (lm.num_pending[slots] == 0).all()
+    for sid in ids.tolist():
+        lm.release(sid)
+    assert lm.kv_cache.num_free_blocks == 40

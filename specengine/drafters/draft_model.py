@@ -269,7 +269,7 @@ class DraftModelDrafter(Drafter):
             ids[:, : tree.num_nodes - 1] = self._propose_tree(seqs, tree)
             return DraftProposal(ids, counts, None)
         if self._static is not None:
-            proposal = self._static.propose(seqs, num_drafts)
+            proposal = self._static.propose(seqs, counts)
             if proposal is not None:
                 return proposal
         active = [b for b, n in enumerate(num_drafts) if n > 0]

@@ -23,10 +23,15 @@ Rows changed since the static path last sent its device table are tracked as one
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from specengine import _C
 from specengine.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from specengine.core.seq_arena import SeqArena
 
 
 class LMSlots:
@@ -109,11 +114,49 @@ class LMSlots:
             if status == 2:  # a table outgrew the columns: widen by doubling, then grow
                 self._widen(value)
                 continue
-            raise RuntimeError(f"the draft model's KV cache is out of blocks: the step needs "
-                               f"{value} more but {int(self.kv_cache.allocator.num_free)} are "
-                               "free (raise kv_cache_tokens or lower max_batch_size)")
+            self._out_of_blocks(value)
         if value:
             self._mark(slots[self.num_blocks[slots] != before])
+
+    def stage(self, slots: np.ndarray, num_rows: int, seq_ids: np.ndarray,
+              num_drafts: np.ndarray, arena: SeqArena, max_blocks: int,
+              out: np.ndarray) -> int | None:
+        """The static chain's step for rows ``0 .. num_rows-1`` (arena ``slots``, held by
+        ``seq_ids``; new holders are claimed): every table grown to ``len + k - 1`` tokens
+        (``k = max(num_drafts)``), the counters set, and row ``r`` of ``out`` holding its
+        catch-up tokens, start and count (one C++ pass, ``_C.lm_stage``). Returns the
+        catch-up width, or None with nothing changed when the static pass cannot take the
+        batch (a sequence outside the arena, a catch-up wider than ``out``'s token columns,
+        a table wider than ``max_blocks``). Raises ``RuntimeError`` (nothing allocated) when
+        the draft cache's free blocks do not cover the growth."""
+        while True:
+            status, value, lo, hi = _C.lm_stage(
+                self.kv_cache.allocator, slots, num_rows, seq_ids, num_drafts, arena.epoch,
+                arena.lens, arena.tokens, self.owner, self.epoch, self.num_cached,
+                self.num_pending, self._need, self._zeros, self.num_blocks, self.block_ids,
+                self.kv_cache.block_size, max_blocks, out)
+            if status == 0:
+                if lo < hi:
+                    self._lo, self._hi = min(self._lo, lo), max(self._hi, hi)
+                return value
+            if status == 1:  # a new holder (claim every row: one array pass) or no slot
+                if slots[value] < 0:
+                    return None
+                self.claim(slots[:num_rows], seq_ids[:num_rows], arena.epoch[slots[:num_rows]])
+            elif status == 3:
+                self._widen(value)
+            elif status == 4:
+                self._out_of_blocks(value)
+            else:  # 2: too wide a catch-up, 5: too wide a table
+                return None
+
+    def observe_rows(self, slots: np.ndarray, num_rows: int, seq_ids: np.ndarray,
+                     num_accepted: np.ndarray, arena: SeqArena) -> bool:
+        """:meth:`observe` for rows ``0 .. num_rows-1`` if each slot is held by its
+        ``seq_ids`` entry (one C++ pass, ``_C.lm_observe``); False with nothing changed if
+        one is not."""
+        return _C.lm_observe(slots, num_rows, seq_ids, num_accepted, arena.epoch, self.owner,
+                             self.epoch, self.num_cached, self.num_pending)
 
     def observe(self, slots: np.ndarray, num_accepted: np.ndarray) -> None:
         """After a verify step: the target kept ``num_accepted[i]`` drafts of row
@@ -128,6 +171,11 @@ class LMSlots:
         the blocks stay with their holders."""
         self.num_cached[:] = 0
         self.num_pending[:] = 0
+
+    def _out_of_blocks(self, need: int) -> None:
+        raise RuntimeError(f"the draft model's KV cache is out of blocks: the step needs {need} "
+                           f"more but {int(self.kv_cache.allocator.num_free)} are free (raise "
+                           "kv_cache_tokens or lower max_batch_size)")
 
     def _widen(self, need: int) -> None:
         width = self.block_ids.shape[1]

@@ -56,58 +56,39 @@ class StaticLMChain(StaticDrafts):
         self._host_in_t = torch.zeros(cap, MAX_CATCH_UP + 2, dtype=torch.int64, pin_memory=pin)
         self._host_in = self._host_in_t.numpy()
         self.inputs = torch.zeros(cap, MAX_CATCH_UP + 2, dtype=torch.int64, device=dev)
-        self._cols = np.arange(MAX_CATCH_UP, dtype=np.int64)
 
-    def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int]) -> DraftProposal | None:
-        """``seqs`` in batch-row order; None (the drafter proposes eagerly) when a catch-up is
-        too wide for the static pass, a row's sequence is not in an arena or its table is
-        wider than a device row."""
+    def propose(self, seqs: tuple[Sequence, ...], num_drafts: np.ndarray
+                ) -> DraftProposal | None:
+        """``seqs`` in batch-row order, ``num_drafts`` int64; None (the drafter proposes
+        eagerly) when a catch-up is too wide for the static pass, a row's sequence is not in
+        an arena or its table is wider than a device row."""
         d, st = self.drafter, self.state
-        b = len(seqs)
-        slots, arena = st.row_slots[:b], st.arena
-        if arena is None or (slots < 0).any():
-            return None
-        lm = d.slots_for(arena)
-        lm.claim(slots, st.row_seq_ids[:b], arena.epoch[slots])  # new holders start empty
-        lens = arena.lens[slots]
-        starts = np.minimum(lm.num_cached[slots], lens - 1)
-        counts = lens - starts
-        width = int(counts.max())
-        if width > MAX_CATCH_UP:
-            return None
-        drafts = np.asarray(num_drafts, dtype=np.int64)
-        k = int(drafts.max())
-        lm.grow(slots, lens + k - 1)
-        if int(lm.num_blocks[slots].max()) > self.table.shape[1]:
+        b, arena = len(seqs), st.arena
+        if arena is None:
             return None
         # Drafts 0 .. n-2 are the ones the target may keep (observe counts them); entries
         # written past them are rewritten by a later catch-up before they are read.
-        lm.num_cached[slots] = lens
-        lm.num_pending[slots] = np.maximum(drafts - 1, 0)
+        width = d.slots_for(arena).stage(st.row_slots, b, st.row_seq_ids, num_drafts, arena,
+                                         self.table.shape[1], self._host_in)
+        if width is None:
+            return None
         self._send_tables()
         rows = self.graphs.padded_rows(b)
-        host = self._host_in
-        cols = self._cols[:width]
-        fed = arena.tokens[slots[:, None], np.minimum(starts[:, None] + cols, lens[:, None] - 1)]
-        host[:b, :width] = np.where(cols < counts[:, None], fed, 0)
-        host[:b, _START], host[:b, _COUNT] = starts, counts
-        host[b:rows] = 0
+        self._host_in[b:rows] = 0  # padded rows: count 0, no KV write
         self.inputs[:rows].copy_(self._host_in_t[:rows], non_blocking=d.device.type == "cuda")
+        k = int(num_drafts.max())
         ids, probs = self.graphs.run_graph(("lm-draft", rows, width, k, d.sample), rows,
                                            lambda: self._loop(rows, width, k))
-        return DraftProposal(ids[:b], drafts, None if probs is None else probs[:b])
+        return DraftProposal(ids[:b], num_drafts, None if probs is None else probs[:b])
 
     def observe(self, num_rows: int, num_accepted: np.ndarray) -> bool:
         """``LMSlots.observe`` for batch rows ``0 .. num_rows-1``; False when a row's
         sequence is outside an arena or has no state (the drafter then observes eagerly)."""
         st, lm = self.state, self.drafter.slots
-        slots, arena = st.row_slots[:num_rows], st.arena
-        if lm is None or arena is None or (slots < 0).any():
+        if lm is None or st.arena is None:
             return False
-        if not lm.holds(slots, st.row_seq_ids[:num_rows], arena.epoch[slots]):
-            return False
-        lm.observe(slots, num_accepted)
-        return True
+        return lm.observe_rows(st.row_slots, num_rows, st.row_seq_ids,
+                               np.ascontiguousarray(num_accepted, dtype=np.int64), st.arena)
 
     def _send_tables(self) -> None:
         """The slot rows whose table changed since the last send, in one copy."""
