@@ -173,3 +173,46 @@ def test_static_slot_bookkeeping_equals_eager(tiny_checkpoint: Path,
     assert len(observed) > 5 and all(observed)  # every static step observed with arrays
     for engine in engines:
         assert_draft_cache_empty(engine)
+
+
+def test_static_step_calls_do_not_grow_with_the_batch() -> None:
+    """No Python loop over sequences in a steady small-LM decode step (the bundled target
+    drafting for itself): the Python calls of a step are the same at batch 4 and 16."""
+    import sys
+    from collections import Counter
+
+    from specengine.assets import DEFAULT_TARGET
+
+    def step_calls(batch: int) -> list[Counter]:
+        engine = SpecEngine(DEFAULT_TARGET, str(DEFAULT_TARGET), cuda_graphs=True,
+                            graph_buckets=(4, 16), max_batch_size=16)
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        for i in range(batch):  # prompts of different lengths: tables grow at different steps
+            engine.add_request([5 + i % 7, 6, 7, 8 + i % 5, 9][: 3 + i % 3] * (1 + i % 2),
+                               params, k=3)
+        for _ in range(3):  # the prefill, then the static passes' first runs
+            engine.core.step(report_unfinished=False)
+        counts = []
+        for _ in range(4):
+            calls: Counter = Counter()
+
+            def profile(frame, event, arg, calls=calls):  # type: ignore[no-untyped-def]
+                if event == "call":
+                    calls[(frame.f_code.co_filename, frame.f_code.co_name)] += 1
+
+            sys.setprofile(profile)
+            try:
+                finished = engine.core.step(report_unfinished=False)
+            finally:
+                sys.setprofile(None)
+            assert not finished
+            counts.append(calls)
+        assert engine.graphs.num_runs["lm-draft"] >= 6  # the static small-LM path ran
+        return counts
+
+    small, large = step_calls(4), step_calls(16)
+    for a, b in zip(small, large):
+        grew = {k: (a[k], b[k]) for k in set(a) | set(b) if a[k] != b[k]}
+        assert not grew, f"calls that depend on the batch size: {grew}"
+    drafter_calls = [k for k in small[0] if "drafters" in k[0]]
+    assert any(name == "stage" for _, name in drafter_calls)  # the profiler saw the drafter
