@@ -313,14 +313,14 @@ sources, row 1 destinations), rows in order, from the packed sampler output (``n
         } catch (const std::invalid_argument& e) {
           throw py::value_error(e.what());
         }
-        return py::make_tuple(r.status, r.value, r.lo, r.hi);
+        return py::make_tuple(r.status, r.value, r.lo, r.hi, r.k);
       },
       R"doc(
 The small-LM drafter's static step on the host (``StaticLMChain.propose``): checks every row,
 grows every draft-cache table to ``len + k - 1`` tokens from one allocation, sets the counters
 and writes each row's fed tokens, start and count to ``out``; returns ``(status, value, lo,
-hi)`` (``csrc/lm_stage.h``: 0 staged with value = catch-up width and [lo, hi) the slots whose
-table grew; otherwise nothing changed).
+hi, k)`` (``csrc/lm_stage.h``: 0 staged with value = catch-up width, [lo, hi) the slots whose
+table grew and k = max num_drafts; otherwise nothing changed).
 )doc");
   m.def(
       "lm_observe",

@@ -48,6 +48,7 @@ struct LMStageResult {
   int64_t status;
   int64_t value;
   int64_t lo, hi;  // slots whose table grew: [lo, hi) (empty when lo >= hi)
+  int64_t k;       // max num_drafts (when staged)
 };
 
 // Row r (slot s, k = max num_drafts): start = min(num_cached[s], len - 1), count = len - start;

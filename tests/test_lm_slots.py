@@ -177,7 +177,7 @@ def test_stage_and_observe_passes_match_the_array_rules() -> None:
     assert same(snapshot(lm), before)
     assert lm.stage(slots, 4, ids, drafts, arena, 3, out) is None  # 13 + 2 tokens: 4 blocks
     assert same(snapshot(lm), before)
-    assert lm.stage(slots, 4, ids, drafts, arena, 16, out) == 3
+    assert lm.stage(slots, 4, ids, drafts, arena, 16, out) == (3, 3)  # width, k
     starts = lens - i64([2, 1, 1, 3])
     for r, s in enumerate(slots.tolist()):
         count = lens[r] - starts[r]

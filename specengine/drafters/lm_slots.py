@@ -120,17 +120,17 @@ class LMSlots:
 
     def stage(self, slots: np.ndarray, num_rows: int, seq_ids: np.ndarray,
               num_drafts: np.ndarray, arena: SeqArena, max_blocks: int,
-              out: np.ndarray) -> int | None:
+              out: np.ndarray) -> tuple[int, int] | None:
         """The static chain's step for rows ``0 .. num_rows-1`` (arena ``slots``, held by
         ``seq_ids``; new holders are claimed): every table grown to ``len + k - 1`` tokens
         (``k = max(num_drafts)``), the counters set, and row ``r`` of ``out`` holding its
         catch-up tokens, start and count (one C++ pass, ``_C.lm_stage``). Returns the
-        catch-up width, or None with nothing changed when the static pass cannot take the
+        catch-up width and ``k``, or None with nothing changed when the static pass cannot take the
         batch (a sequence outside the arena, a catch-up wider than ``out``'s token columns,
         a table wider than ``max_blocks``). Raises ``RuntimeError`` (nothing allocated) when
         the draft cache's free blocks do not cover the growth."""
         while True:
-            status, value, lo, hi = _C.lm_stage(
+            status, value, lo, hi, k = _C.lm_stage(
                 self.kv_cache.allocator, slots, num_rows, seq_ids, num_drafts, arena.epoch,
                 arena.lens, arena.tokens, self.owner, self.epoch, self.num_cached,
                 self.num_pending, self._need, self._zeros, self.num_blocks, self.block_ids,
@@ -138,7 +138,7 @@ class LMSlots:
             if status == 0:
                 if lo < hi:
                     self._lo, self._hi = min(self._lo, lo), max(self._hi, hi)
-                return value
+                return value, k
             if status == 1:  # a new holder (claim every row: one array pass) or no slot
                 if slots[value] < 0:
                     return None

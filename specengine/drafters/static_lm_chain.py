@@ -68,15 +68,15 @@ class StaticLMChain(StaticDrafts):
             return None
         # Drafts 0 .. n-2 are the ones the target may keep (observe counts them); entries
         # written past them are rewritten by a later catch-up before they are read.
-        width = d.slots_for(arena).stage(st.row_slots, b, st.row_seq_ids, num_drafts, arena,
-                                         self.table.shape[1], self._host_in)
-        if width is None:
+        staged = d.slots_for(arena).stage(st.row_slots, b, st.row_seq_ids, num_drafts, arena,
+                                          self.table.shape[1], self._host_in)
+        if staged is None:
             return None
+        width, k = staged
         self._send_tables()
         rows = self.graphs.padded_rows(b)
         self._host_in[b:rows] = 0  # padded rows: count 0, no KV write
         self.inputs[:rows].copy_(self._host_in_t[:rows], non_blocking=d.device.type == "cuda")
-        k = int(num_drafts.max())
         ids, probs = self.graphs.run_graph(("lm-draft", rows, width, k, d.sample), rows,
                                            lambda: self._loop(rows, width, k))
         return DraftProposal(ids[:b], num_drafts, None if probs is None else probs[:b])
