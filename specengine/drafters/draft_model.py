@@ -32,7 +32,7 @@ from specengine.drafters.drafting import (
     run_chain,
     tree_level_mask,
 )
-from specengine.drafters.lm_slots import LMSlots
+from specengine.drafters.lm_slots import LMSlots, SlotState
 from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
 from specengine.model_runner import ForwardOutput, ModelRunner
@@ -58,36 +58,7 @@ class _State:
     num_pending: int = 0  # drafts fed after num_cached (their K/V is in the draft cache)
 
 
-class _SlotState:
-    """A running sequence's row of ``LMSlots``, with ``_State``'s attributes (eager passes)."""
-
-    __slots__ = ("rows", "slot")
-
-    def __init__(self, rows: LMSlots, slot: int) -> None:
-        self.rows, self.slot = rows, slot
-
-    @property
-    def block_table(self) -> list[int]:
-        return self.rows.blocks_of(self.slot)
-
-    @property
-    def num_cached(self) -> int:
-        return int(self.rows.num_cached[self.slot])
-
-    @num_cached.setter
-    def num_cached(self, value: int) -> None:
-        self.rows.num_cached[self.slot] = value
-
-    @property
-    def num_pending(self) -> int:
-        return int(self.rows.num_pending[self.slot])
-
-    @num_pending.setter
-    def num_pending(self, value: int) -> None:
-        self.rows.num_pending[self.slot] = value
-
-
-_AnyState = _State | _SlotState
+_AnyState = _State | SlotState
 
 
 class DraftModelDrafter(Drafter):
@@ -162,7 +133,7 @@ class DraftModelDrafter(Drafter):
         states: dict[int, _AnyState] = dict(self._detached)
         if self.slots is not None:
             for s in self.slots.held_slots().tolist():
-                states[int(self.slots.owner[s])] = _SlotState(self.slots, s)
+                states[int(self.slots.owner[s])] = SlotState(self.slots, s)
         return states
 
     def observe_step(self, seqs: tuple[Sequence, ...], out: VerifyOutput, shape: VerifyShape,
@@ -209,7 +180,7 @@ class DraftModelDrafter(Drafter):
             return self._detached.setdefault(seq.seq_id, _State())
         rows, slot = self.slots_for(a), np.array([seq.slot], dtype=np.int64)
         rows.claim(slot, np.array([seq.seq_id], dtype=np.int64), a.epoch[slot])
-        return _SlotState(rows, seq.slot)
+        return SlotState(rows, seq.slot)
 
     def _find(self, seq: Sequence) -> _AnyState | None:
         """``seq``'s state, or None if it has none."""
@@ -219,11 +190,11 @@ class DraftModelDrafter(Drafter):
         s = seq.slot
         if rows is None or rows.owner[s] != seq.seq_id or rows.epoch[s] != a.epoch[s]:
             return None
-        return _SlotState(rows, s)
+        return SlotState(rows, s)
 
     def _ensure(self, st: _AnyState, num_tokens: int) -> None:
         """Grow ``st``'s table to hold ``num_tokens`` tokens."""
-        if isinstance(st, _SlotState):
+        if isinstance(st, SlotState):
             st.rows.grow(np.array([st.slot], dtype=np.int64),
                          np.array([num_tokens], dtype=np.int64))
         else:

@@ -198,4 +198,34 @@ class LMSlots:
         return lo, hi
 
 
-__all__ = ["LMSlots"]
+class SlotState:
+    """Row ``slot`` of ``rows`` seen as one sequence's state (``block_table``, ``num_cached``,
+    ``num_pending``: the attributes of ``draft_model._State``), for the eager passes."""
+
+    __slots__ = ("rows", "slot")
+
+    def __init__(self, rows: LMSlots, slot: int) -> None:
+        self.rows, self.slot = rows, slot
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.rows.blocks_of(self.slot)
+
+    @property
+    def num_cached(self) -> int:
+        return int(self.rows.num_cached[self.slot])
+
+    @num_cached.setter
+    def num_cached(self, value: int) -> None:
+        self.rows.num_cached[self.slot] = value
+
+    @property
+    def num_pending(self) -> int:
+        return int(self.rows.num_pending[self.slot])
+
+    @num_pending.setter
+    def num_pending(self, value: int) -> None:
+        self.rows.num_pending[self.slot] = value
+
+
+__all__ = ["LMSlots", "SlotState"]
