@@ -118,7 +118,7 @@ def speculative_step(
     else:  # graphs keep one shape per k; eagerly, feed no more than the longest chain needs
         num_tokens = k + 1 if graphs.static else int(num_drafts.max()) + 1
     shape = _shape(rows, num_tokens, tree, proposal is not None and proposal.probs is not None)
-    if proposal is not None:
+    if proposal is not None and not proposal.in_place:
         graphs.verifier.load_drafts(shape, proposal.token_ids, proposal.probs)
     t1 = time.perf_counter()
 

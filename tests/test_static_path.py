@@ -79,6 +79,14 @@ def test_eagle3_bundled_pair(temperature: float, seed: int | None, k: int,
                mixed_params(7, temperature, seed), tree, max_batch_size=3, static_passes=passes)
 
 
+def test_eagle3_sampled_drafts() -> None:
+    # The static chain samples its drafts into the verify pass's draft buffer; their
+    # distributions must reach the pass too (acceptance equal to the eager path's, not 0).
+    both_paths(DEFAULT_TARGET, DEFAULT_DRAFT, arith_prompts(5), 3, mixed_params(5, 1.0, 7),
+               draft_options={"sample": True}, max_batch_size=4,
+               static_passes=("verify", "draft", "observe"))
+
+
 @pytest.mark.parametrize("tree", [None, TREE])
 def test_ngram_drafts_of_uneven_length(tree: list | None) -> None:
     # n-gram chains are often shorter than k: rows feed k + 1 tokens with padding.

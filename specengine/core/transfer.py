@@ -30,7 +30,6 @@ def to_device(array: np.ndarray | list[int] | list[float], device: torch.device,
 
 def to_host(tensor: Tensor) -> np.ndarray:
     """The step's device→host copy (blocks until the device has produced ``tensor``)."""
-    t = tensor.detach()
-    if t.device.type == "cpu":  # no copy happens: take one, the tensor may be a static buffer
-        return t.numpy().copy()
-    return t.cpu().numpy()
+    if tensor.device.type == "cpu":  # no copy happens: take one, it may be a static buffer
+        return tensor.numpy(force=True).copy()
+    return tensor.detach().cpu().numpy()

@@ -111,8 +111,8 @@ class StaticVerifier:
         w = min(w, shape.num_tokens - 1)
         if w and not _same_view(token_ids, self.draft_ids):  # a static drafter wrote in place
             self.draft_ids[:b, :w].copy_(token_ids[:, :w])
-            if shape.has_probs:
-                self.probs_buffer(shape)[:b, :w].copy_(probs[:, :w])  # type: ignore[index]
+        if w and shape.has_probs:  # (a static drafter's ids may be in place, its probs not)
+            self.probs_buffer(shape)[:b, :w].copy_(probs[:, :w])  # type: ignore[index]
 
     def probs_buffer(self, shape: VerifyShape) -> Tensor:
         """``[rows, N-1, V]`` float32, allocated once per shape."""

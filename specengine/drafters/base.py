@@ -25,6 +25,9 @@ class DraftProposal:
     probs: Tensor | None  # [B, N-1, V] float32 draft distributions, or None for point masses
     # Every row drafted exactly what ``propose`` asked (the step then skips comparing counts)
     as_asked: bool = False
+    # The drafts were written straight into the verify pass's draft buffer (a static draft
+    # pass): the step loads nothing
+    in_place: bool = False
 
 
 class Drafter(ABC):

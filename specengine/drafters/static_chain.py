@@ -114,8 +114,12 @@ class StaticFeatureChain(StaticDrafts):
         ids, probs = self.graphs.run_graph(("draft", rows, k, d.sample), rows,
                                            lambda: self._loop(rows, k))
         b = len(seqs)
-        return DraftProposal(ids[:b], np.asarray(num_drafts, dtype=np.int64),
-                             None if probs is None else probs[:b], as_asked=True)
+        if b < rows:  # a batch padded to its bucket: its own rows
+            ids, probs = ids[:b], None if probs is None else probs[:b]
+        # Greedy drafts are in the verify pass's buffer already; sampled ones bring their
+        # distributions, which the step copies into the pass's probs buffer.
+        return DraftProposal(ids, np.asarray(num_drafts, dtype=np.int64), probs,
+                             as_asked=True, in_place=probs is None)
 
     @torch.inference_mode()
     def _loop(self, rows: int, k: int) -> tuple[Tensor, Tensor | None]:
@@ -154,8 +158,9 @@ class StaticFeatureChain(StaticDrafts):
         ids = self.graphs.run_graph(("draft-tree", rows, tree.paths), rows,
                                     lambda: self._tree(rows, tree))
         b = len(seqs)
-        return DraftProposal(ids[:b], np.asarray(num_drafts, dtype=np.int64), None,
-                             as_asked=True)
+        return DraftProposal(ids if b == rows else ids[:b],
+                             np.asarray(num_drafts, dtype=np.int64), None, as_asked=True,
+                             in_place=True)
 
     @torch.inference_mode()
     def _tree(self, rows: int, tree: DraftTree) -> Tensor:
