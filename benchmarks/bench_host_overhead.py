@@ -95,18 +95,18 @@ def run_pass(engine, prompts: list, k: int, tree, steps: int, counting: bool) ->
     from specengine import SamplingParams
 
     cuda = engine.device.type == "cuda"
-    prof = StepProfiler(dispatch=counting, regions=not counting)
+    # The timing pass wraps only what its host time needs: compute regions, and on CUDA the
+    # syncs (their blocked time is taken out); syncs are counted by the counting pass.
+    prof = StepProfiler(dispatch=counting, regions=not counting, syncs=counting or cuda)
     records: list[dict] = []
     core = engine.core
     orig_step, orig_decode = core.step, engine._decode_step
     layers = engine.model.model.layers
     seen: dict = {}  # what the decode step of the current engine step saw
 
-    def decode(seqs, k_, tree_, times, *rest):
-        phases0 = {p: getattr(times, p, 0.0) for p in PHASES}
+    def decode(seqs, k_, tree_, times, *rest):  # kept minimal: it runs inside the timing
+        seen["batch"], seen["times"] = len(seqs), times
         orig_decode(seqs, k_, tree_, times, *rest)
-        seen["batch"] = len(seqs)
-        seen["phases"] = {p: getattr(times, p, 0.0) - phases0[p] for p in PHASES}
 
     def step(*args, **kwargs):
         if len(records) >= steps:
@@ -119,13 +119,19 @@ def run_pass(engine, prompts: list, k: int, tree, steps: int, counting: bool) ->
             start.record()
         prof.reset()
         prof.layers.launches = prof.layers.calls = 0
+        before = getattr(core.stats, "times", None)  # the run's StepTimes (phases so far)
+        phases0 = {p: getattr(before, p, 0.0) for p in PHASES}
         t0, c0 = time.perf_counter(), time.thread_time()
         out = orig_step(*args, **kwargs)
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         c = prof.reset()
         if "batch" not in seen:  # a prefill step
             return out
-        rec = dict(phases=seen["phases"], batch=seen["batch"], wall_s=wall, cpu_s=cpu,
+        times = seen["times"]
+        if times is not before:  # the step began a new run: its phases start at zero
+            phases0 = dict.fromkeys(PHASES, 0.0)
+        phases = {p: getattr(times, p, 0.0) - phases0[p] for p in PHASES}
+        rec = dict(phases=phases, batch=seen["batch"], wall_s=wall, cpu_s=cpu,
                    counts=c, layer_calls=prof.layers.calls,
                    layer_launches=prof.layers.launches)
         if cuda:
@@ -183,13 +189,13 @@ def measure(engine, args: argparse.Namespace, batch: int, k: int, kind: str,
         copies=med(c.copies for c in cs), triton=med(c.triton for c in cs),
         c_kernels=med(c.c_kernels for c in cs),
         graph_replays=med(a["counts"].graph_replays for a in timed[:n]),
-        syncs=med(a["counts"].syncs for a in timed[:n]),
+        syncs=med(b["counts"].syncs for b in counted[:n]),
         launches_per_layer=(sum(b["layer_launches"] for b in counted[:n]) / calls
                             if calls else None),
         top_ops=sorted(cs[-1].ops.items(), key=lambda kv: -kv[1])[:12],
         # the engine's own wall time per phase of the step (StepTimes), compute included
         phases_us={p: med(a["phases"][p] for a in timed[:n]) * 1e6 for p in PHASES},
-        sync_sites=sorted(timed[n - 1]["counts"].sync_sites.items(), key=lambda kv: -kv[1]),
+        sync_sites=sorted(counted[n - 1]["counts"].sync_sites.items(), key=lambda kv: -kv[1]),
     )
     return row
 

@@ -128,13 +128,16 @@ class StepProfiler:
     """``with StepProfiler(dispatch=True) as p: ...; p.counts`` (see the module docstring).
 
     ``dispatch=False`` installs only the cheap wrappers (syncs, Triton and ``_C`` launches,
-    graph replays), for runs whose wall time is measured.
+    graph replays), for runs whose wall time is measured; ``syncs=False`` leaves the blocking
+    methods alone too (a CPU timing run: its host time needs no sync times, and a wrapper that
+    walks frames at each read would count as host time).
     """
 
-    def __init__(self, *, dispatch: bool = True, regions: bool = True,
+    def __init__(self, *, dispatch: bool = True, regions: bool = True, syncs: bool = True,
                  roots: tuple[str, ...] | None = None) -> None:
         self.dispatch = dispatch
         self.regions = regions
+        self.syncs = syncs  # wrap the blocking Tensor methods (count and time the syncs)
         self.cuda = torch.cuda.is_available()
         self._region_depth = 0
         self._region_t0 = self._region_c0 = 0.0
@@ -259,9 +262,9 @@ class StepProfiler:
         for name in _C_KERNELS:
             if hasattr(_C, name):
                 self._patch(_C, name, self._launch_wrapper("c_kernels", name))
-        for name in _SYNC_METHODS:
+        for name in _SYNC_METHODS if self.syncs else ():
             self._patch(torch.Tensor, name, self._sync_wrapper(name))
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and self.syncs:
             for owner, label in ((torch.cuda, "cuda.synchronize"),
                                  (torch.cuda.Event, "Event.synchronize"),
                                  (torch.cuda.Stream, "Stream.synchronize")):
