@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "arena_slot.h"
+
 namespace specengine {
 
 namespace {
@@ -23,11 +25,7 @@ GrowResult grow_tables(const GrowInput& in, BlockAllocator& allocator) {
   int64_t total = 0, widest = 0;
   for (int64_t r = 0; r < in.num_rows; ++r) {
     const int64_t slot = in.slots[r];
-    if (slot < 0 || slot >= in.num_slots) {
-      throw std::invalid_argument("grow_tables: row " + std::to_string(r) + " has slot " +
-                                  std::to_string(slot) + " outside the arena's " +
-                                  std::to_string(in.num_slots));
-    }
+    check_arena_slot("grow_tables", r, slot, in.num_slots);
     const int64_t blocks = blocks_needed(in, slot);
     const int64_t missing = blocks - in.num_blocks[slot];
     if (missing > 0) {

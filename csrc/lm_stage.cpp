@@ -4,19 +4,13 @@
 #include <stdexcept>
 #include <string>
 
+#include "arena_slot.h"
 #include "grow_tables.h"
 
 namespace specengine {
 
 namespace {
 
-void check_slot(int64_t r, int64_t slot, int64_t num_slots) {
-  if (slot < 0 || slot >= num_slots) {
-    throw std::invalid_argument("lm_stage: row " + std::to_string(r) + " has slot " +
-                                std::to_string(slot) + " outside the arena's " +
-                                std::to_string(num_slots));
-  }
-}
 
 }  // namespace
 
@@ -26,7 +20,7 @@ LMStageResult lm_stage(const LMStageInput& in, BlockAllocator& allocator) {
   for (int64_t r = 0; r < in.num_rows; ++r) {
     const int64_t s = in.slots[r];
     if (s < 0) return {kStale, r, 0, 0, 0};  // a sequence outside the arena
-    check_slot(r, s, in.num_slots);
+    check_arena_slot("lm_stage", r, s, in.num_slots);
     if (in.lens[s] < 1 || in.lens[s] > in.token_width) {
       throw std::invalid_argument("lm_stage: row " + std::to_string(r) + " has " +
                                   std::to_string(in.lens[s]) + " tokens");

@@ -4,6 +4,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "arena_slot.h"
+
 namespace specengine {
 
 namespace {
@@ -25,11 +27,7 @@ StageResult stage_rows(const StageInput& in) {
   bool tree_fits = true;
   for (int64_t r = 0; r < in.num_rows; ++r) {
     const int64_t slot = in.row_slots[r];
-    if (slot < 0 || slot >= in.num_slots) {
-      throw std::invalid_argument("stage_rows: row " + std::to_string(r) + " has slot " +
-                                  std::to_string(slot) + " outside the arena's " +
-                                  std::to_string(in.num_slots));
-    }
+    check_arena_slot("stage_rows", r, slot, in.num_slots);
     const int64_t len = in.lens[slot];
     if (len < 1 || len > in.width) {
       throw std::invalid_argument("stage_rows: row " + std::to_string(r) + " has length " +

@@ -3,6 +3,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "arena_slot.h"
+
 namespace specengine {
 
 namespace {
@@ -27,11 +29,7 @@ TreePathMoves tree_path_moves(const TreePathInput& in) {
   for (int64_t r = 0; r < in.num_rows; ++r) {
     const double* row = in.packed + r * stride;
     const int64_t slot = in.row_slots[r];
-    if (slot < 0 || slot >= in.num_slots) {
-      throw std::invalid_argument("tree_path_moves: row " + std::to_string(r) + " has slot " +
-                                  std::to_string(slot) + " outside the arena's " +
-                                  std::to_string(in.num_slots));
-    }
+    check_arena_slot("tree_path_moves", r, slot, in.num_slots);
     const auto accepted = static_cast<int64_t>(row[3 * n]);
     if (accepted < 0 || accepted >= n) {
       throw std::invalid_argument("tree_path_moves: row " + std::to_string(r) + " accepted " +
