@@ -66,8 +66,7 @@ class BatchState:
         self.host_limits = np.zeros((2, capacity), dtype=np.int64)
         self.floats = torch.zeros(2, capacity, dtype=torch.float32, device=device)
         self._send_views: dict[int, tuple[Tensor, Tensor]] = {}
-        self.blocks = BlockRows(capacity, max_blocks, device, host=host_table,
-                                table=self.block_tables)
+        self.blocks = BlockRows(capacity, max_blocks, host_table)
         self.seqs: list[Sequence] = []
         self._rows: dict[int, int] = {}  # seq_id -> row
         # Each row's slot in the sequences' arena (``core.seq_arena``; -1: a detached one),
@@ -241,7 +240,7 @@ class BatchState:
             self.host_ints[LAST, :n] = np.fromiter((s.last_token for s in seqs), np.int64, n)
             self.host_ints[NUM_DRAFT, :n] = num_drafts
             max_drafts = int(num_drafts.max(initial=0))
-            send_rows = blocks.sync([(s.seq_id, s.block_table) for s in seqs], send=False)
+            send_rows = blocks.sync([(s.seq_id, s.block_table) for s in seqs])
         self._changed_rows.clear()
         nb = self.device.type == "cuda"
         views = self._send_views.get(send_rows)

@@ -1,15 +1,15 @@
-"""Device block tables with one row per batch row, sent incrementally.
+"""The host mirror of the batch state's block tables, one row per batch row, kept current
+incrementally.
 
-The target's batch state and each drafter's own paged cache keep one of these, row-aligned
-with the batch: row ``r`` holds the block table of the sequence in batch row ``r``. A row whose
-owner changed (another sequence moved in, or the same one got a new table after preemption) is
-sent whole; a row whose table grew sends its new ids; rows past the batch are zeroed (a padded
-row then reads block 0 and owns nothing). All changed rows go in one non-blocking copy.
+Row ``r`` holds the block table of the sequence in batch row ``r``. A row whose owner changed
+(another sequence moved in, or the same one got a new table after preemption) is written
+whole; a row whose table grew gets its new ids; rows past the batch are zeroed (a padded row
+then reads block 0 and owns nothing). The owner (``core.batch.BatchState``) sends the mirror's
+first rows with its step fields in one non-blocking copy.
 
-Two ways in: the batch state's C++ staging pass writes whole mirror rows from the running
-sequences' tables in ``SeqArena.block_ids`` (no Python per row) and sends them with its step
-fields (:meth:`BlockRows.written`); :meth:`BlockRows.sync` / :meth:`BlockRows.sync_some` take
-Python lists keyed by owner (sequences not in an arena, and drafters' own caches).
+Two ways in: the batch state's C++ staging pass writes whole rows from the running sequences'
+tables in ``SeqArena.block_ids`` (no Python per row; :meth:`BlockRows.written` records it);
+:meth:`BlockRows.sync` takes Python lists keyed by owner (sequences not in an arena).
 """
 
 from __future__ import annotations
@@ -21,25 +21,15 @@ import torch
 
 
 class BlockRows:
-    """``table [capacity, max_blocks]`` int32 on the device and its host mirror ``host``
-    (given as views when an owner sends them with its own data, as ``core.batch`` does)."""
+    """Bookkeeping of ``host [capacity, max_blocks]`` int32, the page-locked mirror of a
+    device block table (both owned by the caller, which sends the rows)."""
 
-    def __init__(self, capacity: int, max_blocks: int, device: torch.device,
-                 host: torch.Tensor | None = None, table: torch.Tensor | None = None) -> None:
-        if capacity < 1 or max_blocks < 1:
-            raise ValueError(f"BlockRows needs capacity and max_blocks >= 1, got {capacity}, "
-                             f"{max_blocks}")
-        self.capacity, self.max_blocks, self.device = capacity, max_blocks, device
-        # The host mirror is page-locked on CUDA, so :meth:`_send` never blocks the host.
-        self._host_t = host if host is not None else torch.zeros(
-            capacity, max_blocks, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self.host = self._host_t.numpy()
-        self.table = table if table is not None else torch.zeros(
-            capacity, max_blocks, dtype=torch.int32, device=device)
-        for name, t in (("host", self._host_t), ("table", self.table)):
-            if tuple(t.shape) != (capacity, max_blocks) or t.dtype != torch.int32:
-                raise ValueError(f"BlockRows {name} must be [{capacity}, {max_blocks}] int32, "
-                                 f"got {tuple(t.shape)} {t.dtype}")
+    def __init__(self, capacity: int, max_blocks: int, host: torch.Tensor) -> None:
+        if tuple(host.shape) != (capacity, max_blocks) or host.dtype != torch.int32:
+            raise ValueError(f"BlockRows host must be [{capacity}, {max_blocks}] int32, got "
+                             f"{tuple(host.shape)} {host.dtype}")
+        self.capacity, self.max_blocks = capacity, max_blocks
+        self.host = host.numpy()
         # Owner of each row and the table list it mirrors (keyed syncs).
         self._keys: list[object] = [None] * capacity
         self._tables: list[list[int] | None] = [None] * capacity
@@ -59,28 +49,20 @@ class BlockRows:
         if self._keys[0] is not _VOID:
             self._keys = [_VOID] * self.capacity
 
-    def sync(self, rows: Sequence[tuple[int, list[int]]], send: bool = True) -> int:
+    def sync(self, rows: Sequence[tuple[int, list[int]]]) -> int:
         """Make row ``r`` hold ``rows[r] = (owner key, block table)``; rows past
-        ``len(rows)`` become empty."""
-        return self.sync_some(len(rows), [(r, key, table) for r, (key, table) in enumerate(rows)],
-                              send)
-
-    def sync_some(self, num_rows: int, changed: Sequence[tuple[int, int, list[int]]],
-                  send: bool = True) -> int:
-        """Like :meth:`sync` for ``num_rows`` rows of which only ``changed = [(row, owner
-        key, block table)]`` may differ from what the device has (the others are unchanged
-        owners whose tables did not grow). Checks every row before writing any. Sends the
-        mirror's rows up to the last one written (``send=False``: the owner sends them) and
-        returns their number."""
+        ``len(rows)`` become empty. Checks every row before writing any. Returns the number
+        of leading mirror rows that hold every change (the rows to send)."""
+        num_rows = len(rows)
         if num_rows > self.capacity:
             raise ValueError(f"{num_rows} rows exceed the capacity {self.capacity}")
-        for r, _, table in changed:
+        for r, (_, table) in enumerate(rows):
             if len(table) > self.max_blocks:
                 raise ValueError(f"row {r} holds {len(table)} KV blocks, more than the "
                                  f"{self.max_blocks} of a block-table row")
         last = -1
         keys, tables, sent_ = self._keys, self._tables, self.sent
-        for r, key, table in changed:
+        for r, (key, table) in enumerate(rows):
             if tables[r] is table and keys[r] == key and len(table) == sent_[r]:
                 continue  # the common case: nothing changed
             if tables[r] is not table or keys[r] != key:
@@ -89,25 +71,13 @@ class BlockRows:
             sent = int(sent_[r])
             self.host[r, sent:len(table)] = table[sent:]
             sent_[r] = len(table)
-            last = max(last, r)
+            last = r
         for r in range(num_rows, self._used):
             keys[r], tables[r], sent_[r] = None, None, 0
             self.host[r] = 0
-            last = max(last, r)
+            last = r
         self._used = num_rows
-        if send:
-            self._send(last + 1)
         return last + 1
-
-    def _send(self, num_rows: int) -> None:
-        """Copy the first ``num_rows`` rows of the mirror to the device, non-blocking: one
-        contiguous copy (as vLLM commits its block table) is cheaper to issue than an
-        indexed scatter of the changed rows, and a few KB more of H2D traffic is free next to
-        the step. The host writes the mirror again only after the step's blocking read-back,
-        so the copy has run by then."""
-        if num_rows:
-            self.table[:num_rows].copy_(self._host_t[:num_rows],
-                                        non_blocking=self.device.type == "cuda")
 
 
 _VOID = object()  # a key no owner has: the row is written whole at the next keyed sync
