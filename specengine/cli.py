@@ -146,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     """``specengine serve``: the HTTP rollout server (``specengine.server``)."""
     from specengine.config import KV_ON_UPDATE, POLICY_LAG_ACTIONS
+    from specengine.core.auto_k import DEFAULT_K_MAX
     from specengine.server import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
 
     s = sub.add_parser(
@@ -159,8 +160,13 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--draft", default=None, metavar="DRAFT",
                    help="EAGLE-3 head dir, small-LM dir, 'mtp', 'ngram' or 'suffix' (default: the "
                         "bundled head with the bundled model, none otherwise)")
-    s.add_argument("--k", type=_int_at_least(0, MAX_K), default=3,
-                   help="draft length of requests that give no k (0 = plain decoding)")
+    s.add_argument("--k", type=_k_arg, default=3,
+                   help="draft length of requests that give no k (0 = plain decoding); "
+                        "'auto': each step the k in 0..--k-max with the most expected tokens "
+                        "per second")
+    s.add_argument("--k-max", type=_int_at_least(0, MAX_K), default=DEFAULT_K_MAX,
+                   help=f"largest k that --k auto picks (only {DEFAULT_K_MAX} for now: the "
+                        "async engine gives every k 'auto' request that k_max)")
     s.add_argument("--host", default=DEFAULT_HOST,
                    help="interface to bind (0.0.0.0 exposes it: use --api-key)")
     s.add_argument("--port", type=_int_at_least(0, 65535), default=DEFAULT_PORT,

@@ -1,28 +1,73 @@
-"""Per-request sampling parameters."""
+"""Per-request sampling parameters, range-checked where they are built (``__post_init__``)
+against what the engine can hold, so a bad value is refused at admission and never reaches a
+step, where it would fail every request in flight."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
+#: seeds travel to the samplers as int64 tensors
 MAX_SEED = 1 << 63
+#: the largest int32: token ids, top-k and lengths reach the kernels as int32
+MAX_INT32 = (1 << 31) - 1
+#: the largest int64: weight versions and policy lags are compared with int64 stamps
+MAX_INT64 = (1 << 63) - 1
+#: samples per prompt: every sample is a sequence with its own request id and KV; a group is
+#: a GRPO group (tens), and this bound keeps one call from queueing millions of sequences
+MAX_N = 1024
+#: positive temperatures outside [MIN_TEMPERATURE, MAX_TEMPERATURE] are refused: the sampler
+#: scales float32 logits by 1 / temperature, and past these (float32 overflow of 1 / t, or
+#: 1 / t rounding to 0 against a drafter's -inf logits) that gives inf or NaN probabilities
+MIN_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 1e4
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is not a count
+
+
+def check_int(name: str, value: object, low: int, high: int, what: str | None = None) -> None:
+    """Raise ``ValueError`` naming ``name``, the value and what is allowed (``what``, else
+    the range) unless ``value`` is an int (not a bool) in ``[low, high]``."""
+    if not _is_int(value) or not low <= value <= high:  # type: ignore[operator]
+        raise ValueError(f"{name} must be {what or f'an int in [{low}, {high}]'}, "
+                         f"got {value!r}")
+
+
+def check_float(name: str, value: object, what: str, ok: Callable[[float], bool]) -> None:
+    """Raise ``ValueError`` naming ``name``, the value and ``what`` is allowed unless ``value``
+    is a finite int or float (not a bool) with ``ok(value)``."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or not ok(value)):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled (vLLM semantics).
 
-    ``temperature`` 0 is greedy. ``top_k`` ≤ 0 and ``top_p`` = 1 switch those filters off; top-k
-    is applied before top-p. ``stop_token_ids`` (and the checkpoint's EOS unless ``ignore_eos``)
-    end a sequence; the stop token itself is part of the output, with its logprob, since an RL
-    loss trains on it. ``seed`` fixes this request's random stream (same seed, same output);
-    None draws one from the engine's generator. ``max_policy_lag`` overrides the engine's for
-    this request: after a weight update it is finished or restarted (the engine's
+    ``temperature`` 0 is greedy; otherwise in [1e-4, 1e4] (``MIN_TEMPERATURE`` /
+    ``MAX_TEMPERATURE``: beyond them the float32 sampler would produce inf / NaN).
+    ``top_k`` ≤ 0 and ``top_p`` = 1 switch those filters off; ``top_k`` is an int in
+    [-1, 2**31 - 1], and a value ≥ the vocabulary keeps every token; top-k is applied before
+    top-p (a float in (0, 1]). ``max_tokens`` is an int in [1, 2**31 - 1]: the engine stops a
+    sequence at ``max_tokens`` generated tokens or at ``max_model_len`` tokens in all, whichever
+    comes first (so a huge value means "until a stop token or the context is full").
+    ``stop_token_ids`` (ids in the vocabulary, checked by the engine; and the checkpoint's EOS
+    unless ``ignore_eos``) end a sequence; the stop token itself is part of the output, with its
+    logprob, since an RL loss trains on it. ``seed`` (an int in [0, 2**63)) fixes this
+    request's random stream (same seed, same output); None draws one from the engine's
+    generator. ``max_policy_lag`` (an int in [0, 2**63 - 1]) overrides the engine's for this
+    request: after a weight update it is finished or restarted (the engine's
     ``policy_lag_action``) once its oldest token is more than that many versions behind;
-    None uses the engine's. ``n`` samples of the prompt form a group (GRPO): ``generate``
-    returns n outputs per prompt, prompt-major, each with its ``sample_index``; sample i's seed
-    is derived from ``seed`` (``specengine.prefix_cache.sample_seed``) and the group's prompt
-    KV is computed once and shared.
+    None uses the engine's. ``n`` (an int in [1, 1024], ``MAX_N``) samples of the prompt form a
+    group (GRPO): ``generate`` returns n outputs per prompt, prompt-major, each with its
+    ``sample_index``; sample i's seed is derived from ``seed``
+    (``specengine.prefix_cache.sample_seed``) and the group's prompt KV is computed once and
+    shared. A value out of range, NaN / inf, or a bool where a number belongs raises
+    ``ValueError`` naming the field, the value and the allowed range.
     """
 
     temperature: float = 1.0
@@ -36,27 +81,33 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ValueError(f"n (samples per prompt) must be an int >= 1, got {self.n!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
-            raise ValueError(f"top_k must be an int (<= 0 disables it), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not 0 <= self.seed < MAX_SEED):
-            # Seeds travel to the samplers as int64 tensors.
-            raise ValueError(f"seed must be an int in [0, 2**63) or None, got {self.seed!r}")
-        if self.max_policy_lag is not None and (
-                not isinstance(self.max_policy_lag, int) or isinstance(self.max_policy_lag, bool)
-                or self.max_policy_lag < 0):
-            raise ValueError(f"max_policy_lag must be an int >= 0 (weight versions) or None "
-                             f"(the engine's), got {self.max_policy_lag!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        check_int("n (samples per prompt)", self.n, 1, MAX_N,
+                  f"an int >= 1 (at most {MAX_N})")
+        check_float("temperature", self.temperature, f"a finite number >= 0: 0 (greedy) or in "
+                    f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
+                    lambda t: t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE)
+        check_int("top_k", self.top_k, -1, MAX_INT32,
+                  f"an int in [-1, {MAX_INT32}] (<= 0 disables it)")
+        check_float("top_p", self.top_p, "in (0, 1]", lambda p: 0 < p <= 1)
+        check_int("max_tokens", self.max_tokens, 1, MAX_INT32,
+                  f"an int >= 1 (at most {MAX_INT32}; generation also stops at max_model_len)")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.seed is not None:
+            check_int("seed", self.seed, 0, MAX_SEED - 1, "an int in [0, 2**63) or None")
+        if self.max_policy_lag is not None:
+            check_int("max_policy_lag", self.max_policy_lag, 0, MAX_INT64,
+                      f"an int in [0, {MAX_INT64}] (weight versions) or None (the engine's)")
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
+            raise ValueError(f"stop_token_ids must be a sequence of int token ids, got "
+                             f"{stops!r}")
+        stops = tuple(stops)
+        for i, t_id in enumerate(stops):
+            # the vocabulary bound is the engine's (validate_requests); int32 holds every one
+            check_int(f"stop_token_ids[{i}]", t_id, 0, MAX_INT32,
+                      f"a token id, an int in [0, {MAX_INT32}]")
+        object.__setattr__(self, "stop_token_ids", stops)
 
     @property
     def greedy(self) -> bool:

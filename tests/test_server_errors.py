@@ -121,7 +121,7 @@ def test_api_key_is_required_on_every_endpoint(aeng, reference) -> None:
                  ("POST", "/update_weights_from_distributed", b"{}"),
                  ("POST", "/generate", b"{not json"), ("GET", "/nope", None)]
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
-                        {"Authorization": "bearer s3cret"}):
+                        {"Authorization": "Basic s3cret"}, {"Authorization": "Bearers3cret"}):
             for method, path, body in calls:
                 status, answer = raw_request(port, method, path, body, headers)
                 assert status == 401 and "unauthorized" in answer["error"], (path, headers)

@@ -58,10 +58,11 @@ DEFAULT_K_MAX = 8
 def resolve_k(k: object, k_max: object = DEFAULT_K_MAX) -> tuple[int, bool]:
     """``(k, auto)`` for a request's ``k``: an int in ``0..MAX_K`` (``auto`` False), or
     ``"auto"`` (the step picks one in ``0..k_max``; returns ``(k_max, True)``). Anything else
-    raises ``ValueError`` saying what is allowed."""
+    raises ``ValueError`` saying what is allowed; ``k_max`` is checked whatever ``k`` is, so a
+    bad one is refused even where this request does not use it."""
+    if isinstance(k_max, bool) or not isinstance(k_max, int) or not 0 <= k_max <= MAX_K:
+        raise ValueError(f"k_max must be an int in [0, {MAX_K}], got {k_max!r}")
     if k == AUTO and isinstance(k, str):
-        if isinstance(k_max, bool) or not isinstance(k_max, int) or not 0 <= k_max <= MAX_K:
-            raise ValueError(f"k_max must be an int in [0, {MAX_K}], got {k_max!r}")
         return k_max, True
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_K:
         raise ValueError(f"k (draft length) must be an int in [0, {MAX_K}] or \"auto\", "

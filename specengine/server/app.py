@@ -29,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from specengine.async_engine import AsyncSpecEngine
 from specengine.config import MAX_K
+from specengine.core.auto_k import DEFAULT_K_MAX, resolve_k
 from specengine.engine import SpecEngine
 from specengine.outputs import GenerationOutput, RequestOutput
 from specengine.server.errors import BearerAuth, install_error_handlers, status_for
@@ -157,17 +158,26 @@ async def _events(state: ServerState, rid: str, stream: AsyncIterator[RequestOut
 
 
 def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
-              default_k: int = 0) -> FastAPI:
+              default_k: int | str = 0, default_k_max: int = DEFAULT_K_MAX) -> FastAPI:
     """The server's app over ``engine`` (which it does not close: ``specengine.server.serve``
     does at shutdown). ``api_key``: every endpoint then needs ``Authorization: Bearer
-    <api_key>``. ``default_k``: the draft length of requests that give no ``k``."""
+    <api_key>``. ``default_k``: the draft length of requests that give no ``k`` (an int, or
+    ``"auto"``: each step's k in 0..``default_k_max``, as a request's ``"k": "auto"``)."""
     if not isinstance(engine, AsyncSpecEngine):
         raise ValueError(f"engine must be an AsyncSpecEngine, got {type(engine).__name__}")
-    if isinstance(default_k, bool) or not isinstance(default_k, int) or not (
-            0 <= default_k <= MAX_K):
-        raise ValueError(f"default_k must be an int in [0, {MAX_K}], got {default_k!r}")
-    if default_k > 0 and engine.engine.drafter is None:
-        raise ValueError(f"default_k={default_k} needs a drafter: the engine has none")
+    try:
+        most_k, _ = resolve_k(default_k, default_k_max)
+    except ValueError:
+        raise ValueError(f"default_k must be an int in [0, {MAX_K}] or \"auto\" and "
+                         f"default_k_max an int in [0, {MAX_K}], got {default_k!r} and "
+                         f"{default_k_max!r}") from None
+    if default_k_max != DEFAULT_K_MAX:
+        # AsyncSpecEngine.generate_stream takes no k_max yet: every "auto" request's is the
+        # engine's default, so another one would be silently ignored.
+        raise ValueError(f"default_k_max must be {DEFAULT_K_MAX} (the async engine's k_max of "
+                         f"k=\"auto\" requests), got {default_k_max!r}")
+    if most_k > 0 and engine.engine.drafter is None:
+        raise ValueError(f"default_k={default_k!r} needs a drafter: the engine has none")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be a non-empty string or None")
     state = ServerState(engine, default_k, ServerMetrics())

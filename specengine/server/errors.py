@@ -72,7 +72,11 @@ def describe_validation(exc: RequestValidationError) -> tuple[int, str]:
 
 
 def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> None:
-    """Turn every exception into a JSON error response; ``on_error(status)`` counts them."""
+    """Turn every exception into a JSON error response; ``on_error(status)`` counts them.
+    Also reads every body as JSON whatever its Content-Type (:class:`JSONBodies`): FastAPI
+    would otherwise hand a JSON body sent without ``application/json`` to the schema as
+    bytes, whose error ("the body must be a JSON object") would be false."""
+    app.add_middleware(JSONBodies)
 
     def respond(status: int, message: str, headers: dict[str, str] | None = None
                 ) -> JSONResponse:
@@ -104,15 +108,40 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> Non
         return respond(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
+def _is_json(content_type: bytes) -> bool:
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/")
+                                            and media.endswith(b"+json"))
+
+
+class JSONBodies:
+    """ASGI middleware: an HTTP request whose Content-Type is missing or not JSON (``curl
+    -d`` sends ``application/x-www-form-urlencoded``) is passed on as ``application/json``.
+    Every endpoint takes a JSON body, so its body is parsed as one: JSON is served, and
+    anything else is the usual "malformed JSON body" 400."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = [(n, v) for n, v in scope.get("headers", ()) if n != b"content-type"]
+            given = [v for n, v in scope.get("headers", ()) if n == b"content-type"]
+            if len(given) != 1 or not _is_json(given[0]):
+                scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
+
+
 class BearerAuth:
-    """ASGI middleware: every HTTP request needs ``Authorization: Bearer <api_key>``
-    (compared in constant time); otherwise 401 before the body is read or routed."""
+    """ASGI middleware: every HTTP request needs ``Authorization: Bearer <api_key>`` (the
+    scheme name in any case, as HTTP's are case-insensitive; the token compared in constant
+    time); otherwise 401 before the body is read or routed."""
 
     def __init__(self, app: ASGIApp, api_key: str, on_error: Callable[[int], None]) -> None:
         if not api_key:
             raise ValueError("api_key must be a non-empty string")
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
         self._on_error = on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -124,16 +153,21 @@ class BearerAuth:
             if name == b"authorization":
                 given = value
                 break
-        if hmac.compare_digest(given, self._expected):
+        scheme, _, token = given.strip().partition(b" ")
+        bearer = scheme.lower() == b"bearer"
+        # RFC 9110: one or more spaces after the scheme; compared even when the scheme is
+        # wrong, so the time taken says nothing about the token.
+        if hmac.compare_digest(token.lstrip(b" "), self._expected) and bearer:
             await self.app(scope, receive, send)
             return
         self._on_error(401)
-        why = "missing Authorization header" if not given else "wrong bearer token"
+        why = ("missing Authorization header" if not given else
+               "wrong bearer token" if bearer else "not a Bearer scheme")
         response = error_response(
             401, f"unauthorized: {why}; send 'Authorization: Bearer <api key>'",
             headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
 
-__all__ = ["BearerAuth", "describe_validation", "error_response", "install_error_handlers",
-           "status_for"]
+__all__ = ["BearerAuth", "JSONBodies", "describe_validation", "error_response",
+           "install_error_handlers", "status_for"]

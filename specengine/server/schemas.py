@@ -1,10 +1,14 @@
 """Request bodies of the rollout server (``specengine.server.app``).
 
 Every model forbids unknown fields and is strict about types (``true`` is not an int, ``"3"``
-is not a number), so a typo or a wrong type is a 422 naming the field instead of a silently
-ignored option. Range checks stay with the engine (``SamplingParams.__post_init__``,
-``validate_requests``): its ``ValueError`` message becomes the 400's error, so the HTTP and
-Python APIs refuse the same inputs with the same words.
+and ``1e30`` are not ints), so a typo or a wrong type is a 422 naming the field instead of a
+silently ignored option. Range checks of generation stay with the engine
+(``SamplingParams.__post_init__``, ``resolve_k``, ``validate_requests``): its ``ValueError``
+message becomes the 400's error, so the HTTP and Python APIs refuse the same inputs with the
+same words. The weight endpoints' numbers are bounded here (422), before they reach the
+engine thread: a port, ranks and a world size that ``torch.distributed`` holds (int32), a
+version that the int64 weight stamps hold, and a finite timeout of at most a day
+(``datetime.timedelta`` overflows on huge ones).
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specengine.sampling import SamplingParams
+from specengine.sampling import MAX_INT32, MAX_INT64, SamplingParams
 
-_STRICT = ConfigDict(extra="forbid", strict=True)
+# allow_inf_nan=False: NaN / Infinity (which Python's json reads) are no numbers anywhere.
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+MAX_TIMEOUT_S = 86400.0  # a day: longer is a hung peer, not a slow one
 MAX_REQUEST_ID_CHARS = 256
 # Fields where an explicit null is a value (no seed; the engine's lag), not "the default".
 _NONE_MEANS_SOMETHING = ("seed", "max_policy_lag")
@@ -87,7 +93,8 @@ class LoadWeightsRequest(BaseModel):
 
     path: str = Field(min_length=1)
     which: Literal["policy", "draft"] = "policy"
-    version: int | None = None
+    # >= 0: the engine says why 0 is refused (versions must increase)
+    version: int | None = Field(default=None, ge=0, le=MAX_INT64)
 
 
 class InitWeightUpdateGroupRequest(BaseModel):
@@ -97,10 +104,12 @@ class InitWeightUpdateGroupRequest(BaseModel):
 
     master_address: str = Field(min_length=1)
     master_port: int = Field(ge=1, le=65535)
-    rank: int
-    world_size: int
+    # Only int32 bounds here: the engine's own checks (rank 0 is the sender, rank <
+    # world_size, world_size >= 2) answer with their clearer words.
+    rank: int = Field(ge=0, le=MAX_INT32)
+    world_size: int = Field(ge=1, le=MAX_INT32)
     backend: Literal["nccl", "gloo"] = "nccl"
-    timeout_s: float = Field(default=120.0, gt=0)
+    timeout_s: float = Field(default=120.0, gt=0, le=MAX_TIMEOUT_S)
 
 
 class UpdateWeightsFromDistributedRequest(BaseModel):
@@ -110,7 +119,7 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
     model_config = _STRICT
 
     which: Literal["policy", "draft"] = "policy"
-    src_rank: int = 0
+    src_rank: int = Field(default=0, ge=0, le=MAX_INT32)
     staging: Literal["auto", "device", "host", "none"] = "auto"
 
 

@@ -24,6 +24,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from specengine.async_engine import AsyncSpecEngine
+from specengine.core.auto_k import DEFAULT_K_MAX
 from specengine.server import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
 from specengine.server.app import ServerState, build_app
 
@@ -92,10 +93,12 @@ class RolloutServer(uvicorn.Server):
 
 
 def make_server(engine: AsyncSpecEngine, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-                api_key: str | None = None, default_k: int = 0,
-                shutdown_timeout_s: float = 10.0, log_level: str = "info") -> RolloutServer:
+                api_key: str | None = None, default_k: int | str = 0,
+                default_k_max: int = DEFAULT_K_MAX, shutdown_timeout_s: float = 10.0,
+                log_level: str = "info") -> RolloutServer:
     """A :class:`RolloutServer` for ``engine`` (not started: ``await server.serve()``, or
-    ``server.run()`` in a thread). ``api_key`` None reads ``$SPECENGINE_API_KEY``."""
+    ``server.run()`` in a thread). ``api_key`` None reads ``$SPECENGINE_API_KEY``;
+    ``default_k`` / ``default_k_max``: ``build_app``'s."""
     if api_key is None:
         api_key = os.environ.get(API_KEY_ENV) or None
     if not shutdown_timeout_s >= 0:
@@ -103,7 +106,7 @@ def make_server(engine: AsyncSpecEngine, *, host: str = DEFAULT_HOST, port: int 
     if api_key is None and not _is_loopback(host):
         logger.warning("serving on %s without an API key: anyone who can reach it can "
                        "generate and replace the weights (set --api-key)", host)
-    app = build_app(engine, api_key=api_key, default_k=default_k)
+    app = build_app(engine, api_key=api_key, default_k=default_k, default_k_max=default_k_max)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
                             access_log=False)
     return RolloutServer(config, shutdown_timeout_s=shutdown_timeout_s)
@@ -129,7 +132,11 @@ def serve_main(args: Any) -> int:
             draft = str(DEFAULT_DRAFT)
     if not model.is_dir():
         raise ValueError(f"--model {model}: no such directory")
-    if args.k > 0 and draft is None:
+    if args.k_max != DEFAULT_K_MAX:  # refused before the engine loads (build_app says why)
+        raise ValueError(f"--k-max must be {DEFAULT_K_MAX} for now, got {args.k_max}: the "
+                         "async engine gives every k 'auto' request that k_max")
+    drafts = args.k_max > 0 if args.k == "auto" else args.k > 0
+    if drafts and draft is None:
         raise ValueError(f"--k {args.k} needs a drafter: give --draft (or --k 0)")
     engine = SpecEngine(model, draft=draft, device=None if args.device == "auto" else args.device,
                         dtype=args.dtype, kernel_backend=args.kernel_backend, seed=args.seed,
@@ -140,7 +147,8 @@ def serve_main(args: Any) -> int:
     aeng = AsyncSpecEngine(engine, max_waiting=args.max_waiting)
     try:
         server = make_server(aeng, host=args.host, port=args.port, api_key=args.api_key,
-                             default_k=args.k, shutdown_timeout_s=args.shutdown_timeout,
+                             default_k=args.k, default_k_max=args.k_max,
+                             shutdown_timeout_s=args.shutdown_timeout,
                              log_level=args.log_level)
     except BaseException:
         asyncio.run(aeng.close())
