@@ -11,25 +11,39 @@ that closes its stream early, aborts its request on the engine thread (KV blocks
 once). A request's own bad input raises ``ValueError`` in its caller only; an error inside
 ``step()`` (the engine then aborts every request) is raised in every caller whose request was
 unfinished, and the engine goes on serving new requests.
+
+Text work stays off the step loop: a text prompt is tokenized (after the checks that need no
+engine state: a text or id list too long for ``max_model_len`` is refused by its length) in
+a small thread pool of the async engine, and the engine thread gets token ids; the final
+output's ``text`` is decoded in that pool too (the wrapped engine's ``core.detokenize`` is off
+while it is wrapped). A huge prompt therefore neither stalls the other requests' steps nor
+holds the engine thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 from specengine.async_loop import EngineClosedError, EngineLoop, EngineOverloadedError
 from specengine.engine import SpecEngine
 from specengine.outputs import GenerationOutput, RequestOutput
+from specengine.requests import prompt_ids
 from specengine.sampling import SamplingParams
 from specengine.tree import DraftTree
 
 T = TypeVar("T")
+
+# Threads that tokenize prompts and decode outputs: few, so that many huge prompts at once hold
+# at most this many tokenizations' memory (each bounded by TextTokenizer's length check).
+TEXT_WORKERS = 2
 
 
 class AsyncSpecEngine:
@@ -53,6 +67,8 @@ class AsyncSpecEngine:
             raise ValueError("the engine has unfinished requests: finish or abort them first")
         self.engine = engine
         self.max_waiting = max_waiting
+        self._text_pool = ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="specengine-text")
+        engine.core.detokenize = False  # outputs are decoded in _text_pool (close() restores)
         self._loop = EngineLoop(engine, max_waiting)
 
     @classmethod
@@ -96,16 +112,28 @@ class AsyncSpecEngine:
         if isinstance(params, SamplingParams) and params.n > 1:  # one stream is one sequence
             raise ValueError(f"AsyncSpecEngine streams one sequence per request; got n="
                              f"{params.n}: add the samples as separate requests")
-        ch = self._loop.register(request_id, asyncio.get_running_loop())
-        self._loop.send("add", (ch, prompt, params, k, tree))
+        loop = asyncio.get_running_loop()
+        ch = self._loop.register(request_id, loop)
         done = False
         try:
+            try:
+                if isinstance(prompt, str):  # tokenized here, never on the engine thread
+                    prompt = await loop.run_in_executor(self._text_pool, self._admit, prompt)
+                else:
+                    prompt = self._admit(prompt)
+            except ValueError:  # refused before the engine saw it: its slot is free at once
+                done = True
+                self._loop.release(ch)
+                raise
+            self._loop.send("add", (ch, prompt, params, k, tree))
             while True:
                 item = await ch.queue.get()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
                 done = item.finished
+                if item.output is not None:
+                    item = await self._with_text(item)
                 yield item
                 if done:
                     return
@@ -113,11 +141,39 @@ class AsyncSpecEngine:
             if not done:  # cancelled or closed early: free its KV blocks now
                 self._loop.send("cancel", ch)
 
+    def _admit(self, prompt: object) -> object:
+        """The checks of ``prompt`` that need no engine state, and a text's token ids (run in
+        the text pool); the engine checks the rest when it adds the request. A prompt that
+        cannot fit in ``max_model_len`` is refused by its length before any per-token work.
+        The message is ``requests.validate_requests``' (single requests are prompt 0)."""
+        max_model_len = self.engine.config.max_model_len
+        if isinstance(prompt, str):
+            prompt = prompt_ids(prompt, 0, self.engine.tokenizer)
+        if isinstance(prompt, (list, tuple)) and len(prompt) >= max_model_len:
+            raise ValueError(f"prompt 0 has {len(prompt)} tokens; max_model_len is "
+                             f"{max_model_len}, which leaves no room to generate")
+        return prompt
+
+    async def _with_text(self, out: RequestOutput) -> RequestOutput:
+        """``out`` with its final output's ``text`` decoded in the text pool (the engine
+        thread leaves it None while wrapped here)."""
+        tok = self.engine.tokenizer
+        final = out.output
+        if tok is None or final is None or final.text is not None:
+            return out
+        try:
+            text = await asyncio.get_running_loop().run_in_executor(
+                self._text_pool, tok.decode, final.token_ids)
+        except RuntimeError:  # closed meanwhile (the pool takes no work): decode right here
+            text = tok.decode(final.token_ids)
+        return dataclasses.replace(out, output=dataclasses.replace(final, text=text))
+
     async def abort(self, request_id: str) -> RequestOutput:
         """Abort an unfinished request (its KV blocks are freed at once); its caller gets the
         final output (``finish_reason="abort"``), which is also returned here. An id that is
         not unfinished here raises ``ValueError``."""
-        return await asyncio.wrap_future(self._loop.call("abort", request_id))
+        return await self._with_text(
+            await asyncio.wrap_future(self._loop.call("abort", request_id)))
 
     async def run_in_engine(self, fn: Callable[[SpecEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result (or
@@ -131,6 +187,8 @@ class AsyncSpecEngine:
         get ``EngineClosedError``; later calls raise it too. Idempotent."""
         self._loop.request_close()
         await asyncio.get_running_loop().run_in_executor(None, self._loop.thread.join)
+        self._text_pool.shutdown(wait=False)  # a queued prompt still ends (closed error)
+        self.engine.core.detokenize = True  # the engine's own callers get text again
 
     async def __aenter__(self) -> AsyncSpecEngine:
         return self
