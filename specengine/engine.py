@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,8 +32,16 @@ from specengine.sequence import Sequence
 from specengine.speculate import StepTimes, num_drafts_for, speculative_step
 from specengine.threads import apply_thread_policy
 from specengine.tree import DraftTree
-from specengine.weights.receiver import WeightReceiver, apply_shared, load_in_process
+from specengine.weights.receiver import (
+    WeightReceiver,
+    apply_shared,
+    check_allowed,
+    load_in_process,
+    read_update,
+    update_target,
+)
 from specengine.weights.sender import SharedWeights
+from specengine.weights.staged import StagedUpdate, WeightLock, staged
 
 logger = logging.getLogger(__name__)
 
@@ -328,63 +337,167 @@ class SpecEngine:
     # ---- weights (docs/design.md §3-4; the logic lives in specengine.weights) -----
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
                      | Mapping[str, torch.Tensor] | str | Path, *,
-                     which: str = "policy", version: int | None = None) -> int:
+                     which: str = "policy", version: int | None = None,
+                     check_finite: bool = True) -> int:
         """Copy new weights (HF checkpoint names; ``(name, tensor)`` pairs or a mapping such
         as a state dict; a subset is fine; a directory path loads its safetensors) into the
         parameters in place (``data_ptr()`` unchanged), all or nothing: a bad name, shape or
         dtype raises ``CheckpointError`` and changes nothing (a copy that fails midway
-        leaves ``generate`` refusing until those tensors are loaded again). The version
-        becomes ``version`` (greater than the current one) or the current one + 1, stamped on
-        every later token and output. Returns the new version."""
-        return load_in_process(self, named_tensors, which, version)
+        leaves ``generate`` refusing until those tensors are loaded again); with
+        ``check_finite`` (default) a NaN or Inf value raises ``WeightSyncError`` naming the
+        tensor and changes nothing. The version becomes ``version`` (greater than the
+        current one) or the current one + 1, stamped on every later token and output.
+        Returns the new version."""
+        with self._weight_lock.held("load_weights"):
+            return load_in_process(self, named_tensors, which, version, check_finite)
 
     def init_weight_update_group(self, master_address: str, master_port: int, rank: int,
                                  world_size: int, backend: str = "nccl",
                                  timeout_s: float = 120.0) -> None:
         """Join a learner's weight-sync group as ``rank`` (1..world_size-1; the learner's
         ``WeightSender`` is rank 0). Blocks until every rank joined; ``WeightSyncError``
-        after ``timeout_s``. The process's own ``torch.distributed`` state is not touched."""
-        if self._weight_receiver is not None:
-            raise RuntimeError("already in a weight-update group: close_weight_update_group()")
-        if self.tp is not None:  # every rank joins, as ranks rank..rank+N-1
-            from specengine.distributed.tp_weights import TPWeightReceiver
-
-            self._weight_receiver = TPWeightReceiver(  # type: ignore[assignment]
-                self.tp, master_address, master_port, rank, world_size, backend, timeout_s,
-                self.device)
-            return
-        self._weight_receiver = WeightReceiver(master_address, master_port, rank, world_size,
-                                               backend, timeout_s, self.device)
+        once ``timeout_s`` has passed. The process's own ``torch.distributed`` state is not
+        touched. (A server joins in :meth:`stage_weight_update_group` instead, off the step
+        loop.)"""
+        self.commit_staged(self.stage_weight_update_group(
+            master_address, master_port, rank, world_size, backend, timeout_s))
 
     def update_weights_from_distributed(self, *, which: str = "policy", src_rank: int = 0,
-                                        staging: str = "auto") -> int:
+                                        staging: str = "auto", check_finite: bool = True
+                                        ) -> int:
         """Receive one update that the sender broadcasts (call it while the learner calls
         ``send``); returns the new version once every receiver applied it. A manifest that
-        does not fit raises ``WeightSyncError`` on both sides and changes nothing. If the
-        sender dies mid-transfer, raises within the timeout; ``staging`` (``auto``,
-        ``device``, ``host``: keep the old weights; ``none``: fail closed) says how the
-        engine avoids ever generating from a mix (see ``specengine.weights.receiver``)."""
-        if self._weight_receiver is None:
-            raise RuntimeError("no weight-update group: call init_weight_update_group first")
-        return self._weight_receiver.receive(self, which, src_rank, staging)
+        does not fit, or (``check_finite``) a NaN or Inf value, raises ``WeightSyncError`` on
+        both sides and changes nothing. If the sender dies mid-transfer, raises within the
+        timeout; ``staging`` (``auto``, ``device``, ``host``: keep the old weights; ``none``:
+        fail closed, also on a non-finite value) says how the engine avoids ever generating
+        from a mix (see ``specengine.weights.receiver``)."""
+        return self.commit_staged(self.stage_weights_from_distributed(
+            which=which, src_rank=src_rank, staging=staging, check_finite=check_finite))
 
-    def update_weights_from_shared(self, handles: SharedWeights, *, which: str = "policy"
-                                   ) -> int:
+    def update_weights_from_shared(self, handles: SharedWeights, *, which: str = "policy",
+                                   check_finite: bool = True) -> int:
         """Copy a colocated update (``WeightSender(transport="shared").send``'s result, passed
-        through a local ``torch.multiprocessing`` queue) into the parameters: same checks,
-        atomicity and versioning. Returns the new version; the sender may then release it."""
-        return apply_shared(self, handles, which)
+        through a local ``torch.multiprocessing`` queue) into the parameters: same checks
+        (finite values too, unless ``check_finite=False``), atomicity and versioning. Returns
+        the new version; the sender may then release it."""
+        with self._weight_lock.held("update_weights_from_shared"):
+            return apply_shared(self, handles, which, check_finite)
 
     def close_weight_update_group(self) -> None:
-        """Leave the weight-update group (idempotent)."""
+        """Leave the weight-update group (idempotent). Refused (``RuntimeError``) while a
+        staged weight operation is pending: it ends within the group's timeout."""
+        with self._weight_lock.held("close_weight_update_group"):
+            self._leave_group()
+
+    def _leave_group(self) -> None:
         if self._weight_receiver is not None:
             self._weight_receiver.close()
             self._weight_receiver = None
 
+    # ---- weights off the step loop (specengine.weights.staged) ----------------------------
+    @property
+    def _weight_lock(self) -> WeightLock:
+        """One weight operation at a time (made on first use; ``setdefault`` is atomic)."""
+        try:
+            return self.__dict__["_weight_lock_obj"]
+        except KeyError:
+            return self.__dict__.setdefault("_weight_lock_obj", WeightLock())
+
+    def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                      | Mapping[str, torch.Tensor] | str | Path, *, which: str = "policy",
+                      version: int | None = None, check_finite: bool = True
+                      ) -> StagedUpdate:
+        """:meth:`load_weights` in two parts: this one (safe beside ``step()``, on any thread)
+        reads a checkpoint dir into host tensors and checks the values are finite; the
+        commit (:meth:`commit_staged`, between two steps) checks names, shapes, dtypes and
+        the version and copies them in place, returning the new version."""
+        def stage() -> tuple[Callable[[SpecEngine], int], None]:
+            update_target(self, which)
+            check_allowed(self, version)
+            items = read_update(named_tensors, check_finite)
+            return (lambda e: load_in_process(e, items, which, version, check_finite=False),
+                    None)
+
+        return staged(self, "load_weights", stage)
+
+    def stage_weights_from_distributed(self, *, which: str = "policy", src_rank: int = 0,
+                                       staging: str = "auto", check_finite: bool = True
+                                       ) -> StagedUpdate:
+        """:meth:`update_weights_from_distributed` in two parts: this one (safe beside
+        ``step()``, on any thread) receives the whole update into the staging copy, checks
+        it and passes the group's commit point; the commit (:meth:`commit_staged`, between
+        two steps) copies it into the parameters and returns the new version. With
+        ``staging="none"`` (writes in place) or tensor parallelism (lockstep ranks) the whole
+        receive runs in the commit instead."""
+        def stage() -> tuple[Callable[[SpecEngine], int], None]:
+            receiver = self._weight_receiver  # under the lock: it cannot change until commit
+            if receiver is None:
+                raise RuntimeError("no weight-update group: call init_weight_update_group "
+                                   "first")
+            if staging == "none" or self.tp is not None:
+                return (lambda e: receiver.receive(e, which, src_rank, staging, check_finite),
+                        None)
+            plan = receiver.stage(self, which, src_rank, staging, check_finite)  # type: ignore
+            return (lambda e: receiver.commit(e, plan), None)  # type: ignore[union-attr]
+
+        return staged(self, "update_weights_from_distributed", stage)
+
+    def stage_weight_update_group(self, master_address: str, master_port: int, rank: int,
+                                  world_size: int, backend: str = "nccl",
+                                  timeout_s: float = 120.0) -> StagedUpdate:
+        """:meth:`init_weight_update_group` in two parts: this one (safe beside ``step()``, on
+        any thread) waits for the rendezvous (``WeightSyncError`` once ``timeout_s`` has
+        passed); the commit (:meth:`commit_staged`) makes the engine a member. Under tensor
+        parallelism the ranks join in the commit."""
+        def stage() -> tuple[Callable[[SpecEngine], None], Callable[[], None] | None]:
+            if self._weight_receiver is not None:
+                raise RuntimeError("already in a weight-update group: "
+                                   "close_weight_update_group()")
+            if self.tp is not None:  # every rank joins, as ranks rank..rank+N-1
+                from specengine.distributed.tp_weights import TPWeightReceiver
+
+                def join_tp(e: SpecEngine) -> None:
+                    e._weight_receiver = TPWeightReceiver(  # type: ignore[assignment]
+                        e.tp, master_address, master_port, rank, world_size, backend,
+                        timeout_s, e.device)
+                return join_tp, None
+            receiver = WeightReceiver(master_address, master_port, rank, world_size,
+                                      backend, timeout_s, self.device)
+
+            def attach(e: SpecEngine) -> None:
+                e._weight_receiver = receiver
+            return attach, receiver.close
+
+        return staged(self, "init_weight_update_group", stage)
+
+    def commit_staged(self, staged_update: StagedUpdate) -> Any:
+        """Finish a staged weight operation (``stage_*``): on the thread that steps the
+        engine, between two steps. Returns what the synchronous method returns (the new
+        version of an update). Releases the weight lock however it ends."""
+        if not isinstance(staged_update, StagedUpdate):
+            raise TypeError(f"commit_staged takes a StagedUpdate, got "
+                            f"{type(staged_update).__name__}")
+        return staged_update.commit(self)
+
     def close(self) -> None:
         """Leave the weight-update group and stop the tensor-parallel ranks' processes
         (idempotent; also on leaving a ``with SpecEngine(...) as engine:`` block)."""
-        self.close_weight_update_group()
+        receiver = self._weight_receiver
+        # A weight operation still staged (a server's, off the engine thread) ends within the
+        # group's timeout: wait for it rather than tear the group down under its transfer.
+        wait_s = receiver.group.timeout.total_seconds() + 5.0 if isinstance(
+            receiver, WeightReceiver) else 5.0
+        try:
+            self._weight_lock.acquire("close", wait_s)
+        except RuntimeError:
+            logger.warning("closing the engine while a weight operation is in progress")
+            self._leave_group()
+        else:
+            try:
+                self._leave_group()
+            finally:
+                self._weight_lock.release()
         if self.tp is not None:
             self.tp.close()
 

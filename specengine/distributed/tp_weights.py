@@ -10,6 +10,14 @@ and copies its own slice in place (``ShardSpec.copy_into``, ``param.data.copy_``
   checks and its agreement (every receiver accepts the manifest, every receiver holds the
   whole update) span every rank of every engine.
 
+Finite values: an in-process update is checked on rank 0 (every rank gets the same tensors)
+before any rank is told about it; over the group every rank checks what it staged before the
+commit point (``WeightReceiver.stage``), so a NaN is refused by every member.
+
+The tensor-parallel ranks follow rank 0's commands in lockstep over the channel the step
+loop also uses, so a tensor-parallel engine joins a group and receives updates between two
+steps (on the engine thread), not beside them.
+
 The drafter lives on rank 0 only: a ``which="draft"`` update is rank 0's alone in process;
 over the group the workers join the transfer (the broadcasts span every member) and keep
 nothing.
@@ -31,6 +39,7 @@ from specengine.model.loader import (
     load_named_tensors,
     tied_names,
 )
+from specengine.weights.finite import check_finite_tensors
 from specengine.weights.protocol import WeightSyncError
 
 if TYPE_CHECKING:
@@ -63,16 +72,22 @@ def _rank_errors(replies: list[tuple[str, Any]]) -> list[str]:
 
 def load_policy(tp: TensorParallel, model: torch.nn.Module,
                 named_tensors: Iterable[tuple[str, torch.Tensor]] | str | Path,
-                before_write: Callable[[list[str]], None]) -> list[str]:
+                before_write: Callable[[list[str]], None], check_finite: bool = True
+                ) -> list[str]:
     """Rank 0's side of an in-process policy update, all or nothing over every rank."""
     g = tp.group
     if isinstance(named_tensors, (str, Path)):
         payload: Payload = str(named_tensors)
     else:
         payload = [(n, t.detach()) for n, t in named_tensors]
+    items: list[tuple[str, torch.Tensor]] | None = None
+    if check_finite:  # every rank gets these very values: rank 0 checks, before any command
+        items = _tensors(payload)
+        check_finite_tensors(items)
     g.send_command("load_check", payload)
     try:
-        items = _tensors(payload)
+        if items is None:
+            items = _tensors(payload)
         own: tuple[str, Any] = ("ok", _check(model, items))
     except Exception as e:  # noqa: BLE001 - after the exchange, so the workers stay in step
         own = ("error", f"{type(e).__name__}: {e}")
@@ -132,15 +147,16 @@ class TPWeightReceiver:
                 raise failure
             raise WeightSyncError("joining the weight-sync group failed: " + "; ".join(errors))
 
-    def receive(self, engine: Any, which: str, src_rank: int, staging: str) -> int:
+    def receive(self, engine: Any, which: str, src_rank: int, staging: str,
+                check_finite: bool = True) -> int:
         """One update on every rank at once; rank 0's error (the protocol's agreement names
         every refusing member) or a worker's is raised."""
         assert self.own is not None
-        self.tp.group.send_command("recv", which, src_rank, staging)
+        self.tp.group.send_command("recv", which, src_rank, staging, check_finite)
         failure: BaseException | None = None
         version = engine.weight_version
         try:
-            version = self.own.receive(engine, which, src_rank, staging)
+            version = self.own.receive(engine, which, src_rank, staging, check_finite)
             own: tuple[str, Any] = ("ok", version)
         except Exception as e:  # noqa: BLE001 - raised after the exchange
             failure, own = e, ("error", str(e))
@@ -218,10 +234,11 @@ def worker_join(st: WorkerState, master_address: str, master_port: int, rank: in
                                  backend, timeout_s, st.device)
 
 
-def worker_receive(st: WorkerState, which: str, src_rank: int, staging: str) -> int:
+def worker_receive(st: WorkerState, which: str, src_rank: int, staging: str,
+                   check_finite: bool = True) -> int:
     if st.receiver is None:
         raise RuntimeError("not in a weight-sync group")
-    return st.receiver.receive(st, which, src_rank, staging)
+    return st.receiver.receive(st, which, src_rank, staging, check_finite)
 
 
 def worker_leave(st: WorkerState) -> None:

@@ -41,6 +41,7 @@ from specengine.server.schemas import (
     LoadWeightsRequest,
     UpdateWeightsFromDistributedRequest,
 )
+from specengine.weights.staged import StagedUpdate
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -247,15 +248,36 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
         assert out.output is not None
         return json_response(output_dict(rid, out.output))
 
+    async def off_loop(what: str, stage: Callable[[SpecEngine], StagedUpdate]) -> Any:
+        """A weight operation whose waiting part (``stage``: reading a checkpoint, a
+        rendezvous, a transfer) runs in a worker thread while the engine keeps stepping, and
+        whose commit runs on the engine thread between two steps. Shielded: a caller that
+        goes away cannot strand a staged update (its commit or discard still runs, so the
+        weight lock is released)."""
+        async def run() -> Any:
+            try:
+                staged = await asyncio.to_thread(stage, engine.engine)
+            except RuntimeError as exc:  # busy, no group, already joined: the engine's state
+                if type(exc) is RuntimeError:
+                    raise HTTPException(409, str(exc)) from exc
+                raise
+            try:
+                return await on_engine(lambda e: e.commit_staged(staged))
+            finally:
+                staged.discard()  # a no-op once committed
+        logger.debug("weight operation %s off the step loop", what)
+        return await asyncio.shield(asyncio.ensure_future(run()))
+
     @app.post("/load_weights")
     async def load_weights(body: LoadWeightsRequest) -> Response:
-        version = await on_engine(lambda e: e.load_weights(body.path, which=body.which,
-                                                           version=body.version))
+        version = await off_loop("load_weights", lambda e: e.stage_weights(
+            body.path, which=body.which, version=body.version,
+            check_finite=body.check_finite))
         return json_response({"weight_version": version})
 
     @app.post("/init_weight_update_group")
     async def init_weight_update_group(body: InitWeightUpdateGroupRequest) -> Response:
-        await on_engine(lambda e: e.init_weight_update_group(
+        await off_loop("init_weight_update_group", lambda e: e.stage_weight_update_group(
             body.master_address, body.master_port, body.rank, body.world_size,
             backend=body.backend, timeout_s=body.timeout_s))
         return json_response({"ok": True})
@@ -263,8 +285,10 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(body: UpdateWeightsFromDistributedRequest
                                               ) -> Response:
-        version = await on_engine(lambda e: e.update_weights_from_distributed(
-            which=body.which, src_rank=body.src_rank, staging=body.staging))
+        version = await off_loop("update_weights_from_distributed",
+                                 lambda e: e.stage_weights_from_distributed(
+                                     which=body.which, src_rank=body.src_rank,
+                                     staging=body.staging, check_finite=body.check_finite))
         return json_response({"weight_version": version})
 
     @app.post("/close_weight_update_group")

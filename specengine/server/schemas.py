@@ -95,6 +95,7 @@ class LoadWeightsRequest(BaseModel):
     which: Literal["policy", "draft"] = "policy"
     # >= 0: the engine says why 0 is refused (versions must increase)
     version: int | None = Field(default=None, ge=0, le=MAX_INT64)
+    check_finite: bool = True  # refuse NaN / Inf weights (WeightSyncError, 400)
 
 
 class InitWeightUpdateGroupRequest(BaseModel):
@@ -121,6 +122,7 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
     which: Literal["policy", "draft"] = "policy"
     src_rank: int = Field(default=0, ge=0, le=MAX_INT32)
     staging: Literal["auto", "device", "host", "none"] = "auto"
+    check_finite: bool = True  # refuse NaN / Inf weights (WeightSyncError, 400)
 
 
 __all__ = ["AbortRequest", "GenerateRequest", "InitWeightUpdateGroupRequest",

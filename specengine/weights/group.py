@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -27,7 +29,9 @@ BACKENDS = ("gloo", "nccl")
 class WeightGroup:
     """``world_size`` ranks (0: the learner, 1..: receivers) joined at ``master_address:
     master_port`` (rank 0 hosts the store). Blocks until every rank joined, or raises
-    :class:`WeightSyncError` after ``timeout_s``; every later collective has the same limit.
+    :class:`WeightSyncError` once ``timeout_s`` has passed (the store's rendezvous, the
+    group's set-up and its first collective share that one deadline); every later
+    collective has the same limit.
     After a transport failure the group is broken: close it and make a new one. ``device``:
     where NCCL buffers live (default: the current CUDA device); gloo uses the CPU."""
 
@@ -51,32 +55,43 @@ class WeightGroup:
         else:  # NCCL moves CUDA tensors: the engine's device, or the current one
             self.device = device or torch.device("cuda", torch.cuda.current_device())
         self.broken = False
+        deadline = time.monotonic() + timeout_s
         try:
+            if rank != 0:
+                # A TCPStore client given timeout T retries its connect with a back-off and
+                # takes about 2T to give up on a master that is not there yet (8 s asked:
+                # 11-16 s taken), so wait for the port to listen against our own deadline
+                # first: then its connect succeeds at once.
+                _wait_listening(master_address, master_port, deadline)
             self._store = dist.TCPStore(master_address, master_port, world_size,
-                                        is_master=rank == 0, timeout=self.timeout,
+                                        is_master=rank == 0, timeout=_left(deadline),
                                         wait_for_workers=True)
             store = dist.PrefixStore("specengine/weight_sync", self._store)
             if backend == "gloo":
-                self._pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+                # The set-up waits for the peers' addresses within what is left; later
+                # collectives pass their own (full) timeout.
+                self._pg = dist.ProcessGroupGloo(store, rank, world_size, _left(deadline))
             else:
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = self.timeout
                 self._pg = _nccl_group(store, rank, world_size, opts)
             # One collective so that every rank has joined when the constructor returns.
-            self.allreduce(torch.zeros(1, dtype=torch.int32, device=self.device))
-        except (RuntimeError, dist.DistError) as e:  # DistStoreError, timeouts, refused
+            self.allreduce(torch.zeros(1, dtype=torch.int32, device=self.device),
+                           timeout=_left(deadline))
+        except (RuntimeError, dist.DistError, TimeoutError) as e:  # store errors, refused
             self.close()  # a store that came up would hold its port until collected
             raise WeightSyncError(f"weight-sync rendezvous at {master_address}:{master_port} "
                                   f"(rank {rank} of {world_size}, {backend}) failed within "
                                   f"{timeout_s:g} s: {e}") from e
         logger.info("weight-sync group up: rank %d of %d (%s)", rank, world_size, backend)
 
-    def _run(self, what: str, work_fn: Callable[[], dist.Work]) -> None:
+    def _run(self, what: str, work_fn: Callable[[], dist.Work],
+             timeout: timedelta | None = None) -> None:
         if self.broken:
             raise WeightSyncError("the weight-sync group failed earlier: close it and create a "
                                   "new one")
         try:
-            work_fn().wait(self.timeout)
+            work_fn().wait(timeout or self.timeout)
         except (RuntimeError, dist.DistError) as e:
             self.broken = True
             raise WeightSyncError(f"weight-sync {what} failed (a peer died or the "
@@ -89,11 +104,11 @@ class WeightGroup:
         opts.rootRank, opts.rootTensor, opts.timeout = src, 0, self.timeout
         self._run("broadcast", lambda: self._pg.broadcast([tensor], opts))
 
-    def allreduce(self, tensor: torch.Tensor) -> None:
-        """Sum in place across ranks."""
+    def allreduce(self, tensor: torch.Tensor, timeout: timedelta | None = None) -> None:
+        """Sum in place across ranks (within ``timeout``, default the group's)."""
         opts = dist.AllreduceOptions()
-        opts.reduceOp, opts.timeout = dist.ReduceOp.SUM, self.timeout
-        self._run("all-reduce", lambda: self._pg.allreduce([tensor], opts))
+        opts.reduceOp, opts.timeout = dist.ReduceOp.SUM, timeout or self.timeout
+        self._run("all-reduce", lambda: self._pg.allreduce([tensor], opts), timeout)
 
     def agree(self, error: str | None) -> list[str]:
         """Every rank passes its error (None: fine); every rank gets all of them, as
@@ -123,6 +138,28 @@ class WeightGroup:
                 logger.debug("weight-sync group shutdown: %s", e)
         self._pg = None
         self._store = None
+
+
+def _left(deadline: float) -> timedelta:
+    """The time left until ``deadline`` (a few ms at least: a zero timeout means "none" to
+    some of torch's waits)."""
+    return timedelta(seconds=max(deadline - time.monotonic(), 0.01))
+
+
+def _wait_listening(address: str, port: int, deadline: float) -> None:
+    """Return once ``address:port`` accepts a TCP connection; ``TimeoutError`` at
+    ``deadline``. The probe connection is closed at once (the store's server drops a client
+    that never speaks)."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"nobody listens at {address}:{port} (is the learner's "
+                               "WeightSender up?)")
+        try:
+            with socket.create_connection((address, port), timeout=min(left, 1.0)):
+                return
+        except OSError:
+            time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
 
 
 def _nccl_group(store: dist.Store, rank: int, world_size: int,

@@ -16,11 +16,27 @@ Atomicity over the network, where the sender may die mid-transfer (``staging``):
 - ``"none"``: no second copy; buckets are written in place and, if the transfer fails, the
   engine fails closed: ``generate`` raises until an update covering every tensor of the
   failed one is applied.
+
+Finite values (``check_finite``, default on; ``specengine.weights.finite``): an update holding
+a NaN or Inf is refused with :class:`WeightSyncError` naming the first bad tensor. In process
+and from shared buckets the values are checked as given, before any write; over the network
+the staged copy is checked (after the cast) before the commit point, so every member of the
+group refuses it and nothing changes. With ``staging="none"`` the values are already in
+place when they can be checked: the update then fails closed like a broken transfer (the
+tensors stay torn, ``generate`` raises until a complete update arrives).
+
+Off the engine thread (docs/design.md §4): a staged network update splits into
+:meth:`WeightReceiver.stage` (manifest, checks, transfer into the staging copy, finite check,
+the commit-point agreement: it only reads the engine's parameter shapes and version, so it
+may run beside ``engine.step()``) and :meth:`WeightReceiver.commit` (the copy into the
+parameters and the version bump, between two steps). ``staging="none"`` writes the
+parameters as bytes arrive, so its whole receive must run between two steps.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +55,7 @@ from specengine.model.loader import (
     iter_checkpoint,
     tied_names,
 )
+from specengine.weights.finite import FiniteCheck, check_finite_tensors, non_finite_message
 from specengine.weights.group import MAX_ERROR_BYTES, WeightGroup
 from specengine.weights.protocol import (
     MAX_MANIFEST_BYTES,
@@ -89,33 +106,53 @@ def commit(engine: SpecEngine, which: str, names: Iterable[str], version: int | 
     return engine.weight_version
 
 
+def read_update(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+                | str | Path, check_finite: bool) -> list[tuple[str, torch.Tensor]]:
+    """The update's ``(name, tensor)`` pairs (a safetensors dir is read into host tensors),
+    refused with :class:`WeightSyncError` if ``check_finite`` and a tensor holds a NaN or an
+    Inf. Touches no engine state, so it may run off the engine thread."""
+    if isinstance(named_tensors, (str, Path)):
+        items = list(iter_checkpoint(named_tensors))
+    elif isinstance(named_tensors, Mapping):  # iterating it would give the names alone
+        items = list(named_tensors.items())
+    else:
+        items = list(named_tensors)
+    if check_finite:  # malformed entries are left for the entry checks to name
+        check_finite_tensors(p for p in items if isinstance(p, tuple) and len(p) == 2
+                             and isinstance(p[1], torch.Tensor))
+    return items
+
+
 def load_in_process(engine: SpecEngine, named_tensors: Iterable[tuple[str, torch.Tensor]]
                     | Mapping[str, torch.Tensor] | str | Path, which: str,
-                    version: int | None) -> int:
+                    version: int | None, check_finite: bool = True) -> int:
     """``engine.load_weights``: named tensors (pairs or a mapping such as a state dict, as
     the sender takes) or a safetensors dir, all or nothing."""
     update_target(engine, which)
     check_allowed(engine, version)
-    if isinstance(named_tensors, (str, Path)):
-        named_tensors = iter_checkpoint(named_tensors)
-    elif isinstance(named_tensors, Mapping):  # iterating it would give the names alone
-        named_tensors = named_tensors.items()
+    tp = getattr(engine, "tp", None)
+    if which == "policy" and tp is not None:  # every rank checks, then copies its slice
+        from specengine.distributed.tp_weights import load_policy
+
+        def mark_torn_tp(names: list[str]) -> None:  # commit clears them once all are in
+            engine._torn_weights.update((which, n) for n in names)
+
+        if isinstance(named_tensors, Mapping):
+            named_tensors = named_tensors.items()
+        names = load_policy(tp, engine.model, named_tensors, mark_torn_tp, check_finite)
+        return commit(engine, which, names, version)
+    items = read_update(named_tensors, check_finite)
     if which == "policy":
         from specengine.model.loader import load_named_tensors
 
         def mark_torn(names: list[str]) -> None:  # commit clears them once all are in
             engine._torn_weights.update((which, n) for n in names)
 
-        if getattr(engine, "tp", None) is not None:  # every rank checks, then copies its slice
-            from specengine.distributed.tp_weights import load_policy
-
-            names = load_policy(engine.tp, engine.model, named_tensors, mark_torn)
-        else:
-            names = load_named_tensors(engine.model, named_tensors, strict=False,
-                                       tied=tied_names(engine.model), before_write=mark_torn)
+        names = load_named_tensors(engine.model, items, strict=False,
+                                   tied=tied_names(engine.model), before_write=mark_torn)
     else:
         try:
-            names = engine.drafter.load_weights(named_tensors)  # type: ignore[union-attr]
+            names = engine.drafter.load_weights(items)  # type: ignore[union-attr]
         except CheckpointError:
             raise  # refused before any write
         except Exception:
@@ -137,6 +174,19 @@ class _Plan:
     accepted: set[str]
     staged: dict[str, torch.Tensor] | None
     shards: dict[str, Any] = field(default_factory=dict)  # tensor-parallel slices (whole staged)
+    receive_s: float = 0.0  # transfer + checks, for the log
+    check_s: float = 0.0  # the finite check alone
+
+    def first_non_finite(self) -> str | None:
+        """The first accepted tensor (in the manifest's order) holding a NaN or an Inf, where
+        the update now sits (the staging copy, or the parameters with ``staging="none"``):
+        one reduction per tensor, one host read."""
+        check = FiniteCheck()
+        where = self.staged if self.staged is not None else self.params
+        for e in self.manifest.entries:
+            if e.name in self.accepted:
+                check.add(e.name, where[e.name])
+        return check.first_bad()
 
     def scatter(self, buf: torch.Tensor, lo: int, hi: int) -> None:
         """Cast stream bytes ``[lo, hi)`` (in ``buf[:hi-lo]``) into their destinations."""
@@ -238,12 +288,24 @@ class WeightReceiver:
                                  timeout_s, device if device.type == "cuda" else None)
         self._host_staging: dict[tuple[str, str], torch.Tensor] = {}  # kept until close
 
-    def receive(self, engine: SpecEngine, which: str, src_rank: int, staging: str) -> int:
-        """One update from ``src_rank`` (see ``engine.update_weights_from_distributed``).
+    def receive(self, engine: SpecEngine, which: str, src_rank: int, staging: str,
+                check_finite: bool = True) -> int:
+        """One update from ``src_rank`` (see ``engine.update_weights_from_distributed``),
+        staged and committed on this thread."""
+        return self.commit(engine, self.stage(engine, which, src_rank, staging, check_finite))
+
+    def stage(self, engine: SpecEngine, which: str, src_rank: int, staging: str,
+              check_finite: bool = True) -> _Plan:
+        """Everything up to the commit point: the manifest and its checks, the transfer, the
+        finite check and the group's agreement that every receiver holds the whole update.
+        With a staging copy this writes nothing the engine reads, so it may run beside
+        ``engine.step()``; :meth:`commit` then copies it in. With ``staging="none"`` the
+        parameters are written here (run it between two steps).
+
         Every refusal of this receiver's own (bad ``staging`` or ``which``, no drafter, a
-        version that does not increase, a manifest that does not fit) is raised only after
-        the handshake, so that the sender and the other receivers, which wait in it, raise
-        too."""
+        version that does not increase, a manifest that does not fit, non-finite values) is
+        raised only after a handshake, so that the sender and the other receivers, which
+        wait in it, raise too."""
         g = self.group
         if isinstance(src_rank, bool) or not isinstance(src_rank, int) or \
                 not 0 <= src_rank < g.world_size or src_rank == g.rank:
@@ -253,6 +315,7 @@ class WeightReceiver:
                              f"got {src_rank!r}")
         header = torch.zeros(2, dtype=torch.int64, device=g.device)
         g.broadcast(header, src_rank)
+        t0 = time.perf_counter()
         magic, size = header.tolist()
         if magic == MAGIC and -MAX_ERROR_BYTES <= size < 0:  # the sender refused its input
             message = torch.empty(-size, dtype=torch.uint8, device=g.device)
@@ -288,17 +351,36 @@ class WeightReceiver:
                     plan.scatter(buf, lo, hi)
                 except Exception as e:  # noqa: BLE001 - reported at the commit point
                     error = f"copy failed: {_describe(e)}"
+        t_check = time.perf_counter()
+        if error is None and check_finite:
+            # Before the commit point, so that every member (and the sender) refuses it. The
+            # staged copy is checked after the cast (a value too large for the parameter's
+            # dtype is an Inf there); with staging="none" the parameters themselves, which
+            # then stay torn (fail closed).
+            bad = plan.first_non_finite()
+            if bad is not None:
+                error = non_finite_message(bad)
+        plan.check_s = time.perf_counter() - t_check
         errors = g.agree(error)  # the commit point: every receiver holds the whole update
+        plan.receive_s = time.perf_counter() - t0
         if errors:
             raise WeightSyncError(f"weight update v{plan.manifest.version} failed: "
                                   + " | ".join(errors))
+        return plan
+
+    def commit(self, engine: SpecEngine, plan: _Plan) -> int:
+        """Copy a staged update into the parameters and bump the version (between two steps;
+        the staged copy is complete and checked)."""
+        t0 = time.perf_counter()
+        which = plan.which
         # Torn while the staged copy is written in (commit clears it): should a copy fail
         # midway, generate refuses instead of running on a mix.
         engine._torn_weights.update((which, n) for n in plan.accepted)
         plan.apply_staged()
         version = commit(engine, which, plan.accepted, plan.manifest.version)
-        logger.info("applied weight update v%d (%s): %d tensors", version, which,
-                    len(plan.accepted))
+        logger.info("applied weight update v%d (%s): %d tensors; received and checked in "
+                    "%.3f s (finite check %.3f s), copied in %.3f s", version, which,
+                    len(plan.accepted), plan.receive_s, plan.check_s, time.perf_counter() - t0)
         return version
 
     def close(self) -> None:
@@ -306,9 +388,11 @@ class WeightReceiver:
         self.group.close()
 
 
-def apply_shared(engine: SpecEngine, handles: SharedWeights, which: str) -> int:
+def apply_shared(engine: SpecEngine, handles: SharedWeights, which: str,
+                 check_finite: bool = True) -> int:
     """``engine.update_weights_from_shared``: every bucket is present before the first write,
-    so the copy is all or nothing without staging."""
+    so the copy (and the finite check, on the buckets as sent) is all or nothing without
+    staging."""
     if not isinstance(handles, SharedWeights):
         raise TypeError(f"handles must be SharedWeights (from WeightSender.send with "
                         f"transport='shared'), got {type(handles).__name__}")
@@ -323,6 +407,14 @@ def apply_shared(engine: SpecEngine, handles: SharedWeights, which: str) -> int:
         raise WeightSyncError(f"shared buckets of {sizes} bytes do not match the manifest's "
                               f"{[hi - lo for lo, hi in chunks]}")
     plan = plan_update(engine, which, manifest, "none")
+    if check_finite:
+        check = FiniteCheck()
+        for (lo, hi), bucket in zip(chunks, handles.buckets):
+            for _, entry, start, end in manifest.pieces(lo, hi):
+                if entry.name in plan.accepted:
+                    at = entry.offset + start - lo
+                    check.add(entry.name, bucket[at: at + end - start].view(entry.dtype))
+        check.raise_if_bad()
     # Torn until the last bucket is in (commit clears it): a copy that fails midway (storage
     # the sender freed, a device error) leaves generate refusing, not running on a mix.
     engine._torn_weights.update((which, n) for n in plan.accepted)
