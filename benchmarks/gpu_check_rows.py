@@ -3,8 +3,9 @@
 Every parser takes a finished :class:`StepRun` (exit code, output tail, the folder its JSON
 went to) and returns :class:`Row` s. A sub-step that failed before writing its JSON gives one
 FAIL row carrying the exit code or timeout and the last line of its output. Verdicts: PASS /
-FAIL against a target; SKIP when the check could not apply (no FlashInfer, no graph keyword);
-INFO for figures without a target (baselines, peers).
+FAIL against a target; SKIP when the check could not apply (no FlashInfer, no graph keyword, an
+optional package missing: :data:`OPTIONAL_PACKAGES`); INFO for figures without a target
+(baselines, peers).
 """
 
 from __future__ import annotations
@@ -12,10 +13,27 @@ from __future__ import annotations
 import json
 import re
 import statistics
+import xml.etree.ElementTree as ET
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from host_overhead_report import host_target_us
+
+# Packages a lent GPU machine may lack (unless carried in as wheels): a check or test that
+# cannot run without one is a SKIP with that reason, never a FAIL.
+OPTIONAL_PACKAGES = ("fastapi", "uvicorn", "prometheus_client", "ray", "transformers", "scipy",
+                     "flashinfer", "matplotlib", "schemathesis", "pytest")
+_NO_MODULE = re.compile(r"No module named '([A-Za-z0-9_.]+)'")
+
+
+def missing_optional(text: str) -> str | None:
+    """The optional package whose absence ``text`` (an error or a skip reason) reports."""
+    for name in _NO_MODULE.findall(text):
+        top = name.partition(".")[0]
+        if top in OPTIONAL_PACKAGES:
+            return top
+    return None
 
 
 @dataclass(frozen=True)
@@ -61,23 +79,78 @@ def _load(run: StepRun, name: str) -> dict | None:
 
 
 _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
+_SUMMARY_SKIP = re.compile(r"^SKIPPED \[(\d+)\] ([^:]+):\d+: (.*)$")
+_SUMMARY_FAIL = re.compile(r"^(FAILED|ERROR) (\S+?)(?:::\S*)? - (.*)$")
 
 
-def parse_pytest(run: StepRun) -> list[Row]:
-    """``pytest -m gpu``: every selected test must pass; a skip means the GPU was not used."""
+def _module_of(dotted: str) -> str:
+    """``tests.test_server.TestX`` (a JUnit class name) -> ``tests/test_server.py``."""
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("test_"):
+            return "/".join(parts[: i + 1]) + ".py"
+    return dotted
+
+
+def missing_package_outcomes(run: StepRun) -> list[tuple[str, str, str]]:
+    """``(module, package, outcome)`` of each test or module that was skipped, failed or
+    errored only because an optional package is missing: from the run's JUnit XML
+    (``junit.xml`` in its folder) when it wrote one, else from pytest's short summary."""
+    out = []
+    junit = run.out_dir / "junit.xml"
+    if junit.is_file():
+        try:
+            cases = list(ET.parse(junit).getroot().iter("testcase"))
+        except ET.ParseError:
+            cases = []
+        for case in cases:
+            for child in case:
+                if child.tag not in ("skipped", "failure", "error"):
+                    continue
+                pkg = missing_optional(f"{child.get('message', '')}\n{child.text or ''}")
+                if pkg:
+                    # A module skipped at collection has no class name, only its own name.
+                    module = _module_of(case.get("classname") or case.get("name", "?"))
+                    outcome = {"skipped": "skipped", "failure": "failed"}.get(child.tag, "error")
+                    out.append((module, pkg, outcome))
+                break
+        return out
+    for line in run.output.splitlines():
+        if m := _SUMMARY_SKIP.match(line.strip()):
+            if pkg := missing_optional(m.group(3)):
+                out += [(m.group(2), pkg, "skipped")] * int(m.group(1))
+        elif (m := _SUMMARY_FAIL.match(line.strip())) and (pkg := missing_optional(m.group(3))):
+            out.append((m.group(2), pkg, "failed" if m.group(1) == "FAILED" else "error"))
+    return out
+
+
+def parse_pytest(run: StepRun, label: str = "pytest -m gpu") -> list[Row]:
+    """``pytest -m gpu``: every selected test must pass; a skip means the GPU was not used.
+    Tests and modules skipped (or failing to import) for a missing optional package are not
+    counted there: they get a SKIP row each, with the package."""
     summary = [ln for ln in run.output.splitlines() if re.search(r"\d+ (passed|failed|error|"
                                                                  r"skipped|deselected)", ln)]
     if run.returncode is None or (not summary and run.returncode != 0):
-        return failure_rows(run, "pytest -m gpu")
+        return failure_rows(run, label)
     counts: dict[str, int] = {}
     for n, what in _PYTEST_COUNT.findall(summary[-1] if summary else ""):
         counts["error" if what.startswith("error") else what] = int(n)
-    passed, failed = counts.get("passed", 0), counts.get("failed", 0) + counts.get("error", 0)
-    skipped = counts.get("skipped", 0)
+    missing = missing_package_outcomes(run)
+    by_outcome = Counter(outcome for _, _, outcome in missing)
+    passed = counts.get("passed", 0)
+    failed = max(0, counts.get("failed", 0) + counts.get("error", 0) - by_outcome["failed"]
+                 - by_outcome["error"])
+    skipped = max(0, counts.get("skipped", 0) - by_outcome["skipped"])
     ok = passed > 0 and failed == 0 and skipped == 0 and not run.timed_out
     fig = f"{passed} passed, {failed} failed, {skipped} skipped"
-    return [Row("pytest -m gpu", "timed out" if run.timed_out else fig.split(",")[0], fig,
+    if missing:
+        fig += f" (+{len(missing)} for missing packages)"
+    rows = [Row(label, "timed out" if run.timed_out else fig.split(",")[0], fig,
                 "all pass, none skipped", "PASS" if ok else "FAIL")]
+    for (module, pkg), n in sorted(Counter((m, p) for m, p, _ in missing).items()):
+        rows.append(Row(f"tests in {module}", f"{n} skipped" if n > 1 else "skipped",
+                        f"{pkg} not installed", "-", "SKIP"))
+    return rows
 
 
 def parse_parity(run: StepRun, check: str, label: str, target: str) -> list[Row]:
@@ -256,3 +329,57 @@ def parse_peers(run: StepRun) -> list[Row]:
                        f"{r['ours_ms']:.4f} vs {r['theirs_ms']:.4f} ms", "ours / theirs",
                        "INFO"))
     return out
+
+
+def _log_text(run: StepRun) -> str:
+    """The step's whole log (the output tail may have lost its first lines)."""
+    log = run.out_dir / "log.txt"
+    return log.read_text(errors="replace") if log.is_file() else run.output
+
+
+def parse_exit(run: StepRun, label: str, target: str = "runs") -> list[Row]:
+    """A step judged by its exit code alone; its last output line is the figure."""
+    if run.returncode == 0 and not run.timed_out:
+        return [Row(label, "ok", _last_line(run.output) or "-", target, "PASS")]
+    return failure_rows(run, label)
+
+
+_OPTIONAL_LINE = re.compile(r"^optional: (\S+) absent: (.*)$")
+_MISSING_LINE = re.compile(r"^missing: (\S+)")
+
+
+def parse_install(run: StepRun) -> list[Row]:
+    """``scripts/install_offline.sh``: installed or not (naming the missing requirements),
+    plus a SKIP row per absent optional package saying what its absence skips."""
+    text = _log_text(run)
+    lines = [ln.strip() for ln in text.splitlines()]
+    missing = [m.group(1) for ln in lines if (m := _MISSING_LINE.match(ln))]
+    if missing and run.returncode not in (0, None):
+        rows = [Row("offline install", "missing requirements", ", ".join(missing)[:120],
+                    "all present", "FAIL")]
+    else:
+        rows = parse_exit(run, "offline install", "builds, installs, imports")
+    for ln in lines:
+        if m := _OPTIONAL_LINE.match(ln):
+            rows.append(Row(f"optional {m.group(1)}", "absent", m.group(2)[:120], "-", "SKIP"))
+    return rows
+
+
+def parse_compile(run: StepRun) -> list[Row]:
+    """``scripts/compile_kernels.py``: per target, every kernel variant compiles without
+    spilling registers (its JSON: rows and errors)."""
+    data = _load(run, "compile_table")
+    if data is None:
+        return failure_rows(run, "Triton compile")
+    out = []
+    for target in sorted({r["target"] for r in data["rows"]}):
+        sel = [r for r in data["rows"] if r["target"] == target]
+        bad = [r for r in sel if "error" in r or r.get("spill_stores") or r.get("spill_loads")]
+        regs = max((r.get("registers", 0) for r in sel), default=0)
+        out.append(Row(f"Triton compile {target}", f"{len(sel) - len(bad)}/{len(sel)} clean",
+                       f"max {regs} registers, {len(bad)} failing or spilling",
+                       "all compile, no spills", "FAIL" if bad else "PASS"))
+    if data.get("errors") and not any(r.verdict == "FAIL" for r in out):
+        out.append(Row("Triton compile", "errors", str(data["errors"][0])[:120],
+                       "all compile, no spills", "FAIL"))
+    return out or failure_rows(run, "Triton compile")

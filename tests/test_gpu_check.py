@@ -1,18 +1,25 @@
 """The GPU check's logic on CPU, with real inputs: sub-step outputs (real pytest runs, the
 benchmarks' own JSON from their CPU smoke runs) parsed into rows, the PASS/FAIL decisions
 against the targets, failing and hanging sub-steps, the RESULTS.md section, and the exit code
-without CUDA. The GPU figures themselves need a GPU."""
+without CUDA; and what a short visit needs: every phase bounded under 9 minutes, rows in
+``--out`` the moment they are known (a command stopped at its limit keeps them), and missing
+optional packages as SKIP rows, never FAIL (hidden here by ``test_optional_deps``'s finder).
+The GPU figures themselves need a GPU."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+from test_optional_deps import fake_build_tools, hiding_env
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
@@ -186,6 +193,11 @@ def test_exit_code_without_cuda():
     script = str(BENCH / "gpu_check.py")
     help_ = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True)
     assert help_.returncode == 0 and "pytest" in help_.stdout
+    # The visit's command sequence, every phase once, the build first, rows under $OUT.
+    commands = [ln.split() for ln in help_.stdout.splitlines() if "gpu_check.py --only" in ln]
+    phases = [c[c.index("--only") + 1] for c in commands]
+    assert phases[0] == "build" and sorted(phases) == sorted(gc.PHASES)
+    assert all(c[c.index("--out") + 1] == '"$OUT"' for c in commands)
     run = subprocess.run([sys.executable, script], capture_output=True, text=True)
     assert run.returncode == 2 and "no CUDA device" in run.stderr
 
@@ -193,6 +205,7 @@ def test_exit_code_without_cuda():
 def test_hf_parity_check_itself_on_cpu():
     """The parity check's scoring (teacher-forced HF logprobs of the engine's own tokens) on
     the CPU in float32, where engine and transformers must agree to rounding."""
+    pytest.importorskip("transformers")
     import gpu_parity
 
     result = gpu_parity.check_hf(device="cpu", dtype="float32")
@@ -217,3 +230,197 @@ def test_graphs_check_itself_on_cpu():
         return
     assert result["mismatches"] == [] and len(result["cases"]) == 6
     assert result["passed"] is True and result["max_logprob_diff"] <= 1e-3
+
+
+PHASES = {"build", "compile", "tests", "parity", "micro", "e2e", "peers"}
+
+
+def test_every_phase_ends_under_nine_minutes():
+    """A lent machine's command limit is 10 minutes: each phase's step timeouts add up to at
+    most 540 s, so one ``--only PHASE`` command always ends (and writes its rows) in time."""
+    assert set(gc.PHASES) == PHASES and gc.PHASE_LIMIT_S == 540
+    for phase, steps in gc.PHASES.items():
+        assert steps and sum(s.timeout_s for s in steps) <= 540, phase
+    names = [s.name for s in gc.STEPS]
+    assert len(names) == len(set(names)) and set(names).isdisjoint(PHASES)
+    assert gc.select_steps(["micro"]) == gc.PHASES["micro"]
+    assert gc.select_steps(["tests", "attention"]) == gc.PHASES["tests"] + gc.PHASES["micro"][:1]
+    assert gc.select_steps(None, ["build", "peers", "kv_cache"]) == [
+        s for s in gc.STEPS if s.name not in ("install", "native", "flashinfer", "kv_cache")]
+    with pytest.raises(ValueError, match="unknown phase or step 'gpu'"):
+        gc.select_steps(["gpu"])
+
+
+def _driver(out: Path, steps: str) -> str:
+    """Python source running ``steps`` (an expression over gc, gr, py) through the check's
+    own loop into ``out``, as ``gpu_check.py --only ...`` does."""
+    return (f"import sys\nsys.path.insert(0, {str(BENCH)!r})\n"
+            "import gpu_check as gc, gpu_check_rows as gr\npy = sys.executable\n"
+            f"gc.run_steps({steps}, gc.Path({str(out)!r}), 300)\n")
+
+
+def _rows(out: Path) -> list[gr.Row]:
+    return [gr.Row(**json.loads(ln)) for ln in (out / "rows.jsonl").read_text().splitlines()]
+
+
+def test_rows_reach_out_before_the_command_is_stopped(tmp_path):
+    """The command is killed while its second step runs: the first step's row is already in
+    rows.jsonl and table.md, and the second step's output already in its log."""
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    out = tmp_path / "out"
+    second = f"print('beta started'); open({str(gate)!r}).read()"
+    steps = ("[gc.Step('first', [py, '-c', 'print(\"alpha measured\")'], 60, "
+             "lambda r: gr.parse_exit(r, 'first')), "
+             f"gc.Step('second', [py, '-c', {second!r}], 120, "
+             "lambda r: gr.parse_exit(r, 'second'))]")
+    # Without PYTHONUNBUFFERED of its own, so the check must make the steps' output unbuffered.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    driver = subprocess.Popen([sys.executable, "-c", _driver(out, steps)], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, start_new_session=True)
+    opened: list = []
+    # Opening the gate for writing returns once the second step opens it to read, that is,
+    # after its (unflushed) print: no sleep, no polling.
+    opener = threading.Thread(target=lambda: opened.append(gate.open("w")), daemon=True)
+    opener.start()
+    opener.join(120)
+    try:
+        assert opened, "the second step never started"
+        assert driver.poll() is None
+        assert "beta started" in (out / "second" / "log.txt").read_text()
+        os.killpg(driver.pid, signal.SIGKILL)  # the command stopped at its limit
+        driver.wait()
+    finally:
+        if not opened:  # unblock the opener so the thread ends
+            os.close(os.open(gate, os.O_RDONLY | os.O_NONBLOCK))
+            opener.join(10)
+        for f in opened:
+            f.close()  # the orphaned second step reads EOF and exits
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    rows = _rows(out)
+    assert rows == [gr.Row("first", "ok", "alpha measured", "runs", "PASS")]
+    assert (out / "table.md").read_text().splitlines() == [
+        "| check | result | figure | target | verdict |", "|---|---|---|---|---|",
+        "| first | ok | alpha measured | runs | PASS |"]
+
+
+def test_a_step_killed_by_its_timeout_keeps_the_rows_before_it(tmp_path):
+    out = tmp_path / "out"
+    py = sys.executable
+    steps = [gc.Step("before", [py, "-c", "print('measured 1.5 ms')"], 30,
+                     lambda r: gr.parse_exit(r, "before")),
+             gc.Step("hangs", [py, "-c", "print('started'); import threading; "
+                                         "threading.Event().wait()"], 3,
+                     lambda r: gr.parse_exit(r, "hangs"))]
+    rows = gc.run_steps(steps, out, 300)
+    assert _rows(out) == rows
+    assert rows[0] == gr.Row("before", "ok", "measured 1.5 ms", "runs", "PASS")
+    assert rows[1].verdict == "FAIL" and rows[1].result.startswith("timed out after")
+    assert rows[1].figure == "started"  # its log, written while it ran
+
+
+def test_missing_optional_packages_are_skip_rows_never_fail(tmp_path):
+    """On a machine without transformers, FastAPI and FlashInfer: the parity step needing
+    transformers and the peers step are SKIP rows naming the package, a step dying on an
+    optional import is a SKIP, one dying on any other import a FAIL; the tests phase's
+    pytest row is the GPU tests' own result, and a module skipped for FastAPI a SKIP row."""
+    out = tmp_path / "out"
+    tests = [str(ROOT / "tests" / "test_server.py"), str(ROOT / "tests" / "test_compact_kv.py")]
+    steps = ("[gc.PHASES['parity'][0], gc.PHASES['peers'][0], "
+             "gc.Step('optional_import', [py, '-c', 'import fastapi'], 60, "
+             "lambda r: gr.parse_exit(r, 'optional import')), "
+             "gc.Step('other_import', [py, '-c', 'import no_such_module_here'], 60, "
+             "lambda r: gr.parse_exit(r, 'other import')), "
+             f"gc.pytest_step({tests!r})]")
+    env = hiding_env(tmp_path, ("transformers", "fastapi", "flashinfer"))
+    run = subprocess.run([sys.executable, "-c", _driver(out, steps)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {r.check: r for r in _rows(out)}
+    assert rows["bf16 parity with HF"] == gr.Row("bf16 parity with HF", "skipped",
+                                                 "transformers not installed", "-", "SKIP")
+    assert not (out / "parity_hf").exists()  # never started
+    assert rows["FlashInfer peers"].verdict == "SKIP"
+    assert "flashinfer not installed" in rows["FlashInfer peers"].figure
+    assert rows["optional_import"].verdict == "SKIP"
+    assert rows["optional_import"].figure == "fastapi not installed"
+    assert rows["other import"].verdict == "FAIL"
+    # The GPU tests, skipped on this CPU machine, still make the pytest row a FAIL...
+    gpu = rows["pytest -m gpu"]
+    assert gpu.verdict == "FAIL" and gpu.figure.startswith("0 passed, 0 failed, ")
+    assert gpu.figure.endswith(" skipped (+1 for missing packages)")
+    assert not gpu.figure.startswith("0 passed, 0 failed, 0 skipped")
+    # ... while the module skipped for FastAPI is a SKIP row with the reason.
+    assert rows["tests in tests/test_server.py"] == gr.Row(
+        "tests in tests/test_server.py", "skipped", "fastapi not installed", "-", "SKIP")
+    assert not [r for r in rows.values() if r.verdict == "FAIL" and "not installed" in r.figure]
+
+
+def test_pytest_modules_failing_on_a_missing_package_are_skip_rows(tmp_path):
+    """A test module importing an optional package without importorskip: the run goes on
+    past its collection error, which is a SKIP row, not a failure of the other tests."""
+    tests = tmp_path / "t"
+    tests.mkdir()
+    (tests / "test_needs_ray.py").write_text("import ray\n\n\ndef test_x():\n    pass\n")
+    (tests / "test_fine.py").write_text("def test_ok():\n    pass\n")
+    out = tmp_path / "out"
+    steps = f"[gc.pytest_step([{str(tests)!r}], marker=None)]"
+    run = subprocess.run([sys.executable, "-c", _driver(out, steps)], cwd=ROOT,
+                         env=hiding_env(tmp_path, ("ray",)), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "ERROR" in (out / "pytest" / "log.txt").read_text()  # a real collection error
+    assert _rows(out) == [
+        gr.Row("pytest -m gpu", "1 passed", "1 passed, 0 failed, 0 skipped (+1 for missing "
+               "packages)", "all pass, none skipped", "PASS"),
+        gr.Row("tests in test_needs_ray.py", "skipped", "ray not installed", "-", "SKIP")]
+
+
+def test_install_rows(tmp_path):
+    """The build phase's install step read from the real script's ``--check`` output: the
+    missing requirement named in a FAIL row, each absent optional package a SKIP row."""
+    pkgs, bin_ = fake_build_tools(tmp_path)
+    env = hiding_env(tmp_path, ("safetensors", "fastapi"), pkgs)
+    env.update(SPECENGINE_NO_CUDA="1", PATH=f"{bin_}{os.pathsep}{env['PATH']}")
+    script = str(ROOT / "scripts" / "install_offline.sh")
+    code = (f"import sys\nsys.path.insert(0, {str(BENCH)!r})\nimport gpu_check as gc\n"
+            f"gc.run_step(gc.Step('install', ['bash', {script!r}, '--check'], 120, None), "
+            f"gc.Path({str(tmp_path / 'out')!r}), 120)")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    out_dir = tmp_path / "out" / "install"
+    log = (out_dir / "log.txt").read_text()
+    rows = gr.parse_install(gr.StepRun("install", 1, False, log[-200:], out_dir))
+    assert rows[0] == gr.Row("offline install", "missing requirements", "safetensors",
+                             "all present", "FAIL")
+    skips = {r.check: r for r in rows[1:]}
+    assert all(r.verdict == "SKIP" and r.result == "absent" for r in skips.values())
+    assert "optional fastapi" in skips and "optional transformers" not in skips
+    assert skips["optional fastapi"].figure.startswith("skips `specengine serve`")
+    ok = gr.parse_install(gr.StepRun("install", 0, False, "install_offline: OK", out_dir))
+    assert ok[0].verdict == "PASS" and ok[1:] == rows[1:]
+
+
+def test_compile_rows(tmp_path):
+    """``compile_kernels.py``'s JSON (its own layout): a spill or an error fails the target."""
+    def run_with(rows, errors=()):
+        d = tmp_path / f"c{next(_EDITS)}"
+        d.mkdir()
+        (d / "compile_table.json").write_text(json.dumps({"rows": rows, "errors": list(errors)}))
+        return gr.StepRun("compile", 1 if errors else 0, False, "", d)
+
+    clean = {"kernel": "k", "config": "c", "registers": 96, "stack_bytes": 0, "spill_stores": 0,
+             "spill_loads": 0}
+    rows = gr.parse_compile(run_with([dict(clean, target="sm_90a"),
+                                      dict(clean, target="sm_100a", registers=128)]))
+    assert [(r.check, r.verdict, r.figure) for r in rows] == [
+        ("Triton compile sm_100a", "PASS", "max 128 registers, 0 failing or spilling"),
+        ("Triton compile sm_90a", "PASS", "max 96 registers, 0 failing or spilling")]
+    rows = gr.parse_compile(run_with([dict(clean, target="sm_90a", spill_stores=8)],
+                                     ["k [c] on sm_90a spills 8 B stores / 0 B loads"]))
+    assert [(r.result, r.verdict) for r in rows] == [("0/1 clean", "FAIL")]
+    rows = gr.parse_compile(run_with([dict(clean, target="sm_90a")], ["k: no configuration"]))
+    assert [r.verdict for r in rows] == ["PASS", "FAIL"]
+    assert gr.parse_compile(gr.StepRun("compile", 1, False, "boom", tmp_path))[0].verdict == \
+        "FAIL"

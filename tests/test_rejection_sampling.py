@@ -10,7 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
+
+try:
+    from scipy.stats import chisquare
+except ImportError:  # scipy is optional: the chi-square tests skip without it, the rest run
+
+    def chisquare(*args, **kwargs):
+        return pytest.importorskip("scipy.stats").chisquare(*args, **kwargs)
 
 from specengine.kernels import reference as ref
 from specengine.kernels.rejection_sampling import rejection_sample as kernel

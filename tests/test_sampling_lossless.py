@@ -20,7 +20,13 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import make_hf_model, save_checkpoint
-from scipy.stats import chisquare
+
+try:
+    from scipy.stats import chisquare
+except ImportError:  # scipy is optional: the chi-square tests skip without it, the rest run
+
+    def chisquare(*args, **kwargs):
+        return pytest.importorskip("scipy.stats").chisquare(*args, **kwargs)
 from test_eagle3 import fit_head
 
 from specengine import SamplingParams, SpecEngine
