@@ -142,8 +142,10 @@ class EngineLoop:
             return True
         try:
             outs = eng.step()
-        except Exception as exc:  # the engine aborted every request
-            logger.error("engine step failed; aborting %d requests: %r", len(self._live), exc)
+        except Exception as exc:  # an engine-wide fault: the engine aborted every request
+            # (one request's failure arrives as its own output, finish_reason "error")
+            logger.error("engine step failed engine-wide; failing %d requests: %r",
+                         len(self._live), exc)
             with self._cond:
                 failed, self._live = list(self._live.values()), {}
             self._deliver([(ch, exc) for ch in failed])

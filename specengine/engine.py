@@ -270,9 +270,12 @@ class SpecEngine:
         the checkpoint has a tokenizer), with up to ``k`` draft tokens verified per step (or the
         static ``tree``; ``k="auto"``: every step the k in 0..``k_max`` with the most expected
         tokens per second, ``core.auto_k``). Returns outputs in prompt order; raises
-        ``ValueError`` on bad input before any work, leaving the engine unchanged. A loop of
-        :meth:`step` over requests added here; it needs an idle engine (no unfinished
-        :meth:`add_request` requests)."""
+        ``ValueError`` on bad input before any work, leaving the engine unchanged. A prompt
+        whose request failed inside a step on its own (docs/design.md §1) comes back in place
+        with ``finish_reason="error"`` and the reason in ``error`` (its tokens: those made
+        before the failure), so the other prompts' completions are kept; an engine-wide fault
+        is raised (every request aborted). A loop of :meth:`step` over requests added here;
+        it needs an idle engine (no unfinished :meth:`add_request` requests)."""
         self._check_weights_whole()
         k, auto = self._resolve_k(k, k_max, tree)
         req = self._validate(batch, k, sampling, tree)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FINISH_REASONS = ("stop", "length", "abort", "policy_lag")
+#: "error": the request alone failed inside a step (``GenerationOutput.error`` says why;
+#: docs/design.md §1), every other request went on
+FINISH_REASONS = ("stop", "length", "abort", "policy_lag", "error")
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,7 @@ class GenerationOutput:
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
-    finish_reason: str  # "stop", "length", "abort" (SpecEngine.abort) or "policy_lag"
+    finish_reason: str  # "stop", "length", "abort" (SpecEngine.abort), "policy_lag", "error"
     num_steps: int  # target forward passes that produced tokens for this request (prefill incl.)
     num_draft_tokens: int
     num_accepted_tokens: int
@@ -27,6 +29,9 @@ class GenerationOutput:
     text: str | None = None
     token_weight_versions: tuple[int, ...] = ()
     sample_index: int = 0  # which of its prompt's ``SamplingParams.n`` samples
+    #: why the request failed (exactly when ``finish_reason == "error"``); its tokens are the
+    #: ones made before the failing step
+    error: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sample_index, int) or self.sample_index < 0:
@@ -38,6 +43,11 @@ class GenerationOutput:
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got "
                              f"{self.finish_reason!r}")
+        if (self.finish_reason == "error") != (self.error is not None):
+            raise ValueError(f"error is set exactly when finish_reason is 'error' (got "
+                             f"finish_reason {self.finish_reason!r}, error {self.error!r})")
+        if self.error is not None and (not isinstance(self.error, str) or not self.error):
+            raise ValueError(f"error must be a non-empty str, got {self.error!r}")
 
 
 @dataclass(frozen=True)

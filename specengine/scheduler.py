@@ -213,11 +213,66 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        self.evict(seq)
+        self.waiting.appendleft(seq)
+
+    # ---- running chosen sequences apart (core.isolation) --------------------------------------
+    def evict(self, seq: Sequence) -> None:
+        """Take ``seq`` out as a preemption does (blocks freed, slot given back, the drafter's
+        state dropped through ``on_preempt``; its tokens are kept) but queue it nowhere: the
+        caller runs it again with :meth:`admit_only`."""
         self.kv_cache.free(seq)
         seq.detach()
         seq.status = SeqStatus.WAITING
-        self.running.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
         self._changed()
-        self.waiting.appendleft(seq)
         if self.on_preempt is not None:
             self.on_preempt(seq)
+
+    def admit_only(self, seqs: list[Sequence]) -> ScheduledBatch:
+        """A prefill batch of the first of ``seqs`` (waiting: evicted, or queued, then taken
+        out of the queue) that fit ``max_num_batched_tokens`` (at least one), admitted ahead
+        of the waiting queue. The
+        latest admitted running sequences are preempted while blocks or slots are short;
+        raises when the first cannot fit even then (validation rules that out)."""
+        batch: list[Sequence] = []
+        num_tokens = 0
+        leaders: dict[int, Sequence] = {}
+        for seq in seqs:
+            plan = self._plan(seq, leaders)
+            if batch and num_tokens + plan.num_computed > self.max_num_batched_tokens:
+                break
+            while (not self.kv_cache.can_admit(plan)
+                   or len(self.running) + len(batch) >= self.max_batch_size):
+                victim = self._last_running(exclude=())
+                if victim is None:
+                    break
+                self._preempt(victim)
+            else:
+                if seq in self.waiting:  # preempted by an earlier retry: run it here, once
+                    self.waiting.remove(seq)
+                self.kv_cache.admit(plan)
+                seq.status = SeqStatus.RUNNING
+                self._admit(seq)
+                batch.append(seq)
+                num_tokens += plan.num_computed
+                continue
+            if not batch:
+                raise RuntimeError(f"scheduler: seq {seq.seq_id} cannot run even alone (KV "
+                                   "cache too small for it)")
+            break
+        self.running.extend(batch)
+        self._changed()
+        return ScheduledBatch(tuple(batch), is_prefill=True)
+
+    def decode_only(self, seqs: tuple[Sequence, ...], lookahead: Callable[[Sequence], int]
+                    ) -> ScheduledBatch:
+        """A verify step of just the running ones of ``seqs``, their tables grown (preempting
+        the latest admitted others, or one of ``seqs``, while blocks are short)."""
+        scheduled: list[Sequence] = []
+        for seq in seqs:
+            if seq.status is SeqStatus.RUNNING and self._make_room(
+                    seq, len(seq) + lookahead(seq), scheduled):
+                scheduled.append(seq)
+        return ScheduledBatch(tuple(scheduled), is_prefill=False)

@@ -27,6 +27,7 @@ import torch
 from specengine.config import EngineConfig
 from specengine.core.auto_k import AutoK
 from specengine.core.graphs import GraphRunner
+from specengine.core.isolation import Isolation
 from specengine.core.seq_arena import SeqArena
 from specengine.core.transfer import to_host
 from specengine.drafters.base import Drafter
@@ -37,7 +38,7 @@ from specengine.prefix_cache import SeqGroup
 from specengine.run_stats import RunStats
 from specengine.sampler import Sampler, SamplingTensors
 from specengine.sampling import SamplingParams
-from specengine.scheduler import Scheduler
+from specengine.scheduler import ScheduledBatch, Scheduler
 from specengine.sequence import SeqStatus, Sequence
 from specengine.speculate import StepTimes, append_step
 from specengine.tokenizer import TextTokenizer
@@ -62,6 +63,7 @@ class _Request:
     restarted: bool = False  # started again from its prompt since its last report
     sample_index: int = 0  # which of its prompt's SamplingParams.n samples (prefix_cache)
     auto: bool = False  # k="auto": each step runs the k AutoK picks in 0..k (k is k_max)
+    error: str | None = None  # why it failed alone in a step (core.isolation)
 
     @property
     def lookahead(self) -> int:
@@ -101,6 +103,7 @@ class EngineCore:
             arena=self.arena, lookahead_of=lambda seq: self._by_seq[seq.seq_id].lookahead,
         )
         self._groups_of: tuple[tuple[Sequence, ...] | None, list] = (None, [])
+        self._isolation = Isolation(self)  # a failing step fails only its culprit
         self.auto_k = AutoK()  # k="auto": the cost model, acceptance, calibrated on first use
         self._rng = random.Random(config.seed)
         self._next_seq_id = 0
@@ -192,6 +195,7 @@ class EngineCore:
         self._requests.clear()
         self._by_seq.clear()
         self._ended.clear()
+        self._isolation.lone_failures = 0
         self._end_run_if_idle()
 
     # ---- the step ----------------------------------------------------------------------------
@@ -200,7 +204,11 @@ class EngineCore:
         step of every running sequence. Returns an output for each request that advanced
         (with ``report_unfinished=False``, as ``generate`` runs it: for each request that
         finished, so a step builds no per-sequence output while nothing ends).
-        An error inside the step aborts every request (blocks freed) and is raised."""
+        When running the batch raises an ``Exception``, the run is undone and its sequences
+        are retried apart (``core.isolation``): one that fails alone finishes with
+        ``finish_reason="error"``, the others go on as if it had never been there. An
+        engine-wide fault (sequences in a row failing alone), or an error anywhere else in the
+        step, aborts every request (blocks freed) and is raised."""
         if not self._requests:
             return []
         run = self._run
@@ -214,27 +222,17 @@ class EngineCore:
         version = self._weight_version()  # weights change only between steps
         try:
             scheduled = self.scheduler.schedule(self._lookahead)
-            seqs = scheduled.seqs
-            if scheduled.is_prefill:
-                t0 = time.perf_counter()
-                self._prefill(seqs, self._prefill_observes(seqs), version)
-                run.prefill_s += time.perf_counter() - t0
-                run.add_prefill(self.runner.last_prefill)
-                run.num_forwards += 1
-            else:
-                for (k, tree), group in self._groups(seqs):
-                    if self._by_seq[group[0].seq_id].auto:  # this step's k from the cost model
-                        run.count_auto_k(self.auto_k.run(
-                            len(group), k, run.times,
-                            lambda k, g=group: self._decode_step(g, k, None, run.times, version)))
-                    else:
-                        self._decode_step(group, k, tree, run.times, version)
-                    run.num_forwards += 1
+            seqs, isolated = scheduled.seqs, False
+            self._isolation.checkpoint()
+            try:
+                self._run_batch(scheduled, run, version)
+            except Exception as exc:  # one request's data, or the engine's fault: find which
+                seqs, isolated = self._isolation.isolate(scheduled, exc, run, version), True
             if report_unfinished:
                 outputs += [self._report(self._by_seq[s.seq_id], released=False) for s in seqs]
             else:
-                outputs += [self._report(self._by_seq[s.seq_id], released=False)
-                            for s in self._ended_in_step(seqs, scheduled.is_prefill)]
+                outputs += [self._report(self._by_seq[s.seq_id], released=False) for s in
+                            self._ended_in_step(seqs, scheduled.is_prefill or isolated)]
         except BaseException:
             self.abort_all()
             raise
@@ -242,15 +240,36 @@ class EngineCore:
         self._end_run_if_idle()
         return outputs
 
-    def _ended_in_step(self, seqs: tuple[Sequence, ...], prefill: bool) -> list[Sequence]:
-        """The sequences of this step that finished. A decode step reads the arena's count of
-        ended sequences (every one ended before this step was released in its own step), and
-        with one group its flags through the batch state's rows (its rows are exactly
-        ``seqs``), so no sequence is visited unless it ended."""
-        if not prefill and self.arena.num_done == 0:  # the common step: nothing ended
+    def _run_batch(self, scheduled: ScheduledBatch, run: RunStats, version: int) -> None:
+        """Run a scheduled batch: its prefill, or one verify step per (k, tree) group."""
+        seqs = scheduled.seqs
+        if scheduled.is_prefill:
+            t0 = time.perf_counter()
+            self._prefill(seqs, self._prefill_observes(seqs), version)
+            run.prefill_s += time.perf_counter() - t0
+            run.add_prefill(self.runner.last_prefill)
+            run.num_forwards += 1
+            return
+        for (k, tree), group in self._groups(seqs):
+            if self._by_seq[group[0].seq_id].auto:  # this step's k from the cost model
+                run.count_auto_k(self.auto_k.run(
+                    len(group), k, run.times,
+                    lambda k, g=group: self._decode_step(g, k, None, run.times, version)))
+            else:
+                self._decode_step(group, k, tree, run.times, version)
+            run.num_forwards += 1
+        self._isolation.lone_failures = 0  # a verify step went through: the engine works
+
+    def _ended_in_step(self, seqs: tuple[Sequence, ...], scan: bool) -> list[Sequence]:
+        """The sequences of this step that finished: ``scan`` visits them all (a prefill, or
+        a step whose runs isolation redid). A decode step reads the arena's count of ended
+        sequences (every one ended before this step was released in its own step), and with
+        one group its flags through the batch state's rows (its rows are exactly ``seqs``), so
+        no sequence is visited unless it ended."""
+        if not scan and self.arena.num_done == 0:  # the common step: nothing ended
             return []
         state = self.graphs.verifier.state
-        if prefill or len(state.seqs) != len(seqs) or len(self._groups(seqs)) != 1:
+        if scan or len(state.seqs) != len(seqs) or len(self._groups(seqs)) != 1:
             return [s for s in seqs if s.status is SeqStatus.FINISHED]
         ended = np.flatnonzero(self.arena.done[state.row_slots[: len(seqs)]])
         return [state.seqs[r] for r in ended.tolist()]
@@ -331,9 +350,10 @@ class EngineCore:
         if self._run is not None:
             self._run.add_finished(seq)
         return RequestOutput(req.request_id, new, True,
-                             self._output(seq, reason, req.sample_index), restarted)
+                             self._output(seq, reason, req.sample_index, req.error), restarted)
 
-    def _output(self, seq: Sequence, reason: str, sample_index: int = 0) -> GenerationOutput:
+    def _output(self, seq: Sequence, reason: str, sample_index: int = 0,
+                error: str | None = None) -> GenerationOutput:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output_token_ids)
@@ -349,6 +369,7 @@ class EngineCore:
             text=text,
             token_weight_versions=tuple(seq.token_weight_versions),
             sample_index=sample_index,
+            error=error,
         )
 
     def _end_run_if_idle(self) -> None:

@@ -73,6 +73,12 @@ def output_dict(request_id: str, out: GenerationOutput) -> dict[str, Any]:
     return {"request_id": request_id, **dataclasses.asdict(out)}
 
 
+def failed_message(request_id: str, out: GenerationOutput) -> str:
+    """The error answer of a request that finished with ``finish_reason="error"``."""
+    return (f"request {request_id!r} failed in the engine after {len(out.token_ids)} tokens: "
+            f"{out.error}")
+
+
 def json_response(obj: object, status_code: int = 200) -> Response:
     # Python's encoder: a (rare) -inf logprob is written as -Infinity rather than failing.
     return Response(json.dumps(obj), status_code=status_code, media_type="application/json")
@@ -139,6 +145,11 @@ async def _events(state: ServerState, rid: str, stream: AsyncIterator[RequestOut
                 if out.output is not None:
                     done = True
                     state.metrics.observe_finished(out.output)
+                    if out.output.finish_reason == "error":  # it alone failed in the engine
+                        state.metrics.observe_error(500)
+                        yield _event({"error": failed_message(rid, out.output),
+                                      "status_code": 500})
+                        return
                 yield _event(_step_dict(out))
                 if done:
                     break
@@ -223,6 +234,9 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
                 state.metrics.disconnects.inc()
                 return Response(status_code=499)  # client closed the request; unread
             state.metrics.observe_finished(out)
+            if out.finish_reason == "error":  # it alone failed inside a step; others went on
+                state.metrics.observe_error(500)
+                return json_response({"error": failed_message(rid, out)}, status_code=500)
             return json_response(output_dict(rid, out))
         try:  # bad input fails here, before any byte is sent
             first = await _unless_disconnected(anext(stream), request)
