@@ -95,8 +95,15 @@ class EngineLoop:
             ch = self._live[request_id] = Channel(request_id, loop)
             return ch
 
+    def release(self, ch: Channel) -> None:
+        """Forget ``ch`` before it was sent to the engine (its prompt was refused by the
+        caller's own checks), so its id and ``max_waiting`` slot are free at once."""
+        with self._cond:
+            if self._live.get(ch.request_id) is ch:
+                del self._live[ch.request_id]
+
     def send(self, kind: str, payload: object) -> None:
-        """Queue ``add`` (channel, prompt, params, k, tree) or ``cancel`` (channel)."""
+        """Queue ``add`` (channel, prompt, params, k, tree, k_max) or ``cancel`` (channel)."""
         with self._cond:
             self._commands.append((kind, payload))
             self._cond.notify()
@@ -156,7 +163,7 @@ class EngineLoop:
     def _command(self, kind: str, payload: Any, closed: bool) -> None:
         eng = self.engine
         if kind == "add":
-            ch, prompt, params, k, tree = payload
+            ch, prompt, params, k, tree, k_max = payload
             with self._cond:
                 current = self._live.get(ch.request_id) is ch
             if not current:
@@ -164,7 +171,8 @@ class EngineLoop:
             try:
                 if closed:
                     raise EngineClosedError("the async engine was closed")
-                eng.add_request(prompt, params, k=k, tree=tree, request_id=ch.request_id)
+                eng.add_request(prompt, params, k=k, tree=tree, request_id=ch.request_id,
+                                k_max=k_max)
             except Exception as exc:  # bad input: this caller only
                 with self._cond:
                     del self._live[ch.request_id]

@@ -22,6 +22,7 @@ from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
 from specengine.model.loader import build_model
 from specengine.model_runner import ModelRunner
+from specengine.native import check_native
 from specengine.outputs import EngineStats, GenerationOutput, RequestOutput
 from specengine.prefix_cache import expand_samples, prefix_caching_on, sample_ids
 from specengine.requests import RequestBatch, load_tokenizer, validate_requests
@@ -154,6 +155,7 @@ class SpecEngine:
             policy_lag_action=policy_lag_action, enable_prefix_caching=enable_prefix_caching)
         cfg = self.config
         self.device = torch.device(cfg.device)
+        check_native(self.device)  # on CUDA: _C built with its CUDA kernels, else how to rebuild
         # Process-wide torch CPU threads: a count that does not thrash small or shared machines.
         apply_thread_policy(num_threads, self.device)
         if cfg.kernel_backend != "torch" and self.device.type == "cpu":
@@ -174,7 +176,8 @@ class SpecEngine:
                 f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings "
                 f"({self.model_config.max_position_embeddings})"
             )
-        self.tokenizer = load_tokenizer(cfg.model)
+        # Knowing max_model_len, it refuses a text too long to fit before tokenizing it.
+        self.tokenizer = load_tokenizer(cfg.model, max_model_len=cfg.max_model_len)
         from specengine.drafters import DraftContext, make_drafter
 
         self.draft_context = DraftContext(cfg, self.model_config, self.model, self.device)

@@ -91,6 +91,8 @@ class EngineCore:
         self.graphs = graphs
         self.drafter = drafter
         self.tokenizer = tokenizer
+        # Off under AsyncSpecEngine: its callers' threads decode, not the step loop.
+        self.detokenize = True
         self.eos_token_ids = eos_token_ids
         self.device = torch.device(config.device)
         self._decode_step = decode_step
@@ -355,7 +357,7 @@ class EngineCore:
     def _output(self, seq: Sequence, reason: str, sample_index: int = 0,
                 error: str | None = None) -> GenerationOutput:
         text = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self.detokenize:
             text = self.tokenizer.decode(seq.output_token_ids)
         return GenerationOutput(
             prompt_token_ids=tuple(seq.token_ids[: seq.num_prompt_tokens]),

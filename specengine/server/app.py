@@ -33,6 +33,7 @@ from specengine.core.auto_k import DEFAULT_K_MAX, resolve_k
 from specengine.engine import SpecEngine
 from specengine.outputs import GenerationOutput, RequestOutput
 from specengine.server.errors import BearerAuth, install_error_handlers, status_for
+from specengine.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, check_max_body_bytes
 from specengine.server.metrics import CONTENT_TYPE, ServerMetrics, read_engine
 from specengine.server.schemas import (
     AbortRequest,
@@ -49,14 +50,16 @@ T = TypeVar("T")
 
 @dataclass
 class ServerState:
-    """What the endpoints share: the engine, the default k, the metrics, the ids of the
-    requests in flight over HTTP, and whether shutdown has begun (new requests refused)."""
+    """What the endpoints share: the engine, the default k (and k_max of ``"auto"``), the
+    metrics, the ids of the requests in flight over HTTP, and whether shutdown has begun (new
+    requests refused)."""
 
     engine: AsyncSpecEngine
-    default_k: int
+    default_k: int | str
     metrics: ServerMetrics
     live: set[str] = field(default_factory=set)
     draining: bool = False
+    default_k_max: int = DEFAULT_K_MAX
 
     async def abort_all(self) -> int:
         """Abort every request in flight (each handler then answers its partial output with
@@ -170,7 +173,8 @@ async def _events(state: ServerState, rid: str, stream: AsyncIterator[RequestOut
 
 
 def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
-              default_k: int | str = 0, default_k_max: int = DEFAULT_K_MAX) -> FastAPI:
+              default_k: int | str = 0, default_k_max: int = DEFAULT_K_MAX,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The server's app over ``engine`` (which it does not close: ``specengine.server.serve``
     does at shutdown). ``api_key``: every endpoint then needs ``Authorization: Bearer
     <api_key>``. ``default_k``: the draft length of requests that give no ``k`` (an int, or
@@ -183,20 +187,20 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
         raise ValueError(f"default_k must be an int in [0, {MAX_K}] or \"auto\" and "
                          f"default_k_max an int in [0, {MAX_K}], got {default_k!r} and "
                          f"{default_k_max!r}") from None
-    if default_k_max != DEFAULT_K_MAX:
-        # AsyncSpecEngine.generate_stream takes no k_max yet: every "auto" request's is the
-        # engine's default, so another one would be silently ignored.
-        raise ValueError(f"default_k_max must be {DEFAULT_K_MAX} (the async engine's k_max of "
-                         f"k=\"auto\" requests), got {default_k_max!r}")
     if most_k > 0 and engine.engine.drafter is None:
         raise ValueError(f"default_k={default_k!r} needs a drafter: the engine has none")
+    check_max_body_bytes(max_body_bytes)
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be a non-empty string or None")
-    state = ServerState(engine, default_k, ServerMetrics())
+    state = ServerState(engine, default_k, ServerMetrics(), default_k_max=default_k_max)
     app = FastAPI(title="specengine rollout server", docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.server = state
     install_error_handlers(app, state.metrics.observe_error)
+    # 413 past max_body_bytes while the body arrives (server.limits); auth, added next, is
+    # the outer middleware, so an unauthenticated client gets 401 first.
+    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes,
+                       on_error=state.metrics.observe_error)
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key, on_error=state.metrics.observe_error)
 
@@ -220,10 +224,12 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
                              "answers one completion; send n requests (each its own seed) or "
                              "use SpecEngine.generate for a GRPO group")
         k = state.default_k if body.k is None else body.k
+        k_max = state.default_k_max if body.k_max is None else body.k_max
         rid = body.request_id or f"http-{uuid.uuid4().hex}"
         if rid in state.live:
             raise ValueError(f"request_id {rid!r} is already used by an unfinished request")
-        stream = engine.generate_stream(body.prompt_value(), params, k=k, request_id=rid)
+        stream = engine.generate_stream(body.prompt_value(), params, k=k, request_id=rid,
+                                        k_max=k_max)
         state.live.add(rid)
         if not body.stream:
             try:
