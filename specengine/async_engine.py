@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from specengine.async_loop import EngineClosedError, EngineLoop, EngineOverloadedError
+from specengine.core.auto_k import DEFAULT_K_MAX
 from specengine.engine import SpecEngine
 from specengine.outputs import GenerationOutput, RequestOutput
 from specengine.requests import prompt_ids
@@ -90,10 +91,12 @@ class AsyncSpecEngine:
     # ---- callers (event loop side) -----------------------------------------------------------
     async def generate(self, prompt: list[int] | str, params: SamplingParams | None = None, *,
                        k: int | str | None = None, tree: Seq[Seq[int]] | DraftTree | None = None,
-                       request_id: str | None = None) -> GenerationOutput:
+                       request_id: str | None = None, k_max: int = DEFAULT_K_MAX
+                       ) -> GenerationOutput:
         """Run one request to the end and return its output (arguments as
         ``SpecEngine.add_request``). Cancelling the caller aborts the request."""
-        stream = self.generate_stream(prompt, params, k=k, tree=tree, request_id=request_id)
+        stream = self.generate_stream(prompt, params, k=k, tree=tree, request_id=request_id,
+                                      k_max=k_max)
         async with contextlib.aclosing(stream):
             async for out in stream:
                 if out.output is not None:
@@ -103,12 +106,14 @@ class AsyncSpecEngine:
     async def generate_stream(self, prompt: list[int] | str, params: SamplingParams | None = None,
                               *, k: int | str | None = None,
                               tree: Seq[Seq[int]] | DraftTree | None = None,
-                              request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                              request_id: str | None = None, k_max: int = DEFAULT_K_MAX
+                              ) -> AsyncIterator[RequestOutput]:
         """Yield the request's :class:`RequestOutput` of each step it advanced in; the last one
         is finished and carries the :class:`GenerationOutput`. Leaving early (``aclose``,
         cancellation) aborts the request. Raises ``EngineOverloadedError`` when ``max_waiting``
         requests are unfinished, ``EngineClosedError`` after :meth:`close`, ``ValueError`` for
-        bad input (also a ``request_id`` still in use)."""
+        bad input (also a ``request_id`` still in use). ``k_max``: the largest k of a
+        ``k="auto"`` request (``SpecEngine.add_request``)."""
         if isinstance(params, SamplingParams) and params.n > 1:  # one stream is one sequence
             raise ValueError(f"AsyncSpecEngine streams one sequence per request; got n="
                              f"{params.n}: add the samples as separate requests")
@@ -125,7 +130,7 @@ class AsyncSpecEngine:
                 done = True
                 self._loop.release(ch)
                 raise
-            self._loop.send("add", (ch, prompt, params, k, tree))
+            self._loop.send("add", (ch, prompt, params, k, tree, k_max))
             while True:
                 item = await ch.queue.get()
                 if isinstance(item, BaseException):

@@ -165,8 +165,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "'auto': each step the k in 0..--k-max with the most expected tokens "
                         "per second")
     s.add_argument("--k-max", type=_int_at_least(0, MAX_K), default=DEFAULT_K_MAX,
-                   help=f"largest k that --k auto picks (only {DEFAULT_K_MAX} for now: the "
-                        "async engine gives every k 'auto' request that k_max)")
+                   help="largest k that --k auto picks (requests may send their own k_max)")
     s.add_argument("--host", default=DEFAULT_HOST,
                    help="interface to bind (0.0.0.0 exposes it: use --api-key)")
     s.add_argument("--port", type=_int_at_least(0, 65535), default=DEFAULT_PORT,
@@ -180,6 +179,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM, how long requests in flight may finish before they "
                         "are aborted")
+    s.add_argument("--max-body-mb", type=float, default=32.0, metavar="MB",
+                   help="largest request body accepted (MiB); a larger one gets 413 before "
+                        "it is read")
     s.add_argument("--seed", type=int, default=0,
                    help="engine seed (requests without a seed draw theirs from it)")
     _add_engine_options(s)

@@ -34,7 +34,7 @@ from specengine.config import MAX_K
 from specengine.outputs import GenerationOutput
 from specengine.sampling import MAX_N, MAX_TEMPERATURE, MIN_TEMPERATURE
 from specengine.server.app import build_app
-from specengine.server.serve import RolloutServer, serve_main
+from specengine.server.serve import RolloutServer
 
 INT32 = 2**31 - 1
 INT64 = 2**63 - 1
@@ -294,8 +294,6 @@ def test_serve_takes_k_auto(aeng, engine: SpecEngine) -> None:
     assert args.k == "auto" and args.k_max == 8
     with pytest.raises(SystemExit):  # outside 0..MAX_K
         _parser().parse_args(["serve", "--k-max", str(MAX_K + 1)])
-    with pytest.raises(ValueError, match="--k-max must be 8"):  # refused before loading
-        serve_main(_parser().parse_args(["serve", "--k", "auto", "--k-max", "4"]))
     with pytest.raises(ValueError, match="default_k must be"):
         build_app(aeng, default_k="automatic")
     with pytest.raises(ValueError, match="default_k_max"):
@@ -306,4 +304,16 @@ def test_serve_takes_k_auto(aeng, engine: SpecEngine) -> None:
         assert got.token_ids == engine.generate([[1, 2]], k=0, sampling=GREEDY)[0].token_ids
         steps = in_engine(aeng, lambda e: e.stats.auto_k_steps)
         assert sum(steps) > 0, "the request did not run with k='auto'"
+    # --k-max reaches every "auto" request that sends none; a request's own k_max wins.
+    with running_server(aeng, default_k="auto", default_k_max=1) as (server, client):
+        for body_k_max, most in ((None, 1), (2, 2)):
+            body = {"prompt_token_ids": [1, 2], "sampling_params": {"temperature": 0.0,
+                                                                    "max_tokens": 40}}
+            if body_k_max is not None:
+                body["k_max"] = body_k_max
+            status, answer = post_json(server.port, "/generate", body)
+            assert status == 200, answer
+            steps = in_engine(aeng, lambda e: e.stats.auto_k_steps)
+            assert sum(steps) > 0 and not any(steps[most + 1:]), (body_k_max, steps)
+            assert any(steps[1:]), f"no step drafted: {steps}"
 

@@ -17,10 +17,8 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import pytest
-import uvicorn
 from server_helpers import (
     GREEDY,
     WAIT_S,
@@ -35,10 +33,11 @@ from tokenizers.implementations import ByteLevelBPETokenizer
 
 from specengine import AsyncSpecEngine, SpecEngine
 from specengine.assets import DEFAULT_TARGET
+from specengine.cli import _parser
 from specengine.client import SpecEngineClient
 from specengine.outputs import GenerationOutput
 from specengine.server.app import build_app
-from specengine.server.serve import RolloutServer
+from specengine.server.serve import RolloutServer, make_server
 from specengine.tokenizer import TextTokenizer, load_tokenizer
 
 SMALL = "Q:472*6="
@@ -76,25 +75,6 @@ def aeng() -> Iterator[AsyncSpecEngine]:
 def served(aeng: AsyncSpecEngine) -> Iterator[tuple[RolloutServer, SpecEngineClient]]:
     with running_server(aeng, default_k=3) as pair:  # build_app's default body limit
         yield pair
-
-
-@contextmanager
-def server_with_limit(aeng: AsyncSpecEngine, max_body_bytes: int
-                      ) -> Iterator[tuple[RolloutServer, SpecEngineClient]]:
-    """A live server whose app has ``max_body_bytes`` (built here: make_server has no such
-    option)."""
-    app = build_app(aeng, default_k=3, max_body_bytes=max_body_bytes)
-    server = RolloutServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                          lifespan="off", access_log=False))
-    thread = threading.Thread(target=server.run, name="test-uvicorn-limit", daemon=True)
-    thread.start()
-    assert server.ready.wait(WAIT_S), "server did not start"
-    try:
-        yield server, SpecEngineClient(f"http://127.0.0.1:{server.port}", timeout=WAIT_S)
-    finally:
-        server.should_exit = True
-        thread.join(WAIT_S)
-        assert not thread.is_alive(), "server did not stop"
 
 
 def send(port: int, body: bytes | Iterator[bytes], chunked: bool = False
@@ -162,7 +142,7 @@ def test_50mb_body_refused_413_before_it_is_read(served, aeng, expected) -> None
 
 def test_small_limit_chunked_body_refused_while_it_arrives(aeng, expected) -> None:
     limit = 64 * 1024
-    with server_with_limit(aeng, limit) as (server, client):
+    with running_server(aeng, default_k=3, max_body_bytes=limit) as (server, client):
         # Under the limit: served as usual.
         assert_same(client.generate(SMALL, GREEDY, k=3), expected)
         # Content-Length over the limit: 413 before a byte of the body is read.
@@ -188,6 +168,14 @@ def test_build_app_checks_max_body_bytes(aeng) -> None:
     for bad in (0, -1, 1.5, True, "32"):
         with pytest.raises(ValueError, match="max_body_bytes must be an int >= 1"):
             build_app(aeng, max_body_bytes=bad)
+
+
+def test_serve_max_body_mb_reaches_the_app(aeng) -> None:
+    args = _parser().parse_args(["serve", "--max-body-mb", "0.5"])
+    assert args.max_body_mb == 0.5
+    server = make_server(aeng, port=0, max_body_bytes=int(args.max_body_mb * 1024 * 1024))
+    limiter = server.config.app.user_middleware
+    assert any(m.kwargs.get("max_body_bytes") == 512 * 1024 for m in limiter), limiter
 
 
 # ---- the character-count check -------------------------------------------------------------

@@ -53,8 +53,8 @@ class SamplingParamsBody(BaseModel):
 
 class GenerateRequest(BaseModel):
     """``POST /generate``: exactly one of ``prompt_token_ids`` and ``prompt`` (text, with a
-    tokenizer); ``k`` (an int, or ``"auto"``: each step's k from the cost model, up to 8)
-    defaults to the server's ``--k``."""
+    tokenizer); ``k`` (an int, or ``"auto"``: each step's k from the cost model, up to
+    ``k_max``) and ``k_max`` default to the server's ``--k`` and ``--k-max``."""
 
     model_config = _STRICT
 
@@ -62,6 +62,7 @@ class GenerateRequest(BaseModel):
     prompt: str | None = None
     sampling_params: SamplingParamsBody | None = None
     k: int | Literal["auto"] | None = None
+    k_max: int | None = None  # with k "auto": its largest k (default: the server's --k-max)
     stream: bool = False
     request_id: str | None = Field(default=None, min_length=1,
                                    max_length=MAX_REQUEST_ID_CHARS)

@@ -27,6 +27,7 @@ from specengine.async_engine import AsyncSpecEngine
 from specengine.core.auto_k import DEFAULT_K_MAX
 from specengine.server import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
 from specengine.server.app import ServerState, build_app
+from specengine.server.limits import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +96,11 @@ class RolloutServer(uvicorn.Server):
 def make_server(engine: AsyncSpecEngine, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                 api_key: str | None = None, default_k: int | str = 0,
                 default_k_max: int = DEFAULT_K_MAX, shutdown_timeout_s: float = 10.0,
-                log_level: str = "info") -> RolloutServer:
+                log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+                ) -> RolloutServer:
     """A :class:`RolloutServer` for ``engine`` (not started: ``await server.serve()``, or
     ``server.run()`` in a thread). ``api_key`` None reads ``$SPECENGINE_API_KEY``;
-    ``default_k`` / ``default_k_max``: ``build_app``'s."""
+    ``default_k`` / ``default_k_max`` / ``max_body_bytes``: ``build_app``'s."""
     if api_key is None:
         api_key = os.environ.get(API_KEY_ENV) or None
     if not shutdown_timeout_s >= 0:
@@ -106,7 +108,8 @@ def make_server(engine: AsyncSpecEngine, *, host: str = DEFAULT_HOST, port: int 
     if api_key is None and not _is_loopback(host):
         logger.warning("serving on %s without an API key: anyone who can reach it can "
                        "generate and replace the weights (set --api-key)", host)
-    app = build_app(engine, api_key=api_key, default_k=default_k, default_k_max=default_k_max)
+    app = build_app(engine, api_key=api_key, default_k=default_k, default_k_max=default_k_max,
+                    max_body_bytes=max_body_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
                             access_log=False)
     return RolloutServer(config, shutdown_timeout_s=shutdown_timeout_s)
@@ -132,9 +135,6 @@ def serve_main(args: Any) -> int:
             draft = str(DEFAULT_DRAFT)
     if not model.is_dir():
         raise ValueError(f"--model {model}: no such directory")
-    if args.k_max != DEFAULT_K_MAX:  # refused before the engine loads (build_app says why)
-        raise ValueError(f"--k-max must be {DEFAULT_K_MAX} for now, got {args.k_max}: the "
-                         "async engine gives every k 'auto' request that k_max")
     drafts = args.k_max > 0 if args.k == "auto" else args.k > 0
     if drafts and draft is None:
         raise ValueError(f"--k {args.k} needs a drafter: give --draft (or --k 0)")
@@ -149,7 +149,8 @@ def serve_main(args: Any) -> int:
         server = make_server(aeng, host=args.host, port=args.port, api_key=args.api_key,
                              default_k=args.k, default_k_max=args.k_max,
                              shutdown_timeout_s=args.shutdown_timeout,
-                             log_level=args.log_level)
+                             log_level=args.log_level,
+                             max_body_bytes=int(args.max_body_mb * 1024 * 1024))
     except BaseException:
         asyncio.run(aeng.close())
         raise
