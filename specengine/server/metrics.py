@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from specengine.engine import SpecEngine
-from specengine.outputs import GenerationOutput
+from specengine.outputs import FINISH_REASONS, GenerationOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -101,7 +101,7 @@ class ServerMetrics:
         self.tokens_per_second = Gauge(
             p + "generation_tokens_per_second", "Generated tokens per second of the current "
             "or last busy span", registry=r)
-        for reason in ("stop", "length", "abort", "policy_lag"):
+        for reason in FINISH_REASONS:
             self.requests.labels(finish_reason=reason)  # exported as 0 from the start
 
     def observe_finished(self, out: GenerationOutput) -> None:
