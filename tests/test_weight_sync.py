@@ -319,7 +319,10 @@ def test_sender_dies_mid_transfer(tiny_checkpoint: Path, staging: str) -> None:
     assert run(engine) != before
 
 
-def _silent_sender(port: int, release: object) -> None:
+def _silent_sender(port: int, release: object, up: object) -> None:
+    # Starting this process and importing torch may take longer than the engine's 3 s join:
+    # the engine starts its join once the sender is about to listen.
+    up.put("up")  # type: ignore[attr-defined]
     sender = WeightSender("127.0.0.1", port, 2, backend="gloo", timeout_s=GROUP_TIMEOUT_S)
     release.get(timeout=WAIT_S)  # type: ignore[attr-defined]  # joins, then never sends
     sender.close()
@@ -335,9 +338,10 @@ def test_rendezvous_and_transfer_time_out(tiny_checkpoint: Path) -> None:
     assert time.monotonic() - start < 15
     with pytest.raises(RuntimeError, match="no weight-update group"):
         engine.update_weights_from_distributed()
-    port, release = free_port(), CTX.Queue()
-    proc = CTX.Process(target=_silent_sender, args=(port, release), daemon=True)
+    port, release, up = free_port(), CTX.Queue(), CTX.Queue()
+    proc = CTX.Process(target=_silent_sender, args=(port, release, up), daemon=True)
     proc.start()
+    assert up.get(timeout=WAIT_S) == "up"
     engine.init_weight_update_group("127.0.0.1", port, 1, 2, backend="gloo", timeout_s=3)
     start = time.monotonic()
     with pytest.raises(WeightSyncError, match="timeout"):  # the sender is alive but silent

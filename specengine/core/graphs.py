@@ -42,7 +42,10 @@ class CudaGraph:
     def capture(self, fn: Callable[[], Any]) -> Any:
         """Record ``fn`` (nothing runs); returns the outputs each replay writes."""
         torch.cuda.synchronize()
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        # thread_local: weight updates are received and checked on other threads (server
+        # endpoints stage off the step loop); their device work must not invalidate a capture
+        # running here, and only this thread's unsafe calls may fail it.
+        with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         self.pool = self.graph.pool()
         return out
