@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 ARCH_KWARGS: dict[str, dict[str, Any]] = {
@@ -36,7 +37,7 @@ def make_hf_model(arch: str, vocab_size: int = 128, hidden_size: int = 64, num_l
     ``init_std`` is larger than the usual 0.02 so logits are well separated and greedy
     decoding does not hinge on float rounding.
     """
-    import transformers
+    transformers = pytest.importorskip("transformers")  # a test extra: absent on a bare GPU box
 
     family = arch.split("_")[0]
     cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
