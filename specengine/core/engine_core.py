@@ -223,11 +223,11 @@ class EngineCore:
             return outputs
         version = self._weight_version()  # weights change only between steps
         try:
-            scheduled = self.scheduler.schedule(self._lookahead)
+            scheduled = self.scheduler.schedule(self.lookahead)
             seqs, isolated = scheduled.seqs, False
             self._isolation.checkpoint()
             try:
-                self._run_batch(scheduled, run, version)
+                self.run_batch(scheduled, run, version)
             except Exception as exc:  # one request's data, or the engine's fault: find which
                 seqs, isolated = self._isolation.isolate(scheduled, exc, run, version), True
             if report_unfinished:
@@ -242,7 +242,7 @@ class EngineCore:
         self._end_run_if_idle()
         return outputs
 
-    def _run_batch(self, scheduled: ScheduledBatch, run: RunStats, version: int) -> None:
+    def run_batch(self, scheduled: ScheduledBatch, run: RunStats, version: int) -> None:
         """Run a scheduled batch: its prefill, or one verify step per (k, tree) group."""
         seqs = scheduled.seqs
         if scheduled.is_prefill:
@@ -281,9 +281,18 @@ class EngineCore:
         """The current busy span, else the last one."""
         return self._run if self._run is not None else self._last_run
 
-    def _lookahead(self, seq: Sequence) -> int:
+    def lookahead(self, seq: Sequence) -> int:
+        """Draft slots ``seq``'s next verify step needs (its k or tree, within the context)."""
         room = max(0, self.config.max_model_len - len(seq))
         return min(self._by_seq[seq.seq_id].lookahead, room)
+
+    def fail(self, seq: Sequence, error: str) -> str:
+        """Finish ``seq`` (holding no blocks: ``core.isolation`` evicted it) with
+        ``finish_reason="error"`` and ``error``; reported by this step. Returns its id."""
+        req = self._by_seq[seq.seq_id]
+        req.error = error
+        seq.finish("error")
+        return req.request_id
 
     def _groups(self, seqs: tuple[Sequence, ...]
                 ) -> list[tuple[tuple[int, DraftTree | None], tuple[Sequence, ...]]]:

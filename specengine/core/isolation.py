@@ -124,7 +124,7 @@ class Isolation:
             if exc is not None:
                 return exc
         if verify:
-            exc = self._run(core.scheduler.decode_only(seqs, core._lookahead), run, version)
+            exc = self._run(core.scheduler.decode_only(seqs, core.lookahead), run, version)
             if exc is not None:
                 return exc
         self.lone_failures = 0  # the engine itself works
@@ -133,7 +133,7 @@ class Isolation:
     def _run(self, batch: ScheduledBatch, run: RunStats, version: int) -> Exception | None:
         self.checkpoint()
         try:
-            self.core._run_batch(batch, run, version)
+            self.core.run_batch(batch, run, version)
         except Exception as exc:  # this set fails (again): undo its run
             self._undo(batch.seqs)
             return exc
@@ -156,11 +156,9 @@ class Isolation:
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         """``seq`` failed alone: it finishes with ``finish_reason="error"`` (held nothing:
         it was evicted)."""
-        req = self.core._by_seq[seq.seq_id]
-        req.error = describe(exc)
-        seq.finish("error")
+        request_id = self.core.fail(seq, describe(exc))
         logger.error("request %r failed alone in a step; it ends with finish_reason='error'",
-                     req.request_id, exc_info=exc)
+                     request_id, exc_info=exc)
 
 
 __all__ = ["ENGINE_WIDE_AFTER", "Isolation", "describe"]
