@@ -35,6 +35,7 @@ from specengine.outputs import GenerationOutput
 from specengine.sampling import MAX_N, MAX_TEMPERATURE, MIN_TEMPERATURE
 from specengine.server.app import build_app
 from specengine.server.serve import RolloutServer
+from specengine.weights.protocol import Manifest, WeightSyncError
 
 INT32 = 2**31 - 1
 INT64 = 2**63 - 1
@@ -120,6 +121,43 @@ def test_k_and_k_max_refuse_hostile_numbers(engine: SpecEngine, reference: list,
     # Refused before anything was queued: the engine serves exactly as before.
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
     for got, want in zip(engine.generate(prompts, k=3, sampling=GREEDY), reference):
+        assert_same(got, want)
+
+
+@pytest.mark.parametrize("value", [*HOSTILE, 0, -1.0, 86400.5], ids=repr)
+def test_weight_group_refuses_hostile_timeouts_at_once(engine: SpecEngine, value: object) -> None:
+    """Refused before any rendezvous is tried (a timedelta or the store's C++ timeout would
+    overflow on 1e30); the engine is in no group afterwards."""
+    with pytest.raises(ValueError, match=r"timeout_s must be .*\(0, 86400\]"):
+        engine.init_weight_update_group("127.0.0.1", 1, 1, 2, backend="gloo", timeout_s=value)
+    with pytest.raises(RuntimeError, match="no weight-update group"):
+        engine.update_weights_from_distributed()
+
+
+@pytest.mark.parametrize(("kw", "name"), [({"world_size": 2**31}, "world_size"),
+                                          ({"world_size": True}, "world_size"),
+                                          ({"master_port": 65536}, "master_port"),
+                                          ({"master_port": -1}, "master_port")])
+def test_weight_group_refuses_out_of_range_ranks_and_ports(engine: SpecEngine, kw: dict,
+                                                           name: str) -> None:
+    args = {"master_address": "127.0.0.1", "master_port": 1, "rank": 1, "world_size": 2,
+            **kw}
+    with pytest.raises(ValueError, match=rf"{name} must be an int in"):
+        engine.init_weight_update_group(backend="gloo", timeout_s=1.0, **args)
+
+
+@pytest.mark.parametrize("version", [2**63, -1, True, 1.5, float("nan")], ids=repr)
+def test_weight_versions_are_int64(engine: SpecEngine, reference: list, version: object
+                                   ) -> None:
+    """Every later token is stamped with the version in an int64 array: 2**63 would overflow
+    in the next step of every request."""
+    before = engine.weight_version
+    with pytest.raises(ValueError, match=r"weight version must be an int in \[0, "):
+        engine.load_weights({}, version=version)
+    assert engine.weight_version == before
+    with pytest.raises(WeightSyncError, match="manifest version must be an int in"):
+        Manifest(version, "policy", False, 1 << 20, ())  # what a sender would broadcast
+    for got, want in zip(engine.generate(heldout_prompts(2), k=3, sampling=GREEDY), reference):
         assert_same(got, want)
 
 

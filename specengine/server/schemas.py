@@ -18,10 +18,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specengine.sampling import MAX_INT32, MAX_INT64, SamplingParams
+from specengine.weights.protocol import MAX_TIMEOUT_S
 
 # allow_inf_nan=False: NaN / Infinity (which Python's json reads) are no numbers anywhere.
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-MAX_TIMEOUT_S = 86400.0  # a day: longer is a hung peer, not a slow one
 MAX_REQUEST_ID_CHARS = 256
 # Fields where an explicit null is a value (no seed; the engine's lag), not "the default".
 _NONE_MEANS_SOMETHING = ("seed", "max_policy_lag")

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from specengine.weights.protocol import WeightSyncError
+from specengine.weights.protocol import MAX_TIMEOUT_S, MAX_WORLD_SIZE, WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +39,19 @@ class WeightGroup:
                  backend: str, timeout_s: float, device: torch.device | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
-            raise ValueError(f"world_size must be an int >= 2 (a sender and a receiver), got "
-                             f"{world_size!r}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or \
+                not 2 <= world_size <= MAX_WORLD_SIZE:
+            raise ValueError(f"world_size must be an int in [2, {MAX_WORLD_SIZE}] (a sender "
+                             f"and receivers), got {world_size!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if isinstance(master_port, bool) or not isinstance(master_port, int) or \
+                not 0 <= master_port <= 65535:
+            raise ValueError(f"master_port must be an int in [0, 65535], got {master_port!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or \
+                not 0 < timeout_s <= MAX_TIMEOUT_S:  # (NaN fails the comparison too)
+            raise ValueError(f"timeout_s must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], "
+                             f"got {timeout_s!r}")
         if backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("backend='nccl' needs CUDA; use backend='gloo' on CPU")
         self.rank, self.world_size, self.backend = rank, world_size, backend

@@ -18,6 +18,12 @@ from dataclasses import dataclass
 import torch
 
 ALIGN = 64
+#: longest wait of a weight-sync group (``datetime.timedelta`` and the stores' C++ timeouts
+#: overflow on huge ones; longer than a day is a hung peer, not a slow one)
+MAX_TIMEOUT_S = 86400.0
+#: weight versions are stamped on tokens as int64
+MAX_VERSION = (1 << 63) - 1
+MAX_WORLD_SIZE = (1 << 31) - 1  # ranks are int32 in torch.distributed
 MIN_BUCKET_BYTES = 1 << 10
 MAX_MANIFEST_BYTES = 256 << 20
 WHICH = ("policy", "draft")
@@ -67,8 +73,10 @@ class Manifest:
     entries: tuple[ManifestEntry, ...]
 
     def __post_init__(self) -> None:
-        if isinstance(self.version, bool) or not isinstance(self.version, int):
-            raise WeightSyncError(f"manifest version must be an int, got {self.version!r}")
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or \
+                not 0 <= self.version <= MAX_VERSION:
+            raise WeightSyncError(f"manifest version must be an int in [0, {MAX_VERSION}], got "
+                                  f"{self.version!r}")
         if self.which not in WHICH:
             raise WeightSyncError(f"manifest which must be one of {WHICH}, got {self.which!r}")
         if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or \

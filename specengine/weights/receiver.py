@@ -59,6 +59,7 @@ from specengine.weights.finite import FiniteCheck, check_finite_tensors, non_fin
 from specengine.weights.group import MAX_ERROR_BYTES, WeightGroup
 from specengine.weights.protocol import (
     MAX_MANIFEST_BYTES,
+    MAX_VERSION,
     Manifest,
     WeightSyncError,
     bucket_buffer,
@@ -88,8 +89,13 @@ def update_target(engine: SpecEngine, which: str) -> tuple[nn.Module, dict[str, 
 
 
 def check_allowed(engine: SpecEngine, version: int | None) -> None:
-    """Refuse an update whose version would not increase. Requests may be running: an update
-    lands between two steps (``specengine.core.inflight``)."""
+    """Refuse an update whose version is not an int64 or would not increase. Requests may be
+    running: an update lands between two steps (``specengine.core.inflight``)."""
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)
+                                or not 0 <= version <= MAX_VERSION):
+        # Every later token is stamped with it in an int64 array.
+        raise ValueError(f"weight version must be an int in [0, {MAX_VERSION}] (or None: the "
+                         f"current one + 1), got {version!r}")
     if version is not None and version <= engine.weight_version:
         raise ValueError(f"weight version must increase: got {version}, engine is at "
                          f"{engine.weight_version}")
