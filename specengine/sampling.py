@@ -22,6 +22,10 @@ MAX_N = 1024
 #: 1 / t rounding to 0 against a drafter's -inf logits) that gives inf or NaN probabilities
 MIN_TEMPERATURE = 1e-4
 MAX_TEMPERATURE = 1e4
+#: distinct stop ids of one request: the step checks every emitted token against each running
+#: sequence's stop ids in one array as wide as the longest list (``SeqArena.stop_ids``), so one
+#: request with thousands would slow (and widen the memory of) every other request's steps
+MAX_STOP_TOKEN_IDS = 256
 
 
 def _is_int(value: object) -> bool:
@@ -55,15 +59,15 @@ class SamplingParams:
     top-p (a float in (0, 1]). ``max_tokens`` is an int in [1, 2**31 - 1]: the engine stops a
     sequence at ``max_tokens`` generated tokens or at ``max_model_len`` tokens in all, whichever
     comes first (so a huge value means "until a stop token or the context is full").
-    ``stop_token_ids`` (ids in the vocabulary, checked by the engine; and the checkpoint's EOS
-    unless ``ignore_eos``) end a sequence; the stop token itself is part of the output, with its
-    logprob, since an RL loss trains on it. ``seed`` (an int in [0, 2**63)) fixes this
-    request's random stream (same seed, same output); None draws one from the engine's
-    generator. ``max_policy_lag`` (an int in [0, 2**63 - 1]) overrides the engine's for this
-    request: after a weight update it is finished or restarted (the engine's
-    ``policy_lag_action``) once its oldest token is more than that many versions behind;
-    None uses the engine's. ``n`` (an int in [1, 1024], ``MAX_N``) samples of the prompt form a
-    group (GRPO): ``generate`` returns n outputs per prompt, prompt-major, each with its
+    ``stop_token_ids`` (at most 256 distinct ids in the vocabulary, checked by the engine; and
+    the checkpoint's EOS unless ``ignore_eos``) end a sequence; the stop token itself is part of
+    the output, with its logprob, since an RL loss trains on it. ``seed`` (an int in [0, 2**63))
+    fixes this request's random stream (same seed, same output); None draws one from the
+    engine's generator. ``max_policy_lag`` (an int in [0, 2**63 - 1]) overrides the engine's for
+    this request: after a weight update it is finished or restarted (the engine's
+    ``policy_lag_action``) once its oldest token is more than that many versions behind; None
+    uses the engine's. ``n`` (an int in [1, 1024], ``MAX_N``) samples of the prompt form a group
+    (GRPO): ``generate`` returns n outputs per prompt, prompt-major, each with its
     ``sample_index``; sample i's seed is derived from ``seed``
     (``specengine.prefix_cache.sample_seed``) and the group's prompt KV is computed once and
     shared. A value out of range, NaN / inf, or a bool where a number belongs raises
@@ -107,6 +111,9 @@ class SamplingParams:
             # the vocabulary bound is the engine's (validate_requests); int32 holds every one
             check_int(f"stop_token_ids[{i}]", t_id, 0, MAX_INT32,
                       f"a token id, an int in [0, {MAX_INT32}]")
+        if len(stops) > MAX_STOP_TOKEN_IDS and len(set(stops)) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids holds {len(set(stops))} distinct ids; at most "
+                             f"{MAX_STOP_TOKEN_IDS} (MAX_STOP_TOKEN_IDS) are allowed")
         object.__setattr__(self, "stop_token_ids", stops)
 
     @property

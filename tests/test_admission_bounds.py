@@ -32,7 +32,7 @@ from specengine.arith_task import heldout_prompts
 from specengine.cli import _parser
 from specengine.config import MAX_K
 from specengine.outputs import GenerationOutput
-from specengine.sampling import MAX_N, MAX_TEMPERATURE, MIN_TEMPERATURE
+from specengine.sampling import MAX_N, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_TEMPERATURE
 from specengine.server.app import build_app
 from specengine.server.serve import RolloutServer
 from specengine.weights.protocol import Manifest, WeightSyncError
@@ -158,6 +158,24 @@ def test_weight_versions_are_int64(engine: SpecEngine, reference: list, version:
     with pytest.raises(WeightSyncError, match="manifest version must be an int in"):
         Manifest(version, "policy", False, 1 << 20, ())  # what a sender would broadcast
     for got, want in zip(engine.generate(heldout_prompts(2), k=3, sampling=GREEDY), reference):
+        assert_same(got, want)
+
+
+def test_stop_ids_are_bounded_in_number(engine: SpecEngine, reference: list) -> None:
+    """Every step checks each running sequence's stop ids in one array as wide as the longest
+    list: one request may not widen it for all. Repeats of an id count once."""
+    SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS)))
+    SamplingParams(stop_token_ids=(5,) * 10_000)
+    with pytest.raises(ValueError, match=f"{MAX_STOP_TOKEN_IDS + 1} distinct ids; at most "
+                                         f"{MAX_STOP_TOKEN_IDS}"):
+        SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1)))
+    # At the bound (every id of the small vocabulary but the ones the reference emits), the
+    # others' outputs are unchanged.
+    vocab = engine.model_config.vocab_size
+    emitted = {t for out in reference for t in out.token_ids}
+    stops = tuple(t for t in range(min(vocab, MAX_STOP_TOKEN_IDS)) if t not in emitted)
+    sp = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, stop_token_ids=stops)
+    for got, want in zip(engine.generate(heldout_prompts(2), k=3, sampling=sp), reference):
         assert_same(got, want)
 
 
