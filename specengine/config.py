@@ -52,6 +52,9 @@ class EngineConfig:
     #: name full KV blocks computed by prefills by their tokens' hash and reuse them for later
     #: prompts with that prefix (``specengine.prefix_cache``; cleared on every weight update)
     enable_prefix_caching: bool = True
+    #: share of the card's total memory the engine plans to use on CUDA (weights,
+    #: activations, graphs and static buffers, then the KV cache: ``core.memory_plan``)
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -88,6 +91,10 @@ class EngineConfig:
                 not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1 (the number of ranks "
                              f"the model is split over), got {self.tensor_parallel_size!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1] of the "
+                             f"card's memory, got {u!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens must be >= block_size, got {self.kv_cache_tokens}")
 

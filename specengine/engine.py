@@ -107,6 +107,9 @@ class SpecEngine:
             prompts with the same prefix (cleared by every weight update; LRU eviction);
             the samples of a ``SamplingParams(n=...)`` group share their prompt's KV either
             way (``specengine.prefix_cache``).
+        gpu_memory_utilization: on CUDA, the share of the card's total memory the engine
+            plans to use: weights, activations, graphs and static buffers first, the KV cache
+            gets the rest (``specengine.core.memory_plan``); in (0, 1].
 
     Weights are updated in place (``data_ptr()`` never changes), between steps even while
     requests run (each token records its version), and versioned: in process
@@ -138,6 +141,7 @@ class SpecEngine:
         tensor_parallel_size: int = 1,
         kv_on_update: str = "keep", max_policy_lag: int | None = None,
         policy_lag_action: str = "finish", enable_prefix_caching: bool = True,
+        gpu_memory_utilization: float = 0.9,
     ) -> None:
         model_config = ModelConfig.from_dir(model)
         if max_model_len is None:  # vLLM's default: the model's own context length
@@ -152,7 +156,8 @@ class SpecEngine:
             cuda_graphs=cuda_graphs, graph_buckets=tuple(graph_buckets),
             tensor_parallel_size=tensor_parallel_size,
             kv_on_update=kv_on_update, max_policy_lag=max_policy_lag,
-            policy_lag_action=policy_lag_action, enable_prefix_caching=enable_prefix_caching)
+            policy_lag_action=policy_lag_action, enable_prefix_caching=enable_prefix_caching,
+            gpu_memory_utilization=gpu_memory_utilization)
         cfg = self.config
         self.device = torch.device(cfg.device)
         check_native(self.device)  # on CUDA: _C built with its CUDA kernels, else how to rebuild

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CPU_KV_BUDGET_BYTES = 1 << 30
-GPU_MEMORY_UTILIZATION = 0.85
 
 
 class KVCacheFullError(RuntimeError):
@@ -244,19 +243,45 @@ def num_kv_blocks(cfg: EngineConfig, target: ModelConfig, device: torch.device,
     """Blocks of a paged cache that holds as many tokens as the target's will.
 
     ``kv_cache_tokens`` when given; otherwise enough for ``max_batch_size`` full sequences,
-    capped on CUDA by the memory left under ``GPU_MEMORY_UTILIZATION`` (split between the
-    target's cache and ``extra_bytes_per_token``, a drafter's own cache built first) and on
-    CPU by a 1 GiB target cache. Every cache of an engine gets the same token count, so a
-    drafter never runs out of room before the target does."""
+    capped on CPU by a 1 GiB target cache and on CUDA by the memory plan
+    (``core.memory_plan``): of ``cfg.gpu_memory_utilization`` of the card, what is in use now
+    (the weights are loaded by then, the CUDA context, a drafter's cache built first), the
+    planned activations and the graphs' static buffers are taken first; the rest is split
+    between the target's cache and ``extra_bytes_per_token`` (a drafter's own cache). Every
+    cache of an engine gets the same token count, so a drafter never runs out of room before
+    the target does: the drafter's cache, sized first, takes its share of the rest, and the
+    target's call then finds it in use and gets the same tokens."""
     target_bpt = kv_bytes_per_token(target.num_layers, target.num_kv_heads, target.head_dim,
                                     cfg.torch_dtype)
     wanted = cfg.max_batch_size * (cfg.max_model_len + MAX_K + 1)
     if cfg.kv_cache_tokens is not None:
         tokens = cfg.kv_cache_tokens
     elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = max(free - (1 - GPU_MEMORY_UTILIZATION) * total, 0)
-        tokens = min(wanted, int(budget // (target_bpt + extra_bytes_per_token)))
+        tokens = _cuda_kv_tokens(cfg, target, device, target_bpt + extra_bytes_per_token)
     else:
         tokens = min(wanted, CPU_KV_BUDGET_BYTES // target_bpt)
     return max(1, tokens // cfg.block_size)
+
+
+def _cuda_kv_tokens(cfg: EngineConfig, target: ModelConfig, device: torch.device,
+                    bytes_per_token: int) -> int:
+    from specengine.core.memory_plan import DrafterFacts, kv_tokens_for, plan_memory
+
+    free, total = torch.cuda.mem_get_info(device)
+    e = torch.empty(0, dtype=cfg.torch_dtype).element_size()
+    drafter = DrafterFacts.from_draft(cfg.draft, target, e)
+    plan = plan_memory(target, cfg, total, drafter)
+    # Measured, not planned: the weights are on the card already (and whatever else is).
+    in_use = total - free
+    budget = int(cfg.gpu_memory_utilization * total) - in_use - plan.activation_bytes - \
+        plan.static_bytes
+    tokens = kv_tokens_for(cfg, max(budget, 0), bytes_per_token)
+    logger.info("memory plan (%.2f GiB in use before the KV cache, planned weights "
+                "%.2f GiB):\n%s", in_use / (1 << 30), plan.weight_bytes / (1 << 30),
+                plan.format())
+    if tokens < cfg.max_model_len:
+        logger.warning("the KV cache gets %d tokens (%.2f GiB left of %.2f under "
+                       "gpu_memory_utilization %g): fewer than one max_model_len sequence",
+                       tokens, budget / (1 << 30), cfg.gpu_memory_utilization * total / (1 << 30),
+                       cfg.gpu_memory_utilization)
+    return tokens

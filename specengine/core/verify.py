@@ -35,6 +35,7 @@ from specengine.core.batch import (
     BatchState,
 )
 from specengine.core.block_rows import slots_of
+from specengine.core.memory_plan import PROB_DRAFTS
 from specengine.core.transfer import to_device
 from specengine.kernels.kv_cache import compact_kv_cache
 from specengine.model.attention import AttentionMetadata
@@ -86,13 +87,23 @@ class StaticVerifier:
     buffers device-to-device (:meth:`load_drafts`); nothing in :meth:`run` touches the host."""
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, state: BatchState,
-                 block_size: int, vocab_size: int, max_tokens: int) -> None:
+                 block_size: int, vocab_size: int, max_tokens: int,
+                 max_prob_drafts: int = PROB_DRAFTS) -> None:
         self.runner, self.sampler, self.state = runner, sampler, state
         self.block_size, self.vocab_size = block_size, vocab_size
         dev = state.device
         # [R, max N - 1]: row b's drafts (chain) or its tree nodes 1..N-1.
         self.draft_ids = torch.zeros(state.capacity, max_tokens - 1, dtype=torch.int64,
                                      device=dev)
+        # Draft distributions: one [capacity, max_prob_drafts, V] float32 allocation (made at
+        # the first sampled step) that every (rows, N) shape reads as the view [:rows, :N-1],
+        # so draft j of row r sits at the same address in every shape (a draft loop of k' < k
+        # drafts writes where the verify pass of k reads). Shapes may share it because it is
+        # an input of one step only: the step's drafter (or load_drafts) writes it, then that
+        # step's verify pass reads it, and no later pass reads it. A shape past it (more rows
+        # than the batch holds, more drafts) gets its own buffer.
+        self.max_prob_drafts = max_prob_drafts
+        self._probs_all: Tensor | None = None
         self._probs: dict[tuple[int, int], Tensor] = {}
         # Tree passes move the accepted paths' K/V into place themselves (not under tensor
         # parallelism: every rank's shard must move, the step does it through the workers).
@@ -111,16 +122,33 @@ class StaticVerifier:
         w = min(w, shape.num_tokens - 1)
         if w and not _same_view(token_ids, self.draft_ids):  # a static drafter wrote in place
             self.draft_ids[:b, :w].copy_(token_ids[:, :w])
-        if w and shape.has_probs:  # (a static drafter's ids may be in place, its probs not)
-            self.probs_buffer(shape)[:b, :w].copy_(probs[:, :w])  # type: ignore[index]
+        if w and shape.has_probs:  # (a static drafter writes its probs in place too)
+            buf = self.probs_buffer(shape)
+            if not _same_view(probs, buf):  # type: ignore[arg-type]
+                buf[:b, :w].copy_(probs[:, :w])  # type: ignore[index]
 
     def probs_buffer(self, shape: VerifyShape) -> Tensor:
-        """``[rows, N-1, V]`` float32, allocated once per shape."""
-        key = (shape.num_rows, shape.num_tokens)
-        if key not in self._probs:
-            self._probs[key] = torch.zeros(*key[:1], key[1] - 1, self.vocab_size,
-                                           dtype=torch.float32, device=self.state.device)
-        return self._probs[key]
+        """``[rows, N-1, V]`` float32: :meth:`probs_view` of the shape."""
+        return self.probs_view(shape.num_rows, shape.num_tokens - 1)
+
+    def probs_view(self, rows: int, drafts: int) -> Tensor:
+        """``[rows, drafts, V]`` float32, a view of the one shared buffer (see ``__init__``),
+        the same tensor every call for the same arguments; a draft loop writes its
+        distributions here and the verify pass of ``(rows, drafts + 1)`` reads them."""
+        key = (rows, drafts)
+        view = self._probs.get(key)
+        if view is None:
+            if rows > self.state.capacity or drafts > self.max_prob_drafts:
+                view = torch.zeros(rows, drafts, self.vocab_size, dtype=torch.float32,
+                                   device=self.state.device)
+            else:
+                if self._probs_all is None:
+                    self._probs_all = torch.zeros(
+                        self.state.capacity, self.max_prob_drafts, self.vocab_size,
+                        dtype=torch.float32, device=self.state.device)
+                view = self._probs_all[:rows, :drafts]
+            self._probs[key] = view
+        return view
 
     def _constants(self, shape: VerifyShape) -> tuple[Tensor, Tensor, Tensor | None,
                                                        Tensor | None]:

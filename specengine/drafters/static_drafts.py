@@ -51,8 +51,8 @@ class StaticDrafts:
                probs: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """Draft ``j`` of every row from ``logits [rows, V]`` with the row's own sampling
         parameters and seed (position ``len + j``), written to ``ids[:, j]`` (and its
-        distribution to ``probs[:, j]``, allocated at the first sampled draft). Returns the
-        tokens and ``probs``."""
+        distribution to ``probs[:, j]``: the verify pass's shared probability buffer, taken at
+        the first sampled draft). Returns the tokens and ``probs``."""
         rows, k = ids.shape
         st = self.state
         ints = st.ints[:, :rows]
@@ -61,6 +61,8 @@ class StaticDrafts:
         ids[:, j] = tokens
         if q is not None:
             if probs is None:
-                probs = q.new_zeros(rows, k, q.shape[-1])
+                # Straight into the verify pass's buffer (its load is then a no-op), a view of
+                # one allocation shared by every (rows, k): no per-graph [rows, k, V] output.
+                probs = self.graphs.verifier.probs_view(rows, k)
             probs[:, j] = q
         return tokens, probs

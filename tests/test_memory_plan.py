@@ -1,0 +1,333 @@
+"""The memory plan (``specengine.core.memory_plan``) and the KV cache sized from it on CUDA:
+the figures against a hand computation for Qwen3-8B + an EAGLE-3 head on an 80 GiB card, the
+plan printed by ``scripts/plan_memory.py``, the CUDA sizing (``torch.cuda.mem_get_info``
+stubbed), the CPU rule unchanged, ``gpu_memory_utilization`` checked, and the one shared
+draft-probability buffer of the verify pass."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from specengine import SpecEngine
+from specengine.config import EngineConfig
+from specengine.core.memory_plan import (
+    GIB,
+    DrafterFacts,
+    MemoryPlan,
+    measure_peak_bytes,
+    model_params,
+    plan_memory,
+)
+from specengine.kv_cache import CPU_KV_BUDGET_BYTES, num_kv_blocks
+from specengine.model.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+V, VD, H, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTER = 151_936, 32_000, 4096, 36, 32, 8, 128, 12288
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": V,
+    "hidden_size": H, "intermediate_size": INTER, "num_hidden_layers": LAYERS,
+    "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+    "rms_norm_eps": 1e-6, "rope_theta": 1_000_000, "max_position_embeddings": 40960,
+    "tie_word_embeddings": False, "hidden_act": "silu",
+}
+EAGLE3_HEAD = {
+    "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "vocab_size": V,
+    "draft_vocab_size": VD, "hidden_size": H, "intermediate_size": INTER,
+    "num_hidden_layers": 1, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+    "head_dim": HEAD_DIM, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000,
+    "max_position_embeddings": 40960, "hidden_act": "silu",
+}
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> tuple[Path, Path]:
+    return write_config(tmp_path / "qwen3-8b", QWEN3_8B), write_config(tmp_path / "eagle3",
+                                                                       EAGLE3_HEAD)
+
+
+def config_8b(model: Path, draft: Path, **kw: object) -> EngineConfig:
+    args: dict = dict(model=str(model), draft=str(draft), device="cuda", dtype="bfloat16",
+                      kernel_backend="triton", cuda_graphs=True, graph_buckets=BUCKETS,
+                      max_model_len=40960, max_batch_size=256,
+                      draft_options=(("sample", True),))
+    return EngineConfig(**{**args, **kw})
+
+
+def plan_8b(model: Path, draft: Path, **kw: object) -> MemoryPlan:
+    cfg = config_8b(model, draft, **kw)
+    target = ModelConfig.from_dir(model)
+    return plan_memory(target, cfg, 80 * GIB, DrafterFacts.from_draft(cfg.draft, target, 2),
+                       k_max=8)
+
+
+def test_qwen3_8b_eagle3_on_an_80gb_card(pair: tuple[Path, Path]) -> None:
+    plan = plan_8b(*pair)
+    e = 2  # bf16
+    # Target weights: embeddings and an untied LM head; per layer q/k/v/o, gate/up/down, two
+    # RMSNorms and Qwen3's q/k norms; the final norm.
+    layer = H * (HEADS + 2 * KV_HEADS) * HEAD_DIM + HEADS * HEAD_DIM * H + 3 * H * INTER \
+        + 2 * H + 2 * HEAD_DIM
+    assert layer == 192_946_432
+    target_params = 2 * V * H + LAYERS * layer + H
+    assert target_params == 8_190_735_360  # Qwen3-8B's 8.19B
+    assert plan.target_weight_bytes == e * target_params
+    # The head: fc 3H->H, q/k/v from 2H, o, the MLP, three norms (input, hidden, post-attn),
+    # the final norm, an LM head over the draft vocabulary; d2t int64 per draft id.
+    head = 3 * H * H + 2 * H * (HEADS + 2 * KV_HEADS) * HEAD_DIM + HEADS * HEAD_DIM * H \
+        + 3 * H * INTER + 3 * H + H + H * VD
+    assert plan.draft_weight_bytes == e * head + 8 * VD
+    # KV per token: 2 (K, V) x layers x kv_heads x head_dim x 2 bytes; the head's one layer.
+    assert plan.kv_bytes_per_token == 2 * LAYERS * KV_HEADS * HEAD_DIM * e \
+        + 2 * 1 * KV_HEADS * HEAD_DIM * e == 151_552
+    # Static buffers: one [256, 16, V] float32 probability buffer for every sampled shape;
+    # per verify graph (bucket b, N = 1 .. 9 fed) hidden + 3 aux [b*N, H] bf16, packed
+    # [b, 3N+1] float64 and the sampler's outputs (as much again).
+    assert plan.draft_probs_bytes == 256 * 16 * V * 4
+    assert plan.graph_output_bytes == sum(b * n * H * e * 4 + 2 * 8 * b * (3 * n + 1)
+                                          for b in BUCKETS for n in range(1, 10))
+    max_blocks = -(-(40960 + 64) // 16)
+    assert plan.fixed_buffer_bytes == 256 * 63 * 8 + 256 * (8 * 8 + 4 * max_blocks + 2 * 4) \
+        + 257 * H * e
+    assert plan.num_graphs == len(BUCKETS) * (9 + 9 + 8)  # verify, catch-up, draft loop
+    # Activations: a token at a layer's peak holds 2H + 3I plus the returned (1 + 3) H; the
+    # prefill chunk of 16384 then runs the head (5H + 3I) while the 4H are held; plus the
+    # last 256 tokens' logits (bf16 + float32). Verify: 256 x 9 tokens and their bf16
+    # logits. Eager and graph pools each reach their peak.
+    per_token = e * (2 * H + 3 * INTER + 4 * H)
+    prefill = 16384 * (e * 4 * H + e * (5 * H + 3 * INTER)) + 256 * V * (e + 4)
+    verify = 256 * 9 * per_token + 256 * 9 * V * e
+    assert (plan.prefill_activation_bytes, plan.verify_activation_bytes) == (prefill, verify)
+    assert plan.activation_bytes == prefill + verify
+    # The KV cache: what is left of 0.9 x 80 GiB, in whole 16-token blocks.
+    left = int(0.9 * 80 * GIB) - plan.weight_bytes - plan.activation_bytes - plan.static_bytes
+    assert plan.kv_tokens == left // 151_552 // 16 * 16
+    assert plan.kv_cache_bytes == plan.kv_tokens * 151_552
+    # The issue's bounds: graphs and static buffers <= 4 GB, KV cache >= 50 GB.
+    assert plan.static_bytes <= 4e9
+    assert plan.kv_cache_bytes >= 50e9
+    assert plan.used_bytes <= plan.budget_bytes < plan.used_bytes + 16 * 151_552
+
+
+def test_sharing_is_what_keeps_static_buffers_small(pair: tuple[Path, Path]) -> None:
+    # Per (bucket, k) probability buffers (draft loop + verify pass, as before) would be
+    # 2 x sum(b) x sum(k) x V x 4 bytes: ~22 GB, more than the whole plan's static part.
+    per_shape = 2 * sum(BUCKETS) * sum(range(1, 9)) * V * 4
+    assert per_shape > 5 * plan_8b(*pair).static_bytes
+    greedy = plan_8b(*pair, draft_options=())
+    assert greedy.draft_probs_bytes == 0
+    assert greedy.kv_tokens > plan_8b(*pair).kv_tokens
+    eager = plan_8b(*pair, cuda_graphs=False)
+    assert eager.num_graphs == eager.graph_output_bytes == 0
+    assert eager.activation_bytes == eager.prefill_activation_bytes
+
+
+def test_the_command_prints_the_plan(pair: tuple[Path, Path],
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    spec = importlib.util.spec_from_file_location("plan_memory", ROOT / "scripts/plan_memory.py")
+    script = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(script)  # type: ignore[union-attr]
+    model, draft = pair
+    assert script.main(["--model", str(model), "--draft", str(draft), "--gpu-memory-gb", "80",
+                        "--k-max", "8", "--sample"]) == 0
+    out = capsys.readouterr().out
+    plan = plan_8b(model, draft)
+    kv = [line for line in out.splitlines() if line.startswith("KV cache")]
+    assert len(kv) == 1
+    assert f"{plan.kv_tokens:,} tokens x 151,552 B" in kv[0]
+    assert f"{plan.kv_cache_bytes / GIB:.3f} GiB" in kv[0]
+    assert out == plan.format() + "\n"
+
+
+def test_model_params_count_the_modules() -> None:
+    from specengine.drafters.eagle3 import Eagle3Head
+    from specengine.model.llama import CausalLM
+
+    small = {**QWEN3_8B, "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
+             "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16}
+    for extra in ({}, {"tie_word_embeddings": True},
+                  {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
+                  {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                   "attention_bias": True, "mlp_bias": True}):
+        cfg = ModelConfig.from_dict({**small, **extra})
+        with torch.device("meta"):
+            model = CausalLM(cfg)
+        assert model_params(cfg) == sum(p.numel() for p in model.parameters()), extra
+    head_cfg = ModelConfig.from_dict({**small, "architectures": ["LlamaForCausalLM"],
+                                      "model_type": "llama", "num_hidden_layers": 1})
+    with torch.device("meta"):
+        head = Eagle3Head(head_cfg, 100, torch.nn.Embedding(320, 64))
+    facts = DrafterFacts.eagle3(head_cfg, 100, 2)
+    assert facts.weight_params == sum(p.numel() for p in head.parameters())
+    assert facts.extra_weight_bytes == head.draft_to_target.numel() * 8
+
+
+def test_drafter_facts_from_the_draft_argument(pair: tuple[Path, Path],
+                                               tiny_checkpoint: Path) -> None:
+    model, draft = pair
+    target = ModelConfig.from_dir(model)
+    assert DrafterFacts.from_draft(None, target, 2) is None
+    for host in ("ngram", "suffix"):
+        assert DrafterFacts.from_draft(host, target, 2) == DrafterFacts.host()
+    assert DrafterFacts.from_draft(str(draft), target, 2).kind == "eagle3"
+    assert DrafterFacts.from_draft((str(draft), "suffix"), target, 2).kind == "eagle3"
+    assert DrafterFacts.from_draft("mtp", target, 2).kind == "mtp"
+    lm = DrafterFacts.from_draft(str(tiny_checkpoint), target, 2)
+    small = ModelConfig.from_dir(tiny_checkpoint)
+    assert (lm.kind, lm.weight_params) == ("lm", model_params(small))
+    # No drafter: one token per row, no draft loop or catch-up graphs.
+    plain = plan_memory(target, config_8b(model, draft), 80 * GIB, None, k_max=8)
+    assert plain.num_graphs == len(BUCKETS)
+    assert plain.draft_probs_bytes == 0
+
+
+@pytest.mark.parametrize("bad", [{"kind": "tree"}, {"weight_params": -1},
+                                 {"num_aux": 1.5}])
+def test_drafter_facts_refuse_bad_values(bad: dict) -> None:
+    with pytest.raises(ValueError, match="kind|weight_params|num_aux"):
+        replace(DrafterFacts.host(), **bad)
+
+
+def test_memory_plan_checks(pair: tuple[Path, Path]) -> None:
+    plan = plan_8b(*pair)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        replace(plan, gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="draft_probs_bytes must be >= 0"):
+        replace(plan, draft_probs_bytes=-1)
+    with pytest.raises(ValueError, match="kv_tokens \\* kv_bytes_per_token"):
+        replace(plan, kv_tokens=plan.kv_tokens + 1)
+    target = ModelConfig.from_dir(pair[0])
+    for k_max in (0, 17):
+        with pytest.raises(ValueError, match="k_max"):
+            plan_memory(target, config_8b(*pair), 80 * GIB, None, k_max=k_max)
+
+
+def test_a_small_card_leaves_no_kv_cache(pair: tuple[Path, Path]) -> None:
+    cfg = config_8b(*pair)
+    target = ModelConfig.from_dir(pair[0])
+    plan = plan_memory(target, cfg, 16 * GIB, DrafterFacts.from_draft(cfg.draft, target, 2))
+    assert plan.kv_tokens == plan.kv_cache_bytes == 0
+
+
+# ---- sizing the cache -----------------------------------------------------------------------
+def test_cuda_sizing_follows_the_plan(pair: tuple[Path, Path],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # On CUDA the plan's activations and static buffers come first, the weights are measured
+    # (in use already); the drafter's cache, sized first, and the target's get equal tokens.
+    total, weights = 80 * GIB, 17 * 10**9
+    state = {"free": total - weights}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state["free"], total))
+    cfg = config_8b(*pair, max_num_batched_tokens=8192)
+    target = ModelConfig.from_dir(pair[0])
+    cuda = torch.device("cuda")
+    plan = plan_memory(target, cfg, total, DrafterFacts.from_draft(cfg.draft, target, 2))
+    draft_bpt = 2 * KV_HEADS * HEAD_DIM * 2
+    blocks = num_kv_blocks(cfg, target, cuda, extra_bytes_per_token=draft_bpt)
+    left = int(0.9 * total) - weights - plan.activation_bytes - plan.static_bytes
+    assert blocks == left // 151_552 // 16
+    state["free"] -= blocks * 16 * draft_bpt  # the drafter's cache is allocated
+    assert num_kv_blocks(cfg, target, cuda) == blocks
+    # Less of the card: less cache, by exactly the share taken away.
+    state["free"] += blocks * 16 * draft_bpt
+    half = num_kv_blocks(replace(cfg, gpu_memory_utilization=0.5), target, cuda,
+                         extra_bytes_per_token=draft_bpt)
+    assert half == (left - int(0.9 * total) + int(0.5 * total)) // 151_552 // 16
+    # kv_cache_tokens still overrides.
+    assert num_kv_blocks(replace(cfg, kv_cache_tokens=4096), target, cuda) == 256
+
+
+def test_cpu_engine_sizes_its_cache_as_before(tiny_checkpoint: Path) -> None:
+    engine = SpecEngine(tiny_checkpoint, device="cpu", dtype="float32", max_model_len=512,
+                        max_batch_size=8)
+    mc = engine.model_config
+    bpt = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4
+    wanted = 8 * (512 + 16 + 1)  # max_batch_size full sequences + the longest chain
+    assert engine.kv_cache.num_blocks == min(wanted, CPU_KV_BUDGET_BYTES // bpt) // 16
+    big = replace(engine.config, max_batch_size=4096, max_model_len=4096)
+    assert num_kv_blocks(big, mc, torch.device("cpu")) == CPU_KV_BUDGET_BYTES // bpt // 16
+    # gpu_memory_utilization does not touch the CPU rule.
+    assert num_kv_blocks(replace(big, gpu_memory_utilization=0.1), mc,
+                         torch.device("cpu")) == CPU_KV_BUDGET_BYTES // bpt // 16
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.5, 1.01, 2, True, "0.9", float("nan")])
+def test_gpu_memory_utilization_outside_0_1_is_refused(bad: object,
+                                                       tiny_checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be a fraction in "
+                                         r"\(0, 1\]"):
+        EngineConfig(model="m", gpu_memory_utilization=bad)  # type: ignore[arg-type]
+    if bad == 1.01:  # the engine's keyword reaches the check before any weight is read
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            SpecEngine(tiny_checkpoint, device="cpu", gpu_memory_utilization=bad)
+
+
+def test_gpu_memory_utilization_in_range_is_kept() -> None:
+    assert EngineConfig(model="m", gpu_memory_utilization=1).gpu_memory_utilization == 1
+    assert EngineConfig(model="m").gpu_memory_utilization == 0.9
+
+
+def test_measuring_needs_cuda() -> None:
+    with pytest.raises(ValueError, match="CUDA"):
+        measure_peak_bytes(lambda: None, torch.device("cpu"))
+
+
+# ---- the shared draft-probability buffer ----------------------------------------------------
+def test_one_probability_buffer_for_every_shape(tiny_checkpoint: Path) -> None:
+    engine = SpecEngine(tiny_checkpoint, device="cpu", dtype="float32", cuda_graphs=True,
+                        graph_buckets=(1, 2, 4, 8), max_model_len=96, kv_cache_tokens=4096,
+                        max_batch_size=8)
+    verifier = engine.graphs.verifier
+    small, large = verifier.probs_view(2, 3), verifier.probs_view(8, 16)
+    assert small is verifier.probs_view(2, 3)  # made once: a captured graph's address
+    # Draft j of row r has one address in every shape: a loop of 3 drafts writes where the
+    # verify pass of k = 5 reads.
+    assert small[1, 2].data_ptr() == large[1, 2].data_ptr() == verifier.probs_view(4, 5)[1, 2] \
+        .data_ptr()
+    assert small.untyped_storage().data_ptr() == large.untyped_storage().data_ptr()
+    assert large.untyped_storage().nbytes() == 8 * 16 * engine.model_config.vocab_size * 4
+    # Shapes past it get their own (more rows than the batch holds, more drafts).
+    for rows, drafts in ((9, 2), (2, 17)):
+        own = verifier.probs_view(rows, drafts)
+        assert own.shape == (rows, drafts, engine.model_config.vocab_size)
+        assert own.untyped_storage().data_ptr() != large.untyped_storage().data_ptr()
+
+
+def test_sampled_drafts_write_the_verify_buffer_in_place(tiny_checkpoint: Path) -> None:
+    from specengine import SamplingParams
+
+    engine = SpecEngine(tiny_checkpoint, str(tiny_checkpoint), device="cpu", dtype="float32",
+                        cuda_graphs=True, graph_buckets=(1, 2, 4, 8), max_model_len=96,
+                        kv_cache_tokens=4096, max_batch_size=8, draft_options={"sample": True})
+    verifier = engine.graphs.verifier
+    copies = []
+    real = torch.Tensor.copy_
+
+    def spy(dst: torch.Tensor, src: torch.Tensor, *a: object, **kw: object) -> torch.Tensor:
+        if verifier._probs_all is not None and \
+                dst.untyped_storage().data_ptr() == verifier._probs_all.untyped_storage() \
+                .data_ptr():
+            copies.append(tuple(dst.shape))
+        return real(dst, src, *a, **kw)
+
+    prompts = [[5, 9, 2, 7], [1, 2, 3], [8] * 11]
+    params = SamplingParams(temperature=1.0, max_tokens=9, seed=3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "copy_", spy)
+        engine.generate(prompts, k=3, sampling=params)
+    assert engine.graphs.num_runs["lm-draft"] > 0
+    assert copies == []  # the draft loop wrote the distributions where the pass reads them
+    shared = {v.untyped_storage().data_ptr() for v in verifier._probs.values()}
+    assert shared == {verifier._probs_all.untyped_storage().data_ptr()}
