@@ -11,12 +11,12 @@ this order; each test says what it expects to find.
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Iterator
 from dataclasses import asdict
 
 import pytest
 import torch
+from net_helpers import free_port
 
 ray = pytest.importorskip("ray")
 
@@ -39,12 +39,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=40, seed=0)  # a seed: no dr
 def seeded(temperature: float = 1.0) -> list[SamplingParams]:
     return [SamplingParams(temperature=temperature, max_tokens=40, seed=1000 + i)
             for i in range(len(PROMPTS))]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def assert_same(got: list[GenerationOutput], want: list[GenerationOutput]) -> None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+from net_helpers import free_port
 from server_helpers import bundled_engine
 
 from specengine import SamplingParams
@@ -21,12 +21,6 @@ from specengine.client import ServerError, SpecEngineClient
 from specengine.server import API_KEY_ENV
 
 WAIT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_process_serves_then_exits_cleanly_on_sigterm() -> None:

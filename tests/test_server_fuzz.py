@@ -13,7 +13,6 @@ cleanly (and the engine keep serving) however the other fields are set.
 from __future__ import annotations
 
 import json
-import socket
 from collections import Counter
 from collections.abc import Iterator
 
@@ -22,6 +21,7 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from net_helpers import free_port  # noqa: E402
 from server_helpers import (  # noqa: E402
     assert_idle_and_free,
     in_engine,
@@ -42,12 +42,6 @@ def _engine() -> SpecEngine:
     # A short context bounds the work of any accepted request (max_tokens is capped by it).
     return SpecEngine(DEFAULT_TARGET, draft=DEFAULT_DRAFT, device="cpu", kernel_backend="torch",
                       max_batch_size=16, kv_cache_tokens=4096, max_model_len=64)
-
-
-def _unused_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +117,7 @@ def test_fuzzed_requests_never_get_a_5xx_and_leave_the_engine_whole(served) -> N
     boundary = st.tuples(st.sampled_from(sorted(TYPICAL)), st.sampled_from(EXTREMES))
     plausible = st.tuples(generate, st.tuples(prompts, typical, st.one_of(st.none(), boundary)))
     cases = st.one_of(plausible, st.tuples(st.one_of(every_op), st.none()))
-    dead_port = _unused_port()
+    dead_port = free_port()
     statuses: Counter[tuple[str, int]] = Counter()
     failures: list[str] = []
 

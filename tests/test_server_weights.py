@@ -7,13 +7,12 @@ gloo ``WeightSender`` in this process. Each test owns its engine (the weights ch
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from net_helpers import Background, free_port
 from safetensors.torch import load_file, save_file
 from server_helpers import assert_idle_and_free, bundled_engine, in_engine, running_server
 
@@ -116,36 +115,6 @@ def test_load_weights_lands_while_a_stream_runs(served, tmp_path) -> None:
     assert versions[0] == 0 and versions[-1] == 1 == out.output.weight_version
     assert list(versions) == sorted(versions)  # old tokens, then new ones
     in_engine(aeng, assert_idle_and_free)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Background:
-    """Run ``fn`` in a thread; ``result()`` joins it and returns (or raises) what it did."""
-
-    def __init__(self, fn: Callable[[], object]) -> None:
-        self._out: list[object] = []
-        self._err: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                self._out.append(fn())
-            except BaseException as exc:
-                self._err.append(exc)
-
-        self._thread = threading.Thread(target=run, daemon=True)
-        self._thread.start()
-
-    def result(self) -> object:
-        self._thread.join(TIMEOUT_S * 2)
-        assert not self._thread.is_alive(), "background call did not return"
-        if self._err:
-            raise self._err[0]
-        return self._out[0]
 
 
 def test_distributed_update_through_the_server(served) -> None:

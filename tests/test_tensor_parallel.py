@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import re
-import socket
 import subprocess
 import threading
 from multiprocessing.connection import Connection
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import make_hf_model, save_checkpoint
+from net_helpers import free_port
 from test_mtp import add_mtp_weights
 
 from specengine import SamplingParams, SpecEngine
@@ -163,12 +163,6 @@ def test_load_weights_every_rank_or_none(qwen3: Path, tmp_path: Path) -> None:
         after = outputs(e, PROMPTS, 0)
     assert after != before
     assert_close(after, outputs(engine(checkpoint_of(sd, tmp_path / "new")), PROMPTS, 0))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Learner:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import make_hf_model, save_checkpoint
+from net_helpers import free_port
 from server_helpers import bundled_engine, in_engine, post_json, running_server
 
 from specengine import AsyncSpecEngine, SamplingParams, SpecEngine
@@ -150,12 +150,6 @@ def test_shared_update_refuses_non_finite(tiny_checkpoint: Path, kind: str, fres
 
 
 # ---- over a weight-sync group ----------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Learner:
     """A gloo ``WeightSender`` (rank 0) on a thread of this process."""
 

@@ -8,14 +8,14 @@ loopback; the learner runs on a thread of this process and synchronises through 
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from net_helpers import Background, free_port
 from safetensors.torch import load_file
 from server_helpers import bundled_engine, in_engine, post_json, running_server
 
@@ -30,37 +30,6 @@ from specengine.weights.sender import MAGIC
 WAIT_S = 60.0
 PAUSE_S = 20.0  # how long the learner holds its transfer at most (the test releases it)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Background:
-    """Run ``fn`` in a thread; ``finished`` is set when it returned or raised."""
-
-    def __init__(self, fn: Callable[[], object]) -> None:
-        self.finished = threading.Event()
-        self._out: list[object] = []
-        self._err: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                self._out.append(fn())
-            except BaseException as exc:  # noqa: BLE001 - re-raised by result()
-                self._err.append(exc)
-            finally:
-                self.finished.set()
-
-        threading.Thread(target=run, daemon=True).start()
-
-    def result(self) -> object:
-        assert self.finished.wait(WAIT_S * 2), "background call did not return"
-        if self._err:
-            raise self._err[0]
-        return self._out[0]
 
 
 def new_weights(seed: int) -> dict[str, torch.Tensor]:

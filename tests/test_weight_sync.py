@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -20,6 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from checkpoints import make_hf_model, save_checkpoint
+from net_helpers import free_port
 
 from specengine import SamplingParams, SpecEngine
 from specengine.model.config import CheckpointError
@@ -31,12 +31,6 @@ GROUP_TIMEOUT_S = 60.0
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11]]
 SMALL_BUCKET = 8 << 10  # 8 KiB: many buckets, tensors split across them
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_engine(ckpt: Path, draft: Path | None = None) -> SpecEngine:
