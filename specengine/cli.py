@@ -282,6 +282,11 @@ def generate_main(args: argparse.Namespace) -> int:
     if args.k != 0 and not args.no_baseline:
         base = _run(engine, prompts, 0, params, "k=0", args.batch_size)
         print(_baseline_line(outs, base, args.temperature))
+        if args.temperature == 0 and any(a.token_ids != b.token_ids for a, b in zip(outs, base)):
+            # Greedy speculation must reproduce k=0 token for token: anything else is a bug.
+            print("error: greedy completions at k>0 differ from k=0: speculation is not "
+                  "lossless here", file=sys.stderr)
+            return 1
     return 0
 
 

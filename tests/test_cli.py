@@ -3,11 +3,12 @@ the EAGLE-3 head)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from specengine import SamplingParams, SpecEngine
+from specengine import SamplingParams, SpecEngine, cli
 from specengine.cli import main
 
 
@@ -180,3 +181,25 @@ def test_sampled_baseline_line_says_what_identical_means(
                  "--temperature", "1.0"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if "identical" in x)
     assert "sampled" in line and "may differ" in line and "distribution" in line
+
+
+def test_greedy_mismatch_with_k0_fails_the_command(
+        tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The main job's claim "greedy: must be all" is enforced by the exit status: a k=0
+    baseline that differs (planted here by shifting its tokens) fails the command."""
+    args = ["generate", "--model", str(tiny_checkpoint), "--draft", "ngram", "--prompt-ids",
+            "1 2 3 1 2 3", "--k", "2", "--max-tokens", "6"]
+    assert main(args) == 0
+    real_run = cli._run
+
+    def run_then_spoil_baseline(engine, prompts, k, *rest, **kw):  # type: ignore[no-untyped-def]
+        outs = real_run(engine, prompts, k, *rest, **kw)
+        if k != 0:
+            return outs
+        return [dataclasses.replace(o, token_ids=tuple(t + 1 for t in o.token_ids)) for o in outs]
+
+    monkeypatch.setattr(cli, "_run", run_then_spoil_baseline)
+    capsys.readouterr()
+    assert main(args) == 1
+    assert "differ from k=0" in capsys.readouterr().err
