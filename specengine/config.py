@@ -14,6 +14,8 @@ KV_ON_UPDATE = ("keep", "recompute")
 POLICY_LAG_ACTIONS = ("finish", "restart")
 #: longest draft chain a step verifies (``generate(k=...)``)
 MAX_K = 16
+#: when the static path's CUDA graphs are captured (core/graphs.py)
+CAPTURE_MODES = ("startup", "lazy")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,11 @@ class EngineConfig:
     cuda_graphs: bool = False
     #: batch sizes the static path pads to; larger batches run eagerly
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    #: ``"startup"``: capture every bucket x k of ``capture_ks`` when the engine starts;
+    #: ``"lazy"``: each shape at its first use (shapes outside the startup set are lazy too)
+    capture: str = "lazy"
+    #: the k captured at start (None: 0..8 with a drafter, ``core.graphs.DEFAULT_CAPTURE_KS``)
+    capture_ks: tuple[int, ...] | None = None
     #: after a policy update between steps: keep the running requests' KV (computed under the
     #: old weights) or re-prefill them so every later token is on-policy for the new weights
     kv_on_update: str = "keep"
@@ -73,6 +80,14 @@ class EngineConfig:
                                          for b in self.graph_buckets):
             raise ValueError(f"graph_buckets must be a non-empty tuple of ints >= 1, got "
                              f"{self.graph_buckets!r}")
+        if self.capture not in CAPTURE_MODES:
+            raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {self.capture!r}")
+        if self.capture_ks is not None and (
+                not isinstance(self.capture_ks, tuple) or not self.capture_ks
+                or any(isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_K
+                       for k in self.capture_ks)):
+            raise ValueError(f"capture_ks must be None or a non-empty tuple of ints in "
+                             f"0..{MAX_K}, got {self.capture_ks!r}")
         if self.kv_on_update not in KV_ON_UPDATE:
             raise ValueError(f"kv_on_update must be one of {KV_ON_UPDATE}, got "
                              f"{self.kv_on_update!r}")
@@ -104,9 +119,11 @@ class EngineConfig:
 
     @classmethod
     def resolve(cls, *, device: str | None, dtype: str, kernel_backend: str,
-                cuda_graphs: bool | None = None, **kwargs: object) -> EngineConfig:
+                cuda_graphs: bool | None = None, capture: str | None = None,
+                **kwargs: object) -> EngineConfig:
         """Fill the ``auto`` / None defaults: CUDA when available, bf16 on CUDA and fp32 on CPU,
-        Triton kernels on CUDA and the PyTorch references on CPU, CUDA graphs on CUDA."""
+        Triton kernels on CUDA and the PyTorch references on CPU, CUDA graphs on CUDA,
+        captured at startup on CUDA (lazily elsewhere: the CPU has nothing to capture)."""
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -118,5 +135,7 @@ class EngineConfig:
             kernel_backend = "triton" if is_cuda else "torch"
         if cuda_graphs is None:
             cuda_graphs = is_cuda
+        if capture is None:
+            capture = "startup" if is_cuda else "lazy"
         return cls(device=device, dtype=dtype, kernel_backend=kernel_backend,
-                   cuda_graphs=cuda_graphs, **kwargs)  # type: ignore[arg-type]
+                   cuda_graphs=cuda_graphs, capture=capture, **kwargs)  # type: ignore[arg-type]

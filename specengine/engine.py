@@ -95,6 +95,11 @@ class SpecEngine:
             (captured at its first use). None: on when the device is CUDA. On the CPU, True
             runs the same padded static path without capture. Larger batches run eagerly.
         graph_buckets: the batch sizes the static path pads to.
+        capture / capture_ks: ``"startup"`` (default on CUDA) captures every graph bucket x k
+            of ``capture_ks`` (default 0..8; only 0 without a drafter) when the engine starts,
+            so no step stalls on a capture; ``"lazy"`` (default elsewhere) captures each
+            shape at its first use. Shapes outside the set (trees, other k) are lazy either
+            way. ``engine.graphs.graph_stats``: each capture's time and memory.
         tensor_parallel_size: split the model over this many ranks, one process each (rank 0
             is this one; the engine starts the others and :meth:`close` stops them):
             Megatron-style sharded layers, KV cache sharded by head, the drafter on rank 0
@@ -138,6 +143,7 @@ class SpecEngine:
         num_threads: int | None = None,
         cuda_graphs: bool | None = None,
         graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        capture: str | None = None, capture_ks: Seq[int] | None = None,
         tensor_parallel_size: int = 1,
         kv_on_update: str = "keep", max_policy_lag: int | None = None,
         policy_lag_action: str = "finish", enable_prefix_caching: bool = True,
@@ -153,7 +159,8 @@ class SpecEngine:
             kv_cache_tokens=kv_cache_tokens, seed=seed,
             max_num_batched_tokens=max_num_batched_tokens,
             draft_options=tuple(sorted((draft_options or {}).items())),
-            cuda_graphs=cuda_graphs, graph_buckets=tuple(graph_buckets),
+            cuda_graphs=cuda_graphs, graph_buckets=tuple(graph_buckets), capture=capture,
+            capture_ks=None if capture_ks is None else tuple(capture_ks),
             tensor_parallel_size=tensor_parallel_size,
             kv_on_update=kv_on_update, max_policy_lag=max_policy_lag,
             policy_lag_action=policy_lag_action, enable_prefix_caching=enable_prefix_caching,
@@ -212,6 +219,8 @@ class SpecEngine:
                                self.drafter, self.tokenizer, mc.eos_token_ids,
                                lambda *args: self._decode_step(*args),
                                lambda: self.weight_version)
+        if cfg.capture == "startup":  # every declared shape now, none inside a step
+            self.graphs.capture_startup(cfg.capture_ks, self.drafter is not None)
 
     # ---- the step API (docs/design.md §1, §3) --------------------------------------------
     def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None, *,

@@ -55,6 +55,9 @@ class RunStats:
 
     def snapshot(self) -> EngineStats:
         t = self.times
+        # The last step's bookkeeping events (CUDA): read once done; waited for only after
+        # the span ended (no step is running then).
+        t.settle(wait=self.end > 0)
         return EngineStats(
             num_steps=t.num_steps,
             num_seq_steps=t.num_seq_steps,

@@ -13,8 +13,8 @@ drafter to the verify pass, and the verify pass + sampler run on static buffers
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -35,9 +35,11 @@ from specengine.tree import MAX_TREE_NODES, DraftTree
 class StepTimes:
     """Mutable accumulators of one ``generate`` call (turned into frozen EngineStats after).
 
-    Host-side times: on CUDA nothing waits for the device before the step's one sync, so
-    ``draft`` is the drafter's host time and ``verify`` runs until the sampled tokens are on
-    the host (device time of drafting, verifying and sampling)."""
+    Phase times come from ``GraphRunner.clock`` (``core.graphs.StepClock``): on the CPU
+    host time (``verify`` runs until the sampled tokens are on the host); on CUDA the device's
+    time between events recorded at the phase boundaries, read without a sync of their own.
+    A step's ``bookkeeping`` (it ends with the drafter's catch-up pass) is then added at the
+    next step's sync, or by :meth:`settle`."""
 
     draft: float = 0.0
     verify: float = 0.0  # the target pass and rejection sampling (one static pass / graph)
@@ -48,6 +50,21 @@ class StepTimes:
     # [2, P]: drafts proposed / accepted at each draft position (P covers any k or tree depth)
     position_counts: np.ndarray = field(
         default_factory=lambda: np.zeros((2, MAX_TREE_NODES), dtype=np.int64))
+    #: (start, end) timing events of the last step's bookkeeping, not read yet (CUDA)
+    pending: tuple[Any, Any] | None = None
+
+    def settle(self, wait: bool) -> None:
+        """Add the last step's pending bookkeeping time if its end event is done (``wait``:
+        wait for it; only outside a step, e.g. once the run ended)."""
+        if self.pending is None:
+            return
+        start, end = self.pending
+        if not wait and not end.query():
+            return
+        if wait:
+            end.synchronize()
+        self.bookkeeping += start.elapsed_time(end) / 1e3
+        self.pending = None
 
     @property
     def proposed_per_position(self) -> list[int]:
@@ -84,7 +101,8 @@ def speculative_step(
     version: int,
 ) -> None:
     """Advance every sequence of ``seqs`` by one verified step (1 .. k+1 new tokens each)."""
-    t0 = time.perf_counter()
+    clock = graphs.clock
+    clock.start()
     state = graphs.verifier.state
     seqs = state.arrange(seqs)  # row order: every buffer of the step uses it
     batch = len(seqs)
@@ -120,13 +138,14 @@ def speculative_step(
     shape = _shape(rows, num_tokens, tree, proposal is not None and proposal.probs is not None)
     if proposal is not None and not proposal.in_place:
         graphs.verifier.load_drafts(shape, proposal.token_ids, proposal.probs)
-    t1 = time.perf_counter()
+    clock.drafted()
 
     # 2-3. Verify every fed token in one target pass, then rejection sampling keeps exactly the
     #      policy's distribution (docs/design.md §6). The packed result is the one host sync.
     out = graphs.run(shape)
+    clock.verified()
     packed = to_host(out.packed)
-    t2 = time.perf_counter()
+    clock.synced(times)
 
     # 4. Keep the accepted path: tree nodes move to contiguous slots (the verify pass does it
     #    on the device; under tensor parallelism the step does it on every rank; chains are
@@ -150,9 +169,7 @@ def speculative_step(
                              zip(result.row_ids.tolist(), num_accepted.tolist())]
             drafter.observe(seqs, forward_output(out, batch, num_tokens), accepted_rows)
     times.num_steps += 1
-    times.draft += t1 - t0
-    times.verify += t2 - t1
-    times.bookkeeping += time.perf_counter() - t2
+    clock.end(times)
 
 
 def append_step(arena: SeqArena, seqs: tuple[Sequence, ...], packed: np.ndarray,

@@ -39,13 +39,16 @@ def both_paths(model: str | Path, draft: str | None, prompts: list, k: int,
                static_passes: tuple[str, ...] = ("verify",), replay: bool = False,
                **kwargs: object) -> list[SpecEngine]:
     """Generate on an eager and a static engine (same seeds) and assert equal outputs. With
-    ``replay`` the static engine captures and replays its passes (``ReplayingGraph``)."""
+    ``replay`` the static engine captures and replays its passes (``ReplayingGraph``, which
+    fails a replay whose pass differs from its capture) and checks every replay's inputs
+    and outputs against its capture (``GraphRunner.debug``)."""
     outs, engines = [], []
     for graphs in (False, True):
         engine = SpecEngine(model, draft, device="cpu", dtype="float32", cuda_graphs=graphs,
                             graph_buckets=BUCKETS, **kwargs)  # type: ignore[arg-type]
         if graphs and replay:
             engine.graphs.graph_factory, engine.graphs.capture = ReplayingGraph, True
+            engine.graphs.debug = True
         if update is not None:
             engine.load_weights(update)
         outs.append(engine.generate(prompts, k=k, sampling=params, tree=tree))
@@ -110,8 +113,10 @@ def test_mtp_tree_and_chain(tmp_path: Path) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for tree in (None, TREE):  # a random MTP layer is rarely right: equality is what counts
         passes = ("verify", "observe", "draft" if tree is None else "draft-tree")
-        both_paths(path, "mtp", prompts, 3, greedy, tree, expect_accepts=False,
-                   static_passes=passes, max_model_len=96, kv_cache_tokens=4096)
+        engines = both_paths(path, "mtp", prompts, 3, greedy, tree, expect_accepts=False,
+                             static_passes=passes, replay=True, max_model_len=96,
+                             kv_cache_tokens=4096)
+        assert engines[1].graphs.num_replays > engines[1].graphs.num_captures
 
 
 def test_preemption_and_batches_above_the_largest_bucket() -> None:

@@ -215,7 +215,11 @@ class AutoK:
 
     def record(self, batch: int, k: int, before: _Before, times: StepTimes) -> None:
         """The step just run with ``k`` (``choose``'s) for ``batch`` sequences: ``times``
-        now, ``before`` it (:func:`snapshot`)."""
+        now, ``before`` it (:func:`snapshot`). On CUDA the times are the device's (the step's
+        timing events, ``core.graphs.StepClock``) and a step's bookkeeping (its catch-up pass)
+        is read at the next step's sync, so the verify + bookkeeping seconds here hold the
+        previous step's bookkeeping: one step late, the same within a run of one batch and
+        k (a calibration point's steps), never an extra sync."""
         proposed, accepted = step_counts(before, times)
         self.record_step(batch, k, proposed, accepted, times.draft - before.draft,
                          times.verify + times.bookkeeping - before.verify)

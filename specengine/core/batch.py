@@ -61,6 +61,11 @@ class BatchState:
         self._host_ints_t, host_table = self._split(self._host_bytes)
         self.ints, self.block_tables = self._split(self._dev_bytes)
         self._host_floats_t = _pinned((2, capacity), torch.float32, device)
+        # Restaged draft counts (a drafter proposed fewer than asked) go through their own
+        # page-locked row: the step fields' non-blocking copy may still be reading the shared
+        # buffer when a drafter returns, so it is never written again before the step's sync.
+        self._host_restage_t = _pinned((capacity,), torch.int64, device)
+        self._host_restage = self._host_restage_t.numpy()
         self.host_ints = self._host_ints_t.numpy()
         self.host_floats = self._host_floats_t.numpy()
         self.host_limits = np.zeros((2, capacity), dtype=np.int64)
@@ -254,8 +259,14 @@ class BatchState:
         return max_drafts
 
     def restage_num_drafts(self, num_drafts: np.ndarray) -> None:
-        """Send new draft counts of rows ``0 .. B-1`` (a drafter proposed fewer than asked)."""
+        """Send new draft counts of rows ``0 .. B-1`` (a drafter proposed fewer than asked),
+        from their own host row: the step fields' host buffer, whose copy this step's
+        :meth:`stage` started and may still be in flight, is not written (its ``NUM_DRAFT``
+        row keeps the staged plan until the next stage rewrites it). One restage per step at
+        most, so this row's previous copy finished at the last step's sync."""
         n = len(self.seqs)
-        self.host_ints[NUM_DRAFT, :n] = num_drafts
-        self.ints[NUM_DRAFT, :n].copy_(self._host_ints_t[NUM_DRAFT, :n],
+        if num_drafts.shape != (n,):
+            raise ValueError(f"num_drafts has shape {num_drafts.shape}, expected ({n},)")
+        self._host_restage[:n] = num_drafts
+        self.ints[NUM_DRAFT, :n].copy_(self._host_restage_t[:n],
                                        non_blocking=self.device.type == "cuda")

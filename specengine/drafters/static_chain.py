@@ -30,7 +30,7 @@ from torch import Tensor
 
 from specengine.core.batch import ACTIVE, CTX, SLOT
 from specengine.core.block_rows import slots_of
-from specengine.core.graphs import GraphRunner
+from specengine.core.graphs import GraphRunner, Pass
 from specengine.core.transfer import to_device
 from specengine.core.verify import VerifyOutput, VerifyShape
 from specengine.drafters.base import DraftProposal
@@ -68,12 +68,18 @@ class StaticFeatureChain(StaticDrafts):
     # ---- roots by slot ---------------------------------------------------------------------
     def set_roots(self, seqs: list[Sequence], hidden: Tensor) -> None:
         """Roots of attached ``seqs`` (``hidden [len(seqs), H]``), e.g. after a prefill."""
-        if self.root is None:
-            self.root = hidden.new_zeros(self.state.capacity + 1, hidden.shape[-1])
+        self._ensure_root(hidden.shape[-1], hidden.dtype)
         slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
         self.root[to_device(slots, self._device)] = hidden
         self.root_owner[slots] = [s.seq_id for s in seqs]
         self._roots_version += 1
+
+    def _ensure_root(self, size: int, dtype: torch.dtype) -> Tensor:
+        """``root``, made once: captured passes read it, so it is never replaced."""
+        if self.root is None:
+            self.root = torch.zeros(self.state.capacity + 1, size, dtype=dtype,
+                                    device=self._device)
+        return self.root
 
     def has_roots(self, num_rows: int) -> bool:
         """Whether batch rows ``0 .. num_rows-1`` (arranged) all have a root."""
@@ -108,11 +114,10 @@ class StaticFeatureChain(StaticDrafts):
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int]) -> DraftProposal:
         """``seqs`` in batch-row order (the step arranged them); every row drafts
         ``max(num_drafts)`` tokens, ``num_draft_tokens`` says how many count."""
-        d = self.drafter
         k = max(num_drafts)
         rows = self.graphs.padded_rows(len(seqs))
-        ids, probs = self.graphs.run_graph(("draft", rows, k, d.sample), rows,
-                                           lambda: self._loop(rows, k))
+        key, fn = self._draft_pass(rows, k)
+        ids, probs = self.graphs.run_graph(key, rows, fn)
         b = len(seqs)
         if b < rows:  # a batch padded to its bucket: its own rows
             ids, probs = ids[:b], None if probs is None else probs[:b]
@@ -120,6 +125,26 @@ class StaticFeatureChain(StaticDrafts):
         # distributions, which the step copies into the pass's probs buffer.
         return DraftProposal(ids, np.asarray(num_drafts, dtype=np.int64), probs,
                              as_asked=True, in_place=probs is None)
+
+    def _draft_pass(self, rows: int, k: int) -> Pass:
+        return ("draft", rows, k, self.drafter.sample), lambda: self._loop(rows, k)
+
+    def _observe_pass(self, shape: VerifyShape, out: VerifyOutput) -> Pass:
+        return shape.graph_keys["observe"], lambda: self._observe(shape, out)
+
+    # ---- capture at start (GraphRunner.capture_startup) -------------------------------------
+    def startup_draft(self, rows: int, k: int) -> list[Pass]:
+        self._ensure_root(*self._root_layout())  # the passes read it: made before capture
+        return [self._draft_pass(rows, k)]
+
+    def startup_observe(self, shape: VerifyShape, out: VerifyOutput) -> list[Pass]:
+        self._ensure_root(*self._root_layout())
+        return [self._observe_pass(shape, out)]
+
+    def _root_layout(self) -> tuple[int, torch.dtype]:
+        """A root's width and dtype: the head's output hidden state (the target's width)."""
+        param = next(self.drafter.module.parameters())
+        return self.graphs.verifier.runner.model.config.hidden_size, param.dtype
 
     @torch.inference_mode()
     def _loop(self, rows: int, k: int) -> tuple[Tensor, Tensor | None]:
@@ -210,8 +235,8 @@ class StaticFeatureChain(StaticDrafts):
         (a draft update dropped them)."""
         if not self.has_roots(len(seqs)):
             return False
-        self.graphs.run_graph(shape.graph_keys["observe"], shape.num_rows,
-                              lambda: self._observe(shape, out))
+        key, fn = self._observe_pass(shape, out)
+        self.graphs.run_graph(key, shape.num_rows, fn)
         return True
 
     @torch.inference_mode()

@@ -11,8 +11,9 @@ import torch
 from torch import Tensor
 
 from specengine.core.batch import OFFSET, SEED, TEMPERATURE, TOP_K, TOP_P
-from specengine.core.graphs import GraphRunner
+from specengine.core.graphs import GraphRunner, Pass
 from specengine.core.transfer import to_device
+from specengine.core.verify import VerifyOutput, VerifyShape
 from specengine.drafters.drafting import choose_from
 
 
@@ -25,6 +26,21 @@ class StaticDrafts:
         self._device = device
         self._indptr: dict[tuple[int, int], Tensor] = {}
         self._consts: dict[tuple, Tensor] = {}
+        graphs.static_drafts.append(self)  # its passes are captured at start (capture_startup)
+
+    @property
+    def samples(self) -> bool:
+        """Chain drafts carry their distributions (the verify pass then reads probs)."""
+        return bool(self.drafter.sample)  # type: ignore[attr-defined]
+
+    def startup_draft(self, rows: int, k: int) -> list[Pass]:
+        """The draft passes a step of ``rows`` x ``k`` (k >= 1) runs, for
+        ``GraphRunner.capture_startup``: the same keys and functions ``propose`` runs."""
+        return []
+
+    def startup_observe(self, shape: VerifyShape, out: VerifyOutput) -> list[Pass]:
+        """The catch-up passes after the verify pass of ``shape`` (its outputs ``out``)."""
+        return []
 
     def const(self, array: np.ndarray | Callable[[], np.ndarray],
               key: tuple | None = None) -> Tensor:

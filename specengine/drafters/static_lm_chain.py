@@ -20,7 +20,7 @@ from torch import Tensor
 
 from specengine.core.batch import SLOT
 from specengine.core.block_rows import slots_of
-from specengine.core.graphs import GraphRunner
+from specengine.core.graphs import GraphRunner, Pass
 from specengine.drafters.base import DraftProposal
 from specengine.drafters.static_drafts import StaticDrafts
 from specengine.model.attention import AttentionMetadata
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from specengine.drafters.draft_model import DraftModelDrafter
 
 MAX_CATCH_UP = 4
+#: catch-up widths captured at start: a steady chain step feeds the newest token and at most
+#: the last accepted draft (wider ones, after a cache was dropped, are captured when met)
+STARTUP_WIDTHS = (1, 2)
 _START, _COUNT = MAX_CATCH_UP, MAX_CATCH_UP + 1  # columns of the inputs after the fed tokens
 
 
@@ -77,9 +80,18 @@ class StaticLMChain(StaticDrafts):
         rows = self.graphs.padded_rows(b)
         self._host_in[b:rows] = 0  # padded rows: count 0, no KV write
         self.inputs[:rows].copy_(self._host_in_t[:rows], non_blocking=d.device.type == "cuda")
-        ids, probs = self.graphs.run_graph(("lm-draft", rows, width, k, d.sample), rows,
-                                           lambda: self._loop(rows, width, k))
+        key, fn = self._draft_pass(rows, width, k)
+        ids, probs = self.graphs.run_graph(key, rows, fn)
         return DraftProposal(ids[:b], num_drafts, None if probs is None else probs[:b])
+
+    def _draft_pass(self, rows: int, width: int, k: int) -> Pass:
+        return (("lm-draft", rows, width, k, self.drafter.sample),
+                lambda: self._loop(rows, width, k))
+
+    def startup_draft(self, rows: int, k: int) -> list[Pass]:
+        """Every :data:`STARTUP_WIDTHS` catch-up width (``GraphRunner.capture_startup``; the
+        neutral rows' inputs say count 0: no KV write)."""
+        return [self._draft_pass(rows, w, k) for w in STARTUP_WIDTHS]
 
     def observe(self, num_rows: int, num_accepted: np.ndarray) -> bool:
         """``LMSlots.observe`` for batch rows ``0 .. num_rows-1``; False when a row's
