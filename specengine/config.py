@@ -44,6 +44,12 @@ class EngineConfig:
     capture: str = "lazy"
     #: the k captured at start (None: 0..8 with a drafter, ``core.graphs.DEFAULT_CAPTURE_KS``)
     capture_ks: tuple[int, ...] | None = None
+    #: the graph budget (``core.graphs.GraphBudget``): most graphs a runner captures (None: no
+    #: limit) and most bytes their captures may reserve (None: on CUDA what the memory plan
+    #: set aside for activations, graphs and static buffers, elsewhere no limit). A shape
+    #: past either runs eagerly on the static buffers (same outputs), never out of memory.
+    max_graphs: int | None = None
+    max_graph_bytes: int | None = None
     #: after a policy update between steps: keep the running requests' KV (computed under the
     #: old weights) or re-prefill them so every later token is on-policy for the new weights
     kv_on_update: str = "keep"
@@ -88,6 +94,12 @@ class EngineConfig:
                        for k in self.capture_ks)):
             raise ValueError(f"capture_ks must be None or a non-empty tuple of ints in "
                              f"0..{MAX_K}, got {self.capture_ks!r}")
+        for name in ("max_graphs", "max_graph_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise ValueError(f"{name} must be None (no limit) or an int >= 0, got "
+                                 f"{value!r}")
         if self.kv_on_update not in KV_ON_UPDATE:
             raise ValueError(f"kv_on_update must be one of {KV_ON_UPDATE}, got "
                              f"{self.kv_on_update!r}")

@@ -100,6 +100,11 @@ class SpecEngine:
             so no step stalls on a capture; ``"lazy"`` (default elsewhere) captures each
             shape at its first use. Shapes outside the set (trees, other k) are lazy either
             way. ``engine.graphs.graph_stats``: each capture's time and memory.
+        max_graphs / max_graph_bytes: the graph budget: most graphs captured (None: no limit)
+            and most bytes their captures may reserve (None: on CUDA what the memory plan set
+            aside for activations, graphs and static buffers; elsewhere no limit). A shape
+            past it runs eagerly on the static buffers (same outputs; warned once, counted in
+            ``graph_stats.refused``); startup capture stops there.
         tensor_parallel_size: split the model over this many ranks, one process each (rank 0
             is this one; the engine starts the others and :meth:`close` stops them):
             Megatron-style sharded layers, KV cache sharded by head, the drafter on rank 0
@@ -144,6 +149,7 @@ class SpecEngine:
         cuda_graphs: bool | None = None,
         graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         capture: str | None = None, capture_ks: Seq[int] | None = None,
+        max_graphs: int | None = None, max_graph_bytes: int | None = None,
         tensor_parallel_size: int = 1,
         kv_on_update: str = "keep", max_policy_lag: int | None = None,
         policy_lag_action: str = "finish", enable_prefix_caching: bool = True,
@@ -161,6 +167,7 @@ class SpecEngine:
             draft_options=tuple(sorted((draft_options or {}).items())),
             cuda_graphs=cuda_graphs, graph_buckets=tuple(graph_buckets), capture=capture,
             capture_ks=None if capture_ks is None else tuple(capture_ks),
+            max_graphs=max_graphs, max_graph_bytes=max_graph_bytes,
             tensor_parallel_size=tensor_parallel_size,
             kv_on_update=kv_on_update, max_policy_lag=max_policy_lag,
             policy_lag_action=policy_lag_action, enable_prefix_caching=enable_prefix_caching,

@@ -20,9 +20,11 @@ from specengine.core.memory_plan import (
     GIB,
     DrafterFacts,
     MemoryPlan,
+    max_graph_bytes,
     measure_peak_bytes,
     model_params,
     plan_memory,
+    verify_k_max,
 )
 from specengine.kv_cache import CPU_KV_BUDGET_BYTES, num_kv_blocks
 from specengine.model.config import ModelConfig
@@ -92,10 +94,11 @@ def test_qwen3_8b_eagle3_on_an_80gb_card(pair: tuple[Path, Path]) -> None:
     # KV per token: 2 (K, V) x layers x kv_heads x head_dim x 2 bytes; the head's one layer.
     assert plan.kv_bytes_per_token == 2 * LAYERS * KV_HEADS * HEAD_DIM * e \
         + 2 * 1 * KV_HEADS * HEAD_DIM * e == 151_552
-    # Static buffers: one [256, 16, V] float32 probability buffer for every sampled shape;
+    # Static buffers: one [256, 8, V] float32 probability buffer for every sampled shape (8
+    # columns: the largest k the engine verifies, DEFAULT_K_MAX; 16 would be twice that);
     # per verify graph (bucket b, N = 1 .. 9 fed) hidden + 3 aux [b*N, H] bf16, packed
     # [b, 3N+1] float64 and the sampler's outputs (as much again).
-    assert plan.draft_probs_bytes == 256 * 16 * V * 4
+    assert plan.draft_probs_bytes == 256 * 8 * V * 4 == 1_244_659_712  # 1.16 GiB
     assert plan.graph_output_bytes == sum(b * n * H * e * 4 + 2 * 8 * b * (3 * n + 1)
                                           for b in BUCKETS for n in range(1, 10))
     max_blocks = -(-(40960 + 64) // 16)
@@ -119,6 +122,39 @@ def test_qwen3_8b_eagle3_on_an_80gb_card(pair: tuple[Path, Path]) -> None:
     assert plan.static_bytes <= 4e9
     assert plan.kv_cache_bytes >= 50e9
     assert plan.used_bytes <= plan.budget_bytes < plan.used_bytes + 16 * 151_552
+    # The graph budget's bytes: activations (a capture's warm-up and the graphs' pool) plus
+    # the graphs and static buffers.
+    assert plan.graph_budget_bytes == prefill + verify + plan.draft_probs_bytes \
+        + plan.graph_output_bytes + plan.fixed_buffer_bytes
+
+
+def test_the_plan_and_the_engine_agree_on_k_max(pair: tuple[Path, Path]) -> None:
+    # Unless told otherwise the plan counts shapes and probability columns up to the k the
+    # engine verifies: DEFAULT_K_MAX, or the largest captured k when that is larger.
+    assert verify_k_max(config_8b(*pair)) == 8
+    assert verify_k_max(config_8b(*pair, capture_ks=(0, 1))) == 8
+    assert verify_k_max(config_8b(*pair, capture_ks=(0, 12))) == 12
+    target = ModelConfig.from_dir(pair[0])
+    for ks, width in ((None, 8), ((0, 2), 8), ((3, 12), 12)):
+        cfg = config_8b(*pair, capture_ks=ks)
+        plan = plan_memory(target, cfg, 80 * GIB, DrafterFacts.from_draft(cfg.draft, target, 2))
+        assert plan.draft_probs_bytes == 256 * width * V * 4
+        assert plan == plan_memory(target, cfg, 80 * GIB,
+                                   DrafterFacts.from_draft(cfg.draft, target, 2), k_max=width)
+
+
+def test_the_graph_budget_bytes(pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    total = 80 * GIB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total // 2, total))
+    cfg = config_8b(*pair)
+    target = ModelConfig.from_dir(pair[0])
+    plan = plan_memory(target, cfg, total, DrafterFacts.from_draft(cfg.draft, target, 2))
+    cuda = torch.device("cuda")
+    assert max_graph_bytes(cfg, target, cuda) == plan.graph_budget_bytes > 3 * GIB
+    assert max_graph_bytes(replace(cfg, max_graph_bytes=5), target, cuda) == 5
+    assert max_graph_bytes(replace(cfg, max_graph_bytes=0), target, cuda) == 0
+    assert max_graph_bytes(cfg, target, torch.device("cpu")) is None  # nothing reserved there
+    assert max_graph_bytes(replace(cfg, max_graph_bytes=7), target, torch.device("cpu")) == 7
 
 
 def test_sharing_is_what_keeps_static_buffers_small(pair: tuple[Path, Path]) -> None:
@@ -290,16 +326,17 @@ def test_one_probability_buffer_for_every_shape(tiny_checkpoint: Path) -> None:
                         graph_buckets=(1, 2, 4, 8), max_model_len=96, kv_cache_tokens=4096,
                         max_batch_size=8)
     verifier = engine.graphs.verifier
-    small, large = verifier.probs_view(2, 3), verifier.probs_view(8, 16)
+    assert verifier.max_prob_drafts == verify_k_max(engine.config) == 8  # not MAX_K (16)
+    small, large = verifier.probs_view(2, 3), verifier.probs_view(8, 8)
     assert small is verifier.probs_view(2, 3)  # made once: a captured graph's address
     # Draft j of row r has one address in every shape: a loop of 3 drafts writes where the
     # verify pass of k = 5 reads.
     assert small[1, 2].data_ptr() == large[1, 2].data_ptr() == verifier.probs_view(4, 5)[1, 2] \
         .data_ptr()
     assert small.untyped_storage().data_ptr() == large.untyped_storage().data_ptr()
-    assert large.untyped_storage().nbytes() == 8 * 16 * engine.model_config.vocab_size * 4
+    assert large.untyped_storage().nbytes() == 8 * 8 * engine.model_config.vocab_size * 4
     # Shapes past it get their own (more rows than the batch holds, more drafts).
-    for rows, drafts in ((9, 2), (2, 17)):
+    for rows, drafts in ((9, 2), (2, 9), (8, 16)):
         own = verifier.probs_view(rows, drafts)
         assert own.shape == (rows, drafts, engine.model_config.vocab_size)
         assert own.untyped_storage().data_ptr() != large.untyped_storage().data_ptr()
@@ -331,3 +368,32 @@ def test_sampled_drafts_write_the_verify_buffer_in_place(tiny_checkpoint: Path) 
     assert copies == []  # the draft loop wrote the distributions where the pass reads them
     shared = {v.untyped_storage().data_ptr() for v in verifier._probs.values()}
     assert shared == {verifier._probs_all.untyped_storage().data_ptr()}
+
+
+def test_the_buffer_is_as_wide_as_the_largest_captured_k(tiny_checkpoint: Path) -> None:
+    engine = SpecEngine(tiny_checkpoint, device="cpu", dtype="float32", cuda_graphs=True,
+                        graph_buckets=(1, 2), max_model_len=96, kv_cache_tokens=1024,
+                        max_batch_size=2, capture_ks=(1, 11))
+    verifier = engine.graphs.verifier
+    assert verifier.max_prob_drafts == 11
+    view = verifier.probs_view(2, 11)
+    assert view.untyped_storage().nbytes() == 2 * 11 * engine.model_config.vocab_size * 4
+
+
+def test_a_k_past_the_buffer_still_equals_eager(tiny_checkpoint: Path) -> None:
+    """k = 10 > the 8 columns: the draft loop and the verify pass share a buffer of their own."""
+    from test_static_path import both_paths
+
+    from specengine import SamplingParams
+
+    params = [SamplingParams(temperature=1.0, max_tokens=14 + 3 * i, seed=5 + i)
+              for i in range(3)]
+    static = both_paths(tiny_checkpoint, str(tiny_checkpoint), [[5, 9, 2, 7], [1, 2, 3], [8] * 11],
+                        10, params, draft_options={"sample": True}, max_model_len=96,
+                        kv_cache_tokens=4096, max_batch_size=4, replay=True,
+                        static_passes=("verify", "lm-draft"))[1]
+    verifier = static.graphs.verifier
+    assert verifier.max_prob_drafts == 8
+    wide = [key for key in verifier._probs if key[1] == 10]
+    assert wide and all(verifier._probs[key].untyped_storage().data_ptr()
+                        != verifier._probs_all.untyped_storage().data_ptr() for key in wide)

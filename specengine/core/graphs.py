@@ -22,6 +22,17 @@ through the very function a step runs (``run_graph``'s capture), on the batch st
 rows: every row is a padded row then (inactive, no KV write). Shapes outside the declared set
 (trees, other k, wider small-LM catch-ups) are still captured lazily at their first use.
 
+A graph budget (:class:`GraphBudget`: ``max_graphs``, ``max_graph_bytes``) bounds the
+captures. A shape whose capture would pass it is refused for good: its pass runs eagerly on
+the static buffers, exactly the CPU's uncaptured static pass (same outputs), one warning per
+shape, counted in :attr:`GraphRunner.graph_stats`. A capture's bytes are not known before it
+runs, so it is taken to cost what the previous capture of its kind did (startup captures run
+largest first, so that over- rather than under-estimates). Startup capture stops at the first
+refusal; the shapes after it are captured at first use if they fit then. It keeps the largest
+buckets: a rollout with requests queued runs most of its steps at the full batch, and the pool
+grows once. A drafter's catch-up reads its verify pass's outputs, so it is captured only over
+a captured verify pass (``verify.producer_key``).
+
 ``SPECENGINE_GRAPH_DEBUG=1`` (or ``GraphRunner.debug``) checks every replay against its
 capture, as vLLM's CUDA-graph wrapper does: the Python values and tensor addresses the pass's
 closure hands it (a replay reads the captured addresses and values, whatever the step passes
@@ -33,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import logging
 import os
 import time
@@ -46,7 +58,8 @@ import torch
 
 from specengine.config import MAX_K, EngineConfig
 from specengine.core.batch import BatchState
-from specengine.core.verify import StaticVerifier, VerifyOutput, VerifyShape
+from specengine.core.memory_plan import max_graph_bytes, verify_k_max
+from specengine.core.verify import StaticVerifier, VerifyOutput, VerifyShape, producer_key
 from specengine.model_runner import ModelRunner
 from specengine.sampler import Sampler
 from specengine.tree import MAX_TREE_NODES
@@ -120,6 +133,36 @@ class StartupPasses(Protocol):
 
 
 @dataclass(frozen=True)
+class GraphBudget:
+    """Most graphs a runner captures and most bytes their captures may reserve (None: no
+    limit); ``EngineConfig.max_graphs`` / ``max_graph_bytes``, the bytes defaulting on CUDA to
+    the memory plan's (``memory_plan.max_graph_bytes``)."""
+
+    max_graphs: int | None = None
+    max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_graphs", "max_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise ValueError(f"GraphBudget.{name} must be None or an int >= 0, got "
+                                 f"{value!r}")
+
+    def refuses(self, num_graphs: int, used_bytes: int, next_bytes: int) -> str | None:
+        """Why one more capture is refused when ``num_graphs`` graphs reserved ``used_bytes``
+        and it would take about ``next_bytes``; None when it fits. Bytes reached count as
+        spent: a capture's estimate may be 0 (the first, or one that fitted in the pool)."""
+        if self.max_graphs is not None and num_graphs + 1 > self.max_graphs:
+            return f"max_graphs={self.max_graphs} graphs are captured"
+        if self.max_bytes is not None and (used_bytes >= self.max_bytes
+                                           or used_bytes + next_bytes > self.max_bytes):
+            return (f"max_graph_bytes={self.max_bytes}: the graphs reserved {used_bytes} B, "
+                    f"this one would take about {next_bytes} B more")
+        return None
+
+
+@dataclass(frozen=True)
 class CaptureRecord:
     """One captured shape: its key, the seconds its warm-up + capture + first replay took, and
     the device memory they reserved (0 off CUDA)."""
@@ -136,13 +179,22 @@ class CaptureRecord:
 
 @dataclass(frozen=True)
 class GraphStats:
-    """Every capture of a :class:`GraphRunner` (``engine.graphs.graph_stats``)."""
+    """Every capture of a :class:`GraphRunner` (``engine.graphs.graph_stats``) and the
+    shapes its budget refused (they run eagerly)."""
 
     captures: tuple[CaptureRecord, ...]
+    refused: tuple[tuple, ...] = ()
 
     def __post_init__(self) -> None:
-        if len({c.key for c in self.captures}) != len(self.captures):
+        keys = {c.key for c in self.captures}
+        if len(keys) != len(self.captures):
             raise ValueError("a shape is captured once")
+        if len(set(self.refused)) != len(self.refused) or keys & set(self.refused):
+            raise ValueError("a shape is refused once, and then never captured")
+
+    @property
+    def num_refused(self) -> int:
+        return len(self.refused)
 
     @property
     def num_startup(self) -> int:
@@ -287,10 +339,10 @@ class GraphRunner:
     """Pads to buckets when ``static``; captures and replays CUDA graphs when also on CUDA."""
 
     def __init__(self, verifier: StaticVerifier, buckets: tuple[int, ...], static: bool,
-                 device: torch.device, graph_factory: Callable[[Any], Any] | None = None
-                 ) -> None:
+                 device: torch.device, graph_factory: Callable[[Any], Any] | None = None,
+                 budget: GraphBudget | None = None) -> None:
         """``graph_factory(pool)`` makes a graph object (``capture(fn)``, ``replay()``);
-        default: :class:`CudaGraph`, and capture only on CUDA."""
+        default: :class:`CudaGraph`, and capture only on CUDA. ``budget``: none by default."""
         if not buckets or any(b < 1 for b in buckets):
             raise ValueError(f"graph buckets must be a non-empty tuple of ints >= 1: {buckets}")
         self.verifier = verifier
@@ -313,13 +365,17 @@ class GraphRunner:
         self.static_drafts: list[StartupPasses] = []
         self._captures: list[CaptureRecord] = []
         self._startup = False  # inside capture_startup
+        self.budget = budget or GraphBudget()
+        self._refused: dict[tuple, str] = {}  # key -> why (its pass runs eagerly for good)
+        self._graph_bytes = 0  # what the captures reserved, all of them
+        self._last_bytes: dict[str, int] = {}  # pass kind -> its latest capture's bytes
         #: the step's phase timer: CUDA events on CUDA
         self.clock = StepClock(
             (lambda: torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None)
 
     @property
     def graph_stats(self) -> GraphStats:
-        return GraphStats(tuple(self._captures))
+        return GraphStats(tuple(self._captures), tuple(self._refused))
 
     def padded_rows(self, num_rows: int) -> int:
         """Rows a batch of ``num_rows`` runs as: its bucket, or itself (eager / too large)."""
@@ -348,12 +404,17 @@ class GraphRunner:
         replays it: the pass is a function of static buffers, so the replay rewrites the same
         values, and the caller gets the captured outputs from the start. A later pass that
         reads them (the drafter's catch-up reads the verify pass's) then reads the tensors
-        every replay writes, never the warm-up's."""
+        every replay writes, never the warm-up's.
+
+        A key the budget refuses (:meth:`_admits`) runs ``fn`` eagerly, now and every later
+        time: the static buffers and outputs the CPU path runs on, without capture."""
         self.num_runs[key[0]] += 1
         if not self.capture or num_rows not in self.buckets:
             return fn()
         entry = self._graphs.get(key)
         if entry is None:
+            if key in self._refused or not self._admits(key):
+                return fn()
             return self._capture_new(key, fn)
         graph, out, inputs, outputs = entry
         if self.debug:
@@ -376,6 +437,22 @@ class GraphRunner:
                 f"graph {key[:4]}: its captured outputs moved or changed shape since capture "
                 f"(replays write the captured addresses): {_first_difference(outputs, now_out)}")
 
+    def _admits(self, key: tuple) -> bool:
+        """Whether ``key`` (not captured yet) may be captured now; a refusal is recorded and
+        warned of once (the key is never asked about again)."""
+        producer = producer_key(key)
+        if producer is not None and producer not in self._graphs:
+            why: str | None = f"it reads the outputs of {producer[:4]}, which runs eagerly"
+        else:
+            last = self._captures[-1].bytes if self._captures else 0
+            why = self.budget.refuses(len(self._graphs), self._graph_bytes,
+                                      self._last_bytes.get(key[0], last))
+        if why is None:
+            return True
+        self._refused[key] = why
+        logger.warning("graph budget: %s runs eagerly, not captured (%s)", key[:4], why)
+        return False
+
     def _capture_new(self, key: tuple, fn: Callable[[], Any]) -> Any:
         """Warm-up, capture and first replay of ``key`` (see :meth:`run_graph`)."""
         t0 = time.perf_counter()
@@ -392,21 +469,30 @@ class GraphRunner:
         record = CaptureRecord(key, time.perf_counter() - t0,
                                max(0, _reserved(self.device) - before), self._startup)
         self._captures.append(record)
+        self._graph_bytes += record.bytes
+        self._last_bytes[key[0]] = record.bytes
         if not self._startup:
             logger.info("captured a graph for %s in %.1f ms (%.1f MiB)", key[:4],
                         1e3 * record.seconds, record.bytes / 2**20)
         return static_out
 
-    def _ensure(self, key: tuple, fn: Callable[[], Any]) -> Any:
+    def _ensure(self, key: tuple, fn: Callable[[], Any]) -> tuple[bool, Any]:
+        """``(True, outputs)`` of ``key``'s graph, captured now if need be; ``(False, None)``
+        when the budget refuses it (its pass is not run: nothing needs it at startup)."""
         entry = self._graphs.get(key)
-        return entry[1] if entry is not None else self._capture_new(key, fn)
+        if entry is not None:
+            return True, entry[1]
+        if key in self._refused or not self._admits(key):
+            return False, None
+        return True, self._capture_new(key, fn)
 
     def capture_startup(self, ks: Sequence[int] | None, drafting: bool) -> int:
         """Capture every bucket (up to the batch capacity) x k of ``ks`` (None:
         :data:`DEFAULT_CAPTURE_KS`; k = 0 only when not ``drafting``), largest bucket first:
         the verify pass, and the static drafters' draft and catch-up passes, each through the
-        same capture a step makes, on the batch state's neutral rows. Returns the number of
-        graphs captured (0 when this runner does not capture)."""
+        same capture a step makes, on the batch state's neutral rows. Stops at the first
+        pass the budget refuses (module docstring). Returns the number of graphs captured (0
+        when this runner does not capture)."""
         if not self.capture:
             logger.info("capture='startup': nothing to capture (no CUDA graphs here)")
             return 0
@@ -424,9 +510,12 @@ class GraphRunner:
         self._startup = True
         try:
             with no_gc(freeze=True):
-                for rows in buckets:
-                    for k in ks:
-                        self._capture_shape(rows, k, probs and k > 0)
+                for rows, k in itertools.product(buckets, ks):
+                    if not self._capture_shape(rows, k, probs and k > 0):
+                        logger.warning("graph budget reached at startup (bucket %d x k %d): "
+                                       "the shapes from there on are captured at first use "
+                                       "if they fit then, else run eagerly", rows, k)
+                        break
         finally:
             self._startup = False
         new = self._captures[len(self._captures) - (self.num_captures - n0):]
@@ -435,17 +524,23 @@ class GraphRunner:
                     sum(c.bytes for c in new) / 2**20)
         return len(new)
 
-    def _capture_shape(self, rows: int, k: int, probs: bool) -> None:
-        """One step's passes at ``rows`` x ``k``, in the order a step runs them."""
+    def _capture_shape(self, rows: int, k: int, probs: bool) -> bool:
+        """One step's passes at ``rows`` x ``k``, in the order a step runs them; False when
+        the budget refused one (the rest of the shape is left alone)."""
         if k > 0:
             for d in self.static_drafts:
                 for key, fn in d.startup_draft(rows, k):
-                    self._ensure(key, fn)
+                    if not self._ensure(key, fn)[0]:
+                        return False
         shape = VerifyShape(rows, k + 1, None, probs)
-        out = self._ensure(*self.verify_pass(shape))
+        ok, out = self._ensure(*self.verify_pass(shape))
+        if not ok:
+            return False
         for d in self.static_drafts:
             for key, fn in d.startup_observe(shape, out):
-                self._ensure(key, fn)
+                if not self._ensure(key, fn)[0]:
+                    return False
+        return True
 
 
 def _reserved(device: torch.device) -> int:
@@ -458,17 +553,23 @@ def build_graph_runner(cfg: EngineConfig, runner: ModelRunner, sampler: Sampler,
     """The decode step's persistent batch, static verify pass and per-bucket graphs.
 
     Rows: enough for ``max_batch_size`` padded to its bucket. Block-table columns: a sequence
-    of ``max_model_len`` tokens plus the largest lookahead (a 64-node tree)."""
+    of ``max_model_len`` tokens plus the largest lookahead (a 64-node tree). The shared
+    draft-probability buffer is as wide as the largest k the engine verifies
+    (``memory_plan.verify_k_max``: the plan counts the same); the budget from ``max_graphs``
+    and ``max_graph_bytes`` (on CUDA by default the plan's, ``memory_plan.max_graph_bytes``)."""
     device = torch.device(cfg.device)
     larger = [b for b in cfg.graph_buckets if b >= cfg.max_batch_size]
     capacity = min(larger) if larger else cfg.max_batch_size
     max_blocks = -(-(cfg.max_model_len + MAX_TREE_NODES) // cfg.block_size)
     state = BatchState(capacity, max_blocks, device)
     verifier = StaticVerifier(runner, sampler, state, cfg.block_size, vocab_size,
-                              max(MAX_K + 1, MAX_TREE_NODES))
+                              max(MAX_K + 1, MAX_TREE_NODES), max_prob_drafts=verify_k_max(cfg))
     static = cfg.cuda_graphs
     if static and device.type == "cuda" and cfg.kernel_backend == "torch":
         # The PyTorch reference attention reads lengths back to the host: it cannot be captured.
         logger.warning("cuda_graphs needs kernel_backend triton/cuda on CUDA; running eagerly")
         static = False
-    return GraphRunner(verifier, cfg.graph_buckets, static, device)
+    # (the plan is read only for a runner that may capture)
+    budget = GraphBudget(cfg.max_graphs, max_graph_bytes(cfg, runner.model.config, device)
+                         if static else cfg.max_graph_bytes)
+    return GraphRunner(verifier, cfg.graph_buckets, static, device, budget=budget)

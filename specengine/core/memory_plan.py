@@ -10,9 +10,11 @@ a plan for any card without one.
 
 The static buffers are those of the code (``core/verify.py``, ``drafters/static_*.py``):
 
-- one ``[capacity, PROB_DRAFTS, V]`` float32 draft-probability buffer shared by every sampled
+- one ``[capacity, k_max, V]`` float32 draft-probability buffer shared by every sampled
   (bucket, k) shape as a contiguous view (the draft loops write into it, the verify pass reads
-  it), allocated at the first sampled step;
+  it), allocated at the first sampled step; ``k_max`` is :func:`verify_k_max`, the number
+  ``graphs.build_graph_runner`` gives the verifier (a larger k a request asks for runs on a
+  buffer of its own, not planned);
 - per captured verify graph its outputs (they are the graph's own, live while it exists): the
   final hidden and the drafter's auxiliary hidden states ``[rows * N, H]`` each, the packed
   result ``[rows, 3N + 1]`` float64 and the sampler's device outputs (counted as that again);
@@ -20,6 +22,11 @@ The static buffers are those of the code (``core/verify.py``, ``drafters/static_
 
 Every figure is an estimate the tests hold to a hand computation; on a card,
 :func:`measure_peak_bytes` measures a pass's peak (``scripts/plan_memory.py --measure``).
+
+The graph budget's default bytes on CUDA (:func:`max_graph_bytes`) are the plan's activations
+plus its graphs and static buffers (:attr:`MemoryPlan.graph_budget_bytes`): a capture's bytes
+are the caching allocator's growth over its warm-up, capture and first replay, which holds the
+warm-up's eager activations, the graphs' private pool and the static buffers made then.
 """
 
 from __future__ import annotations
@@ -39,9 +46,6 @@ from specengine.tree import MAX_TREE_NODES
 
 logger = logging.getLogger(__name__)
 
-#: draft positions of the shared draft-probability buffer (``StaticVerifier.probs_buffer``):
-#: every chain k a request may ask for (``generate(k=...)`` goes up to ``MAX_K``)
-PROB_DRAFTS = MAX_K
 #: draft-id columns of the verify pass (a chain's k or a tree's nodes after the root)
 MAX_FED = max(MAX_K + 1, MAX_TREE_NODES)
 GIB = 1 << 30
@@ -207,6 +211,13 @@ class MemoryPlan:
         return self.draft_probs_bytes + self.graph_output_bytes + self.fixed_buffer_bytes
 
     @property
+    def graph_budget_bytes(self) -> int:
+        """What captures may reserve (the graph budget's default on CUDA): the activations
+        (a capture's warm-up runs eagerly, its graph keeps a private pool) and the graphs and
+        static buffers (see the module docstring)."""
+        return self.activation_bytes + self.static_bytes
+
+    @property
     def budget_bytes(self) -> int:
         return int(self.gpu_memory_utilization * self.total_bytes)
 
@@ -248,14 +259,29 @@ def capacity_of(cfg: EngineConfig) -> int:
     return min(larger) if larger else cfg.max_batch_size
 
 
+def verify_k_max(cfg: EngineConfig) -> int:
+    """The largest chain k an engine of ``cfg`` verifies on its shared buffers: the largest of
+    ``capture_ks`` and ``DEFAULT_K_MAX`` (the most ``k="auto"`` picks by default). The shared
+    draft-probability buffer is this wide (``graphs.build_graph_runner``) and the plan counts
+    shapes up to it: a wider buffer than the k the engine runs costs ``capacity x V x 4``
+    bytes a column (0.145 GiB of KV cache at 256 rows and a 152k vocabulary)."""
+    # (imported here: auto_k imports the decode step, which imports the verifier and this)
+    from specengine.core.auto_k import DEFAULT_K_MAX
+
+    return max((DEFAULT_K_MAX, *(cfg.capture_ks or ())))
+
+
 def plan_memory(target: ModelConfig, cfg: EngineConfig, total_bytes: int,
-                drafter: DrafterFacts | None = None, k_max: int = MAX_K,
+                drafter: DrafterFacts | None = None, k_max: int | None = None,
                 sampled: bool | None = None) -> MemoryPlan:
     """The plan of an engine of ``cfg`` serving ``target`` with ``drafter`` on a card of
     ``total_bytes`` (see the module docstring). ``k_max``: the longest chain requests ask for
-    (the captured shapes are k = 0 .. k_max per bucket); ``sampled``: drafts carry their
+    (the captured shapes are k = 0 .. k_max per bucket, the draft-probability buffer is k_max
+    wide); None: the engine's own, :func:`verify_k_max`. ``sampled``: drafts carry their
     distributions (default: the ``sample`` draft option). Without a drafter every step
     feeds one token per row. Trees are not planned (a tree shape adds its own graphs)."""
+    if k_max is None:
+        k_max = verify_k_max(cfg)
     if not 1 <= k_max <= MAX_K:
         raise ValueError(f"k_max must be in [1, {MAX_K}], got {k_max}")
     # Without a drafter every verify pass feeds one token per row (k = 0).
@@ -305,7 +331,7 @@ def plan_memory(target: ModelConfig, cfg: EngineConfig, total_bytes: int,
     # every graph: the largest pass's intermediates), which eager passes cannot use.
     activations = max(prefill, verify_phase) + (verify_phase if buckets else 0)
 
-    probs = cap * PROB_DRAFTS * v * 4 if sampled else 0
+    probs = cap * k_max * v * 4 if sampled else 0
     # Per verify graph (bucket b, N fed): hidden + aux [b * N, H], packed [b, 3N + 1] f64
     # and the sampler's device outputs (at most as large again).
     ns = range(1, n_max + 1)
@@ -329,6 +355,21 @@ def plan_memory(target: ModelConfig, cfg: EngineConfig, total_bytes: int,
     return MemoryPlan(total_bytes, cfg.gpu_memory_utilization, target_w, draft_w, prefill,
                       verify_phase, activations, probs, graph_out, fixed, num_graphs, kv_bpt,
                       tokens, tokens * kv_bpt)
+
+
+def max_graph_bytes(cfg: EngineConfig, target: ModelConfig, device: torch.device
+                    ) -> int | None:
+    """The graph budget's bytes: ``cfg.max_graph_bytes`` when given; else on CUDA the plan's
+    :attr:`~MemoryPlan.graph_budget_bytes` (the KV cache was sized around it, so captures
+    within it never take the cache's memory), elsewhere None (no limit: a capture reserves
+    nothing off CUDA)."""
+    if cfg.max_graph_bytes is not None:
+        return cfg.max_graph_bytes
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.mem_get_info(device)[1]
+    drafter = DrafterFacts.from_draft(cfg.draft, target, _dtype_bytes(cfg.torch_dtype))
+    return plan_memory(target, cfg, total, drafter).graph_budget_bytes
 
 
 def kv_tokens_for(cfg: EngineConfig, budget_bytes: int, bytes_per_token: int) -> int:

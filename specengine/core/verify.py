@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specengine.config import MAX_K
 from specengine.core.batch import (
     ACTIVE,
     CTX,
@@ -35,7 +36,6 @@ from specengine.core.batch import (
     BatchState,
 )
 from specengine.core.block_rows import slots_of
-from specengine.core.memory_plan import PROB_DRAFTS
 from specengine.core.transfer import to_device
 from specengine.kernels.kv_cache import compact_kv_cache
 from specengine.model.attention import AttentionMetadata
@@ -73,6 +73,15 @@ class VerifyShape:
         return {kind: (kind, *self.key) for kind in ("verify", "observe")}
 
 
+def producer_key(key: tuple) -> tuple | None:
+    """The ``run_graph`` key of the pass whose outputs a pass of ``key`` reads, or None (it
+    reads static buffers only): a drafter's catch-up (``observe``) reads its verify pass's
+    outputs, handed to it in its closure. A captured catch-up keeps reading the addresses of
+    the outputs it was captured with, so it may be captured only over a captured verify pass
+    (whose replays rewrite those very tensors), never over one that runs eagerly."""
+    return ("verify", *key[1:]) if key[0] == "observe" else None
+
+
 @dataclass(frozen=True)
 class VerifyOutput:
     packed: Tensor  # [rows, 3N + 1] float64: see SamplerOutput.pack
@@ -88,7 +97,7 @@ class StaticVerifier:
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, state: BatchState,
                  block_size: int, vocab_size: int, max_tokens: int,
-                 max_prob_drafts: int = PROB_DRAFTS) -> None:
+                 max_prob_drafts: int = MAX_K) -> None:
         self.runner, self.sampler, self.state = runner, sampler, state
         self.block_size, self.vocab_size = block_size, vocab_size
         dev = state.device
@@ -101,7 +110,9 @@ class StaticVerifier:
         # drafts writes where the verify pass of k reads). Shapes may share it because it is
         # an input of one step only: the step's drafter (or load_drafts) writes it, then that
         # step's verify pass reads it, and no later pass reads it. A shape past it (more rows
-        # than the batch holds, more drafts) gets its own buffer.
+        # than the batch holds, more drafts) gets its own buffer. ``max_prob_drafts`` is the
+        # largest k the engine verifies (``memory_plan.verify_k_max``), not MAX_K: each column
+        # is capacity x V x 4 bytes the KV cache does not get.
         self.max_prob_drafts = max_prob_drafts
         self._probs_all: Tensor | None = None
         self._probs: dict[tuple[int, int], Tensor] = {}
@@ -125,7 +136,13 @@ class StaticVerifier:
         if w and shape.has_probs:  # (a static drafter writes its probs in place too)
             buf = self.probs_buffer(shape)
             if not _same_view(probs, buf):  # type: ignore[arg-type]
-                buf[:b, :w].copy_(probs[:, :w])  # type: ignore[index]
+                # Under inference mode: a buffer made inside a pass (the draft loop or the
+                # verify pass made it first) is an inference tensor, which only inference mode
+                # may write. A chain cut short (k' < k drafts) over a k past the shared
+                # buffer's width lands here: its loop wrote the shared buffer, the pass of k
+                # reads one of its own.
+                with torch.inference_mode():
+                    buf[:b, :w].copy_(probs[:, :w])  # type: ignore[index]
 
     def probs_buffer(self, shape: VerifyShape) -> Tensor:
         """``[rows, N-1, V]`` float32: :meth:`probs_view` of the shape."""
