@@ -170,3 +170,71 @@ def test_weight_update_clears_the_cache(tiny_checkpoint: Path, tmp_path: Path) -
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for a, b in zip(got, want):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+# ---- issue 29: a hole in the cached prefix, and weight updates racing a prefill ---------------
+def prefilled(cache: KVCache, seqs: list[Sequence]) -> None:
+    """Plan and admit ``seqs`` in one batch (so none hits another's blocks), then prefill."""
+    for plan in [cache.plan(s) for s in seqs]:
+        cache.admit(plan)
+    cache.finish_prefill(seqs)
+
+
+def test_match_stops_at_the_first_evicted_block() -> None:
+    """Two requests share a 2-block prefix in one batch: the short one names blocks 0 and 1,
+    the long one only its block 2 (0 and 1 were named first). Once the short one's block 1 is
+    evicted, a third request with the long prompt may reuse block 0 alone: the long one's
+    block 2 holds KV of position 32.., not 16.., and must not stand in for block 1."""
+    cache = KVCache(16, BS, 1, 1, 2, torch.float32, "cpu", prefix_caching=True)
+    stem = list(range(1, 33))
+    short = Sequence(0, stem + [7], SamplingParams(), 0, ())
+    long = Sequence(1, stem + list(range(40, 57)), SamplingParams(), 0, ())  # 3 full blocks
+    prefilled(cache, [short, long])
+    hashes = block_hashes(long.token_ids, BS, 3)
+    short_blocks = short.block_table[:2]
+    assert [cache.prefix.block_of[h] for h in hashes] == short_blocks + long.block_table[2:3]
+    cache.free(short)  # its blocks 1, 0 become evictable, in that order
+    assert cache.prefix.evict(1) == 1 and hashes[1] not in cache.prefix.block_of
+    plan = cache.plan(Sequence(2, list(long.token_ids), SamplingParams(), 0, ()))
+    assert plan.shared == short_blocks[:1] and plan.num_cached == BS
+    # Every reused block is named by the hash of its own position.
+    assert [cache.prefix.hash_of[b] for b in plan.shared] == hashes[: len(plan.shared)]
+
+
+def test_prefill_planned_before_a_weight_update_registers_nothing() -> None:
+    """A prefill planned under the old weights (epoch 0) finishes after the update: its blocks
+    hold old-weight KV, so no name may be given to them; a plan after the update registers."""
+    cache = KVCache(16, BS, 1, 1, 2, torch.float32, "cpu", prefix_caching=True)
+    prompt = list(range(1, 41))  # 2 full blocks
+    old = Sequence(0, prompt, SamplingParams(), 0, ())
+    cache.admit(cache.plan(old))
+    cache.invalidate_prefix_cache()  # the update lands between plan and finish
+    cache.finish_prefill([old])
+    assert len(cache.prefix) == 0
+    assert cache.plan(Sequence(1, prompt, SamplingParams(), 0, ())).shared == []
+    check_refs(cache, [old])
+    new = Sequence(2, prompt, SamplingParams(), 0, ())
+    prefilled(cache, [new])
+    assert len(cache.prefix) == 2
+    assert cache.plan(Sequence(3, prompt, SamplingParams(), 0, ())).shared == new.block_table[:2]
+
+
+def test_invalidation_forgets_names_and_gives_back_unheld_blocks() -> None:
+    """After a weight update nothing hits, blocks only the cache held are free again and
+    blocks a running sequence holds stay its own (one reference, no name)."""
+    cache = KVCache(16, BS, 1, 1, 2, torch.float32, "cpu", prefix_caching=True)
+    done = Sequence(0, list(range(1, 41)), SamplingParams(), 0, ())
+    running = Sequence(1, list(range(50, 90)), SamplingParams(), 0, ())
+    prefilled(cache, [done, running])
+    cache.free(done)
+    assert len(cache.prefix) == 4 and len(cache.prefix.evictable) == 2
+    epoch = cache.prefix.epoch
+    cache.invalidate_prefix_cache()
+    assert cache.prefix.epoch == epoch + 1
+    assert len(cache.prefix) == 0 and not cache.prefix.evictable and not cache.prefix.hash_of
+    for seq in (done, running):
+        assert cache.plan(Sequence(9, list(seq.token_ids), SamplingParams(), 0, ())).shared == []
+    check_refs(cache, [running])  # the running table: one reference each, nothing named
+    assert cache.allocator.num_free == cache.num_blocks - len(running.block_table)
+    cache.free(running)
+    assert cache.allocator.num_free == cache.num_blocks and len(cache.prefix.evictable) == 0
