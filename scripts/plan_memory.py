@@ -42,7 +42,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--graph-buckets", type=_buckets, default=DEFAULT_BUCKETS)
     p.add_argument("--no-cuda-graphs", action="store_true", help="plan an eager engine")
-    p.add_argument("--k-max", type=int, default=MAX_K, help="longest chain requests ask for")
+    p.add_argument("--k-max", type=int, default=None,
+                   help=f"longest chain requests ask for, 1..{MAX_K} (default: the engine's, "
+                        "the largest captured k)")
     p.add_argument("--sample", action="store_true", help="sampled drafts (their distributions)")
     p.add_argument("--measure", action="store_true",
                    help="CUDA only: measure the largest prefill chunk's peak in a dry run")

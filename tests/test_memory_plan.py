@@ -185,6 +185,10 @@ def test_the_command_prints_the_plan(pair: tuple[Path, Path],
     assert f"{plan.kv_tokens:,} tokens x 151,552 B" in kv[0]
     assert f"{plan.kv_cache_bytes / GIB:.3f} GiB" in kv[0]
     assert out == plan.format() + "\n"
+    # Without --k-max the script plans the engine's own largest k (8 by default), not 16.
+    assert script.main(["--model", str(model), "--draft", str(draft), "--gpu-memory-gb", "80",
+                        "--sample"]) == 0
+    assert capsys.readouterr().out == out
 
 
 def test_model_params_count_the_modules() -> None:
