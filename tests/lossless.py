@@ -116,3 +116,21 @@ def assert_proposals_ranked(seen: list[Proposal],
             rth = ranked[rank] if rank < len(ranked) and ranked[rank] > -math.inf else ranked[0]
             assert abs(logits[drafts[i - 1]] - rth) <= 1e-4
             paths.append(path + [drafts[i - 1]])
+
+
+def processed_law(logits: torch.Tensor, temp: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The exact target law of one row of ``logits`` in float64, independently of the
+    implementation (sort-based): temperature, then top-k, then top-p; temperature 0 is the
+    argmax as a point mass."""
+    if temp == 0:
+        return torch.nn.functional.one_hot(logits.argmax(), logits.numel()).double()
+    x = logits.double() / temp
+    if 0 < top_k < x.numel():
+        x = x.masked_fill(x < x.topk(top_k).values[-1], float("-inf"))
+    p = torch.softmax(x, -1)
+    if top_p < 1:
+        sp = p.sort(descending=True).values
+        t = sp[int(((sp.cumsum(0) - sp) < top_p).sum()) - 1]
+        p = torch.where(p >= t, p, 0.0)
+        p = p / p.sum()
+    return p

@@ -20,6 +20,7 @@ from collections import Counter
 
 import pytest
 import torch
+from lossless import processed_law
 
 from specengine.kernels import reference as ref
 
@@ -35,18 +36,7 @@ Path = tuple[tuple[int, int], ...]
 
 def processed(logits: torch.Tensor, temp: float, top_k: int, top_p: float) -> list[float]:
     """The target law of one row in float64 (sort-based, independent of the reference)."""
-    if temp == 0:
-        return [float(i == int(logits.argmax())) for i in range(len(logits))]
-    x = logits.double() / temp
-    if 0 < top_k < len(x):
-        x = x.masked_fill(x < x.topk(top_k).values[-1], float("-inf"))
-    p = torch.softmax(x, -1)
-    if top_p < 1:
-        sp = p.sort(descending=True).values
-        t = sp[int(((sp.cumsum(0) - sp) < top_p).sum()) - 1]
-        p = torch.where(p >= t, p, 0.0)
-        p = p / p.sum()
-    return p.tolist()
+    return processed_law(logits, temp, top_k, top_p).tolist()
 
 
 def walk_law(laws: list[list[float]], tokens: list[int], node: int = 0) -> dict[Path, float]:

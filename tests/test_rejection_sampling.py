@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from lossless import processed_law
 
 try:
     from scipy.stats import chisquare
@@ -40,16 +41,7 @@ def run(impl, logits, drafts, nd, q=None, temp=1.0, top_k=-1, top_p=1.0, parents
 
 def processed(logits: torch.Tensor, temp: float, top_k: int, top_p: float) -> np.ndarray:
     """Exact target law in float64, independently of the implementation (sort-based)."""
-    x = logits.double() / temp
-    if 0 < top_k < x.numel():
-        x = x.masked_fill(x < x.topk(top_k).values[-1], float("-inf"))
-    p = torch.softmax(x, -1)
-    if top_p < 1:
-        sp = p.sort(descending=True).values
-        t = sp[int(((sp.cumsum(0) - sp) < top_p).sum()) - 1]
-        p = torch.where(p >= t, p, 0.0)
-        p = p / p.sum()
-    return p.numpy()
+    return processed_law(logits, temp, top_k, top_p).numpy()
 
 
 def chi2(samples: torch.Tensor, p: np.ndarray) -> None:
