@@ -84,11 +84,15 @@ _SUMMARY_FAIL = re.compile(r"^(FAILED|ERROR) (\S+?)(?:::\S*)? - (.*)$")
 
 
 def _module_of(dotted: str) -> str:
-    """``tests.test_server.TestX`` (a JUnit class name) -> ``tests/test_server.py``."""
+    """``tests.test_server.TestX`` (a JUnit class name) -> ``tests/test_server.py``. The
+    module is the last ``test_*`` part: the folders before it depend on where pytest put its
+    rootdir (a temporary folder may itself be named ``test_...``), so only a ``tests`` parent
+    is kept."""
     parts = dotted.split(".")
-    for i, part in enumerate(parts):
-        if part.startswith("test_"):
-            return "/".join(parts[: i + 1]) + ".py"
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i].startswith("test_"):
+            module = parts[i] + ".py"
+            return f"tests/{module}" if i > 0 and parts[i - 1] == "tests" else module
     return dotted
 
 

@@ -424,3 +424,13 @@ def test_compile_rows(tmp_path):
     assert [r.verdict for r in rows] == ["PASS", "FAIL"]
     assert gr.parse_compile(gr.StepRun("compile", 1, False, "boom", tmp_path))[0].verdict == \
         "FAIL"
+
+
+def test_module_names_from_junit_class_names():
+    """The module of a JUnit class name is its last ``test_*`` part, whatever folders (some
+    named ``test_...`` themselves) pytest's rootdir put before it."""
+    assert gr._module_of("tests.test_server.TestX") == "tests/test_server.py"
+    assert gr._module_of("test_server") == "test_server.py"
+    assert gr._module_of("pytest-of-root.pytest-79.popen-gw0.test_fails_on0.t.test_needs_ray"
+                         ) == "test_needs_ray.py"
+    assert gr._module_of("conftest") == "conftest"
