@@ -42,3 +42,34 @@ class Background:
         if self._err:
             raise self._err[0]
         return self._out[0]
+
+
+class ThreadLearner:
+    """A gloo ``WeightSender`` (rank 0 of ``world_size``) on a thread of this process: the
+    constructor joins the group in the background (the engine joins meanwhile), ``send``
+    broadcasts an update in the background, ``join`` waits for the last call and returns its
+    error (None when it went through). ``send_kwargs`` go to every ``send``."""
+
+    def __init__(self, port: int, world_size: int, timeout_s: float = WAIT_S,
+                 **send_kwargs: object) -> None:
+        from specengine.weights import WeightSender
+
+        self.sender = None
+        self.timeout_s = timeout_s
+        self._send_kwargs = send_kwargs
+        self._call = Background(lambda: setattr(self, "sender", WeightSender(
+            "127.0.0.1", port, world_size=world_size, backend="gloo", timeout_s=timeout_s)),
+            timeout_s)
+
+    def send(self, named_tensors: object, version: int) -> None:
+        self._call = Background(lambda: self.sender.send(  # type: ignore[union-attr]
+            named_tensors, version, **self._send_kwargs), self.timeout_s)
+
+    def join(self) -> BaseException | None:
+        try:
+            self._call.result()
+        except AssertionError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the caller checks it
+            return e
+        return None

@@ -13,21 +13,20 @@ from __future__ import annotations
 import multiprocessing as mp
 import re
 import subprocess
-import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
 import torch
 from checkpoints import make_hf_model, save_checkpoint
-from net_helpers import free_port
+from net_helpers import ThreadLearner, free_port
 from test_mtp import add_mtp_weights
 
 from specengine import SamplingParams, SpecEngine
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
 from specengine.distributed.tp_weights import full_named_tensors
 from specengine.model.config import CheckpointError
-from specengine.weights import WeightSender, WeightSyncError
+from specengine.weights import WeightSyncError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 TREE = [[0], [0, 0], [1], [0, 0, 0], [0, 1]]  # depth 3: accepted paths leave node != depth
@@ -165,32 +164,9 @@ def test_load_weights_every_rank_or_none(qwen3: Path, tmp_path: Path) -> None:
     assert_close(after, outputs(engine(checkpoint_of(sd, tmp_path / "new")), PROMPTS, 0))
 
 
-class Learner:
+def Learner(port: int) -> ThreadLearner:
     """A ``WeightSender`` (rank 0 of 1 + 2) on a thread of this process."""
-
-    def __init__(self, port: int) -> None:
-        self.sender: WeightSender | None = None
-        self.error: BaseException | None = None
-        self._run(lambda: setattr(self, "sender", WeightSender(
-            "127.0.0.1", port, world_size=3, backend="gloo", timeout_s=JOIN_S)))
-
-    def _run(self, fn) -> None:
-        def target() -> None:
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - checked by the test
-                self.error = e
-        self.thread = threading.Thread(target=target, daemon=True)
-        self.thread.start()
-
-    def send(self, sd: dict[str, torch.Tensor], version: int) -> None:
-        self.error = None
-        self._run(lambda: self.sender.send(sd, version=version))  # type: ignore[union-attr]
-
-    def join(self) -> BaseException | None:
-        self.thread.join(JOIN_S)
-        assert not self.thread.is_alive(), "the learner thread did not finish in time"
-        return self.error
+    return ThreadLearner(port, 3, JOIN_S)
 
 
 def test_weight_sync_group_updates_every_rank(qwen3: Path, tmp_path: Path) -> None:

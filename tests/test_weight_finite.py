@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import re
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from checkpoints import make_hf_model, save_checkpoint
-from net_helpers import free_port
+from net_helpers import ThreadLearner, free_port
 from server_helpers import bundled_engine, in_engine, post_json, running_server
 
 from specengine import AsyncSpecEngine, SamplingParams, SpecEngine
@@ -150,32 +149,9 @@ def test_shared_update_refuses_non_finite(tiny_checkpoint: Path, kind: str, fres
 
 
 # ---- over a weight-sync group ----------------------------------------------------------------
-class Learner:
+def Learner(port: int, world_size: int = 2) -> ThreadLearner:
     """A gloo ``WeightSender`` (rank 0) on a thread of this process."""
-
-    def __init__(self, port: int, world_size: int = 2) -> None:
-        self.sender: WeightSender | None = None
-        self._go(lambda: setattr(self, "sender", WeightSender(
-            "127.0.0.1", port, world_size=world_size, backend="gloo", timeout_s=JOIN_S)))
-
-    def _go(self, fn: Callable[[], object]) -> None:
-        self.error: BaseException | None = None
-
-        def target() -> None:
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - checked by the test
-                self.error = e
-        self.thread = threading.Thread(target=target, daemon=True)
-        self.thread.start()
-
-    def send(self, sd: dict[str, torch.Tensor], version: int) -> None:
-        self._go(lambda: self.sender.send(sd, version, bucket_bytes=8 << 10))  # type: ignore
-
-    def join(self) -> BaseException | None:
-        self.thread.join(JOIN_S)
-        assert not self.thread.is_alive(), "the learner did not finish in time"
-        return self.error
+    return ThreadLearner(port, world_size, JOIN_S, bucket_bytes=8 << 10)
 
 
 def joined(engine: SpecEngine, world_size: int = 2) -> Learner:
