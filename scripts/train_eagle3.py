@@ -40,7 +40,7 @@ from specengine import arith_task as task
 from specengine.drafters.eagle3 import Eagle3Head
 from specengine.model.attention import AttentionBackend
 from specengine.model.config import ModelConfig
-from specengine.model.loader import hf_named_tensors
+from specengine.model.weight_names import hf_named_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = REPO / "specengine" / "assets" / "arith-target"

@@ -34,9 +34,9 @@ from typing import Any, TypeVar
 
 from specengine.async_loop import EngineClosedError, EngineLoop, EngineOverloadedError
 from specengine.core.auto_k import DEFAULT_K_MAX
+from specengine.core.requests import prompt_ids
 from specengine.engine import SpecEngine
 from specengine.outputs import GenerationOutput, RequestOutput
-from specengine.requests import prompt_ids
 from specengine.sampling import SamplingParams
 from specengine.tree import DraftTree
 

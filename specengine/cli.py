@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING
 from specengine.assets import DEFAULT_DRAFT as _DRAFT
 from specengine.assets import DEFAULT_TARGET as _TARGET
 from specengine.config import DTYPES, KERNEL_BACKENDS, MAX_K
-from specengine.run_stats import merge_stats
+from specengine.core.run_stats import merge_stats
 
 if TYPE_CHECKING:
-    from specengine import GenerationOutput, SamplingParams, SpecEngine
+    from specengine.engine import SpecEngine
+    from specengine.outputs import GenerationOutput
+    from specengine.sampling import SamplingParams
 
 # Module attributes (Paths) so tests can point them elsewhere.
 DEFAULT_TARGET = Path(_TARGET)
@@ -96,7 +98,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from specengine import __version__
+    from specengine.version import __version__
 
     p = argparse.ArgumentParser(prog="specengine", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -239,7 +241,8 @@ def _baseline_line(outs: list[GenerationOutput], base: list[GenerationOutput],
 
 def generate_main(args: argparse.Namespace) -> int:
     """Run ``specengine generate`` with parsed ``args``; returns the exit status."""
-    from specengine import SamplingParams, SpecEngine
+    from specengine.engine import SpecEngine
+    from specengine.sampling import SamplingParams
 
     model, draft = args.model, args.draft
     bundled = model is None
@@ -295,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     args = _parser().parse_args(argv)
     if args.command == "generate":
-        from specengine.kv_cache import KVCacheFullError
+        from specengine.core.kv_cache import KVCacheFullError
 
         try:
             return generate_main(args)
@@ -303,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     if args.command == "serve":
-        from specengine.kv_cache import KVCacheFullError
+        from specengine.core.kv_cache import KVCacheFullError
 
         try:
             from specengine.server.serve import serve_main

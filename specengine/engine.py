@@ -16,21 +16,22 @@ from specengine.core.auto_k import DEFAULT_K_MAX, resolve_k
 from specengine.core.auto_k_calibration import calibrate
 from specengine.core.engine_core import EngineCore
 from specengine.core.graphs import DEFAULT_BUCKETS, build_graph_runner
+from specengine.core.kv_cache import KVCache, num_kv_blocks
+from specengine.core.model_runner import ModelRunner
+from specengine.core.prefix_cache import expand_samples, prefix_caching_on, sample_ids
+from specengine.core.requests import RequestBatch, load_tokenizer, validate_requests
+from specengine.core.run_stats import StepTimes
+from specengine.core.sampler import Sampler
+from specengine.core.scheduler import Scheduler
+from specengine.core.sequence import Sequence
+from specengine.core.step import num_drafts_for, speculative_step
 from specengine.drafters.adapt_train import AdaptResult
-from specengine.kv_cache import KVCache, num_kv_blocks
 from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
 from specengine.model.loader import build_model
-from specengine.model_runner import ModelRunner
 from specengine.native import check_native
 from specengine.outputs import EngineStats, GenerationOutput, RequestOutput
-from specengine.prefix_cache import expand_samples, prefix_caching_on, sample_ids
-from specengine.requests import RequestBatch, load_tokenizer, validate_requests
-from specengine.sampler import Sampler
 from specengine.sampling import SamplingParams
-from specengine.scheduler import Scheduler
-from specengine.sequence import Sequence
-from specengine.speculate import StepTimes, num_drafts_for, speculative_step
 from specengine.threads import apply_thread_policy
 from specengine.tree import DraftTree
 from specengine.weights.receiver import (
@@ -116,7 +117,7 @@ class SpecEngine:
         enable_prefix_caching: reuse the KV of full blocks computed by earlier prefills for
             prompts with the same prefix (cleared by every weight update; LRU eviction);
             the samples of a ``SamplingParams(n=...)`` group share their prompt's KV either
-            way (``specengine.prefix_cache``).
+            way (``specengine.core.prefix_cache``).
         gpu_memory_utilization: on CUDA, the share of the card's total memory the engine
             plans to use: weights, activations, graphs and static buffers first, the KV cache
             gets the rest (``specengine.core.memory_plan``); in (0, 1].
@@ -277,7 +278,7 @@ class SpecEngine:
     @property
     def stats(self) -> EngineStats:
         """Counters of the last ``generate`` call; with the step API, of the steps since the
-        engine was last idle (``specengine.run_stats``)."""
+        engine was last idle (``specengine.core.run_stats``)."""
         return self.core.stats.snapshot()
 
     def generate(
@@ -542,7 +543,7 @@ class SpecEngine:
         policy is never touched and the head's tensors keep their ``data_ptr``; output stays
         lossless. Bad arguments or an empty buffer raise ``ValueError``, changing nothing
         (``specengine.drafters.adapt``)."""
-        from specengine.drafters.adapt_train import eagle3_drafter
+        from specengine.drafters.eagle3 import eagle3_drafter
 
         return eagle3_drafter(self.drafter).adapt(steps, lr)
 

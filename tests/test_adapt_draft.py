@@ -18,7 +18,7 @@ from specengine.arith_task import encode, heldout_prompts
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
 from specengine.drafters.adapt import FeatureBuffer
 from specengine.drafters.feature_drafter import FeatureState
-from specengine.model.loader import hf_named_tensors
+from specengine.model.weight_names import hf_named_tensors
 
 PROMPTS = [encode(p) for p in heldout_prompts(48)]
 

@@ -18,7 +18,7 @@ from specengine import AsyncSpecEngine, SamplingParams, SpecEngine
 from specengine.arith_task import heldout_prompts
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
 from specengine.model.config import CheckpointError
-from specengine.model.loader import hf_named_tensors
+from specengine.model.weight_names import hf_named_tensors
 from specengine.outputs import GenerationOutput, RequestOutput
 from specengine.weights import WeightSender
 

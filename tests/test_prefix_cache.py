@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from specengine import SamplingParams, SpecEngine
-from specengine.kv_cache import KVCache
-from specengine.prefix_cache import SeqGroup, block_hashes
-from specengine.scheduler import Scheduler
-from specengine.sequence import SeqStatus, Sequence
+from specengine.core.kv_cache import KVCache
+from specengine.core.prefix_cache import SeqGroup, block_hashes
+from specengine.core.scheduler import Scheduler
+from specengine.core.sequence import SeqStatus, Sequence
 
 BS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

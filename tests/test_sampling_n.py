@@ -26,7 +26,7 @@ except ImportError:  # scipy is optional: the chi-square tests skip without it, 
 from test_sampling_lossless import processed_probs
 
 from specengine import SamplingParams, SpecEngine
-from specengine.prefix_cache import sample_seed
+from specengine.core.prefix_cache import sample_seed
 
 KW = dict(device="cpu", dtype="float32", max_model_len=128, kv_cache_tokens=4096)
 PROMPTS = [list(range(2, 39)), list(range(40, 72)), [5, 9, 7]]  # 37, 32 (full), 3 tokens

@@ -14,7 +14,7 @@ from readme_blocks import run_readme_blocks
 from specengine import SamplingParams, SpecEngine
 from specengine.arith_task import heldout_prompts
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
-from specengine.model.loader import hf_named_tensors
+from specengine.model.weight_names import hf_named_tensors
 from specengine.outputs import GenerationOutput, RequestOutput
 
 

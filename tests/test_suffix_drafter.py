@@ -16,13 +16,13 @@ from test_sampling_lossless import NUM_SEQS, P_MIN, chi_square_p, exact_joint, r
 from specengine import SamplingParams, SpecEngine
 from specengine.arith_task import encode, heldout_prompts
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
+from specengine.core.sequence import SeqStatus, Sequence
 from specengine.drafters import make_drafter
 from specengine.drafters.eagle3 import Eagle3Drafter
 from specengine.drafters.hybrid import HybridDrafter
 from specengine.drafters.ngram import NgramDrafter
 from specengine.drafters.suffix import SuffixDrafter
 from specengine.drafters.suffix_index import Node, SuffixIndex, SuffixStore
-from specengine.sequence import SeqStatus, Sequence
 from specengine.tree import DraftTree
 
 

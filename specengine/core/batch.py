@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specengine import _C
+import specengine._C as _C
 from specengine.core.block_rows import BlockRows
 from specengine.core.seq_arena import SeqArena
-from specengine.sequence import Sequence
+from specengine.core.sequence import Sequence
 
 # Rows of the int64 step-field array (one copy per step; csrc/stage_rows.h numbers its first
 # four and the limits' rows the same).

@@ -28,19 +28,19 @@ from specengine.config import EngineConfig
 from specengine.core.auto_k import AutoK
 from specengine.core.graphs import GraphRunner
 from specengine.core.isolation import Isolation
+from specengine.core.kv_cache import KVCache
+from specengine.core.model_runner import ModelRunner
+from specengine.core.prefix_cache import SeqGroup
+from specengine.core.run_stats import RunStats, StepTimes
+from specengine.core.sampler import Sampler, SamplingTensors
+from specengine.core.scheduler import ScheduledBatch, Scheduler
 from specengine.core.seq_arena import SeqArena
+from specengine.core.sequence import SeqStatus, Sequence
+from specengine.core.step import append_step
 from specengine.core.transfer import to_host
 from specengine.drafters.base import Drafter
-from specengine.kv_cache import KVCache
-from specengine.model_runner import ModelRunner
 from specengine.outputs import GenerationOutput, RequestOutput
-from specengine.prefix_cache import SeqGroup
-from specengine.run_stats import RunStats
-from specengine.sampler import Sampler, SamplingTensors
 from specengine.sampling import SamplingParams
-from specengine.scheduler import ScheduledBatch, Scheduler
-from specengine.sequence import SeqStatus, Sequence
-from specengine.speculate import StepTimes, append_step
 from specengine.tokenizer import TextTokenizer
 from specengine.tree import DraftTree
 

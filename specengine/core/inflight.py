@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from specengine.sequence import SeqStatus, Sequence
+from specengine.core.sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
     from specengine.core.engine_core import EngineCore, _Request

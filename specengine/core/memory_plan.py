@@ -266,7 +266,7 @@ def verify_k_max(cfg: EngineConfig) -> int:
     shapes up to it: a wider buffer than the k the engine runs costs ``capacity x V x 4``
     bytes a column (0.145 GiB of KV cache at 256 rows and a 152k vocabulary)."""
     # (imported here: auto_k imports the decode step, which imports the verifier and this)
-    from specengine.core.auto_k import DEFAULT_K_MAX
+    from specengine.config import DEFAULT_K_MAX
 
     return max((DEFAULT_K_MAX, *(cfg.capture_ks or ())))
 

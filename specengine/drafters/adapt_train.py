@@ -19,9 +19,8 @@ from specengine.drafters.adapt import BufferedSeq, FeatureBuffer
 from specengine.drafters.adapt_math import HeadMath, ttt_loss, ttt_sums
 
 if TYPE_CHECKING:
-    from specengine.drafters.base import Drafter
+    from specengine.core.sequence import Sequence
     from specengine.drafters.eagle3 import Eagle3Drafter
-    from specengine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +198,7 @@ class OnlineAdaptation:
         return self.adapter.adapt(steps, lr)
 
     def release(self, seq: Sequence) -> None:
-        from specengine.sequence import SeqStatus
+        from specengine.core.sequence import SeqStatus
 
         super().release(seq)  # type: ignore[misc]
         if self.adapt_every and seq.status is SeqStatus.FINISHED:
@@ -208,18 +207,6 @@ class OnlineAdaptation:
                 self._num_finished = 0
                 if self.adapter.trainable():  # type: ignore[union-attr]
                     self.adapt(self.adapt_steps, self.adapt_lr)
-
-
-def eagle3_drafter(drafter: Drafter | None) -> Eagle3Drafter:
-    """The engine's EAGLE-3 drafter (alone or in a ``(HEAD_DIR, "suffix")`` pair)."""
-    from specengine.drafters.eagle3 import Eagle3Drafter
-
-    neural = getattr(drafter, "neural", drafter)  # HybridDrafter keeps it as .neural
-    if not isinstance(neural, Eagle3Drafter):
-        what = "no drafter" if drafter is None else f"a {type(drafter).__name__}"
-        raise ValueError(f"adapt_draft trains an EAGLE-3 head, but this engine has {what} "
-                         "(create it with draft=HEAD_DIR or (HEAD_DIR, 'suffix'))")
-    return neural
 
 
 class HeadOptimizer:

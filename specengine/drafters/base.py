@@ -9,9 +9,9 @@ import numpy as np
 from torch import Tensor
 
 from specengine.core.graphs import GraphRunner
+from specengine.core.model_runner import ForwardOutput
+from specengine.core.sequence import Sequence
 from specengine.core.verify import VerifyOutput, VerifyShape
-from specengine.model_runner import ForwardOutput
-from specengine.sequence import Sequence
 from specengine.tree import DraftTree
 
 
@@ -54,6 +54,9 @@ class Drafter(ABC):
     aux_layers: tuple[int, ...] = ()
     #: True when ``propose`` returns point masses (probs None)
     point_mass: bool = True
+    #: True when the drafter builds its state from the target's features at every prompt
+    #: position (EAGLE-3, MTP): a prefix-cache hit skips those positions (``core.prefix_cache``)
+    reads_prompt_features: bool = False
 
     @abstractmethod
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int],

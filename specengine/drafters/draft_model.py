@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specengine.core.model_runner import ForwardOutput, ModelRunner
+from specengine.core.sequence import SeqStatus, Sequence
 from specengine.core.transfer import to_device
 from specengine.drafters.base import Drafter, DraftProposal
 from specengine.drafters.drafting import (
@@ -35,8 +37,6 @@ from specengine.drafters.drafting import (
 from specengine.drafters.lm_slots import LMSlots, SlotState
 from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
-from specengine.model_runner import ForwardOutput, ModelRunner
-from specengine.sequence import SeqStatus, Sequence
 from specengine.tree import DraftTree
 
 if TYPE_CHECKING:

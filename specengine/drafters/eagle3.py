@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from specengine.core.model_runner import ForwardOutput
 from specengine.drafters.adapt_train import (
     DEFAULT_ADAPT_BATCH_TOKENS,
     DEFAULT_ADAPT_LR,
@@ -45,12 +46,12 @@ from specengine.drafters.adapt_train import (
     OnlineAdaptation,
     check_adapt_options,
 )
+from specengine.drafters.base import Drafter
 from specengine.drafters.feature_drafter import FeatureDrafter
 from specengine.model.attention import AttentionBackend, AttentionMetadata
 from specengine.model.config import CheckpointError, ModelConfig
 from specengine.model.llama import MLP, Attention, RMSNorm
 from specengine.model.rope import RotaryEmbedding
-from specengine.model_runner import ForwardOutput
 
 if TYPE_CHECKING:
     from specengine.drafters.context import DraftContext
@@ -296,3 +297,13 @@ class Eagle3Drafter(OnlineAdaptation, FeatureDrafter):
                 raise CheckpointError("t2d disagrees with d2t (it must mark exactly the target "
                                       "ids that have a draft id)")
         return ids
+
+
+def eagle3_drafter(drafter: Drafter | None) -> Eagle3Drafter:
+    """The engine's EAGLE-3 drafter (alone or in a ``(HEAD_DIR, "suffix")`` pair)."""
+    neural = getattr(drafter, "neural", drafter)  # HybridDrafter keeps it as .neural
+    if not isinstance(neural, Eagle3Drafter):
+        what = "no drafter" if drafter is None else f"a {type(drafter).__name__}"
+        raise ValueError(f"adapt_draft trains an EAGLE-3 head, but this engine has {what} "
+                         "(create it with draft=HEAD_DIR or (HEAD_DIR, 'suffix'))")
+    return neural

@@ -23,13 +23,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from specengine.core.kv_cache import KVCache
+from specengine.core.model_runner import ForwardOutput, ModelRunner
+from specengine.core.sequence import SeqStatus, Sequence
 from specengine.core.transfer import to_device
 from specengine.drafters.base import Drafter, DraftProposal
 from specengine.drafters.drafting import draft_kv_cache, expand_tree, run_chain, tree_level_mask
-from specengine.kv_cache import KVCache
 from specengine.model.attention import make_attention_backend
-from specengine.model_runner import ForwardOutput, ModelRunner
-from specengine.sequence import SeqStatus, Sequence
 from specengine.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -53,6 +53,8 @@ class FeatureDrafter(Drafter):
     """Shared state / observe / propose / tree logic. ``module(input_ids, hidden, positions,
     kv_cache, meta, backend)`` returns ``(g [T, H], [])``; ``module.compute_logits(g)`` returns
     float32 logits over the target vocabulary (``-inf`` where the drafter cannot propose)."""
+
+    reads_prompt_features = True
 
     module: nn.Module
 

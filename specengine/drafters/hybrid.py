@@ -28,13 +28,13 @@ import torch
 from torch import nn
 
 from specengine.core.graphs import GraphRunner
+from specengine.core.model_runner import ForwardOutput
+from specengine.core.sequence import Sequence
 from specengine.core.transfer import to_device
 from specengine.core.verify import VerifyOutput, VerifyShape
 from specengine.drafters.base import Drafter, DraftProposal
 from specengine.drafters.suffix import SuffixDrafter
 from specengine.drafters.suffix_index import Chain
-from specengine.model_runner import ForwardOutput
-from specengine.sequence import Sequence
 from specengine.tree import DraftTree
 
 #: per-step decay of the running counts (an effective memory of ~500 steps)
@@ -64,6 +64,7 @@ class HybridDrafter(Drafter):
         self.neural, self.suffix = neural, suffix
         self.aux_layers = neural.aux_layers
         self.point_mass = neural.point_mass
+        self.reads_prompt_features = neural.reads_prompt_features
         # running counts: neural proposed / accepted per position; suffix drafts verified /
         # accepted per bin of their estimate
         self.proposed = np.zeros(0)

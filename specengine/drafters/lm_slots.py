@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specengine import _C
-from specengine.kv_cache import KVCache
+import specengine._C as _C
+from specengine.core.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from specengine.core.seq_arena import SeqArena

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specengine.core.model_runner import ForwardOutput
+from specengine.core.sequence import SeqStatus, Sequence
 from specengine.core.transfer import to_device
 from specengine.drafters.base import Drafter, DraftProposal
 from specengine.drafters.suffix_index import (
@@ -27,8 +29,6 @@ from specengine.drafters.suffix_index import (
     advance,
     deepest_with_continuation,
 )
-from specengine.model_runner import ForwardOutput
-from specengine.sequence import SeqStatus, Sequence
 from specengine.tree import DraftTree
 
 

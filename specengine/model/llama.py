@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specengine.distributed.tp_layers import embedding, lm_head, row_linear, shard_specs
 from specengine.kernels import reference
 from specengine.model.attention import AttentionBackend, AttentionMetadata
 from specengine.model.config import ModelConfig
 from specengine.model.rope import RotaryEmbedding
+from specengine.model.tp_layers import embedding, lm_head, row_linear, shard_specs
 
 if TYPE_CHECKING:
     from specengine.distributed.tp_group import TPGroup
@@ -123,7 +123,7 @@ def _load_hf_names(module: nn.Module, state_dict: dict[str, Any], prefix: str,
 class Attention(nn.Module):
     """Self-attention over the paged cache. ``in_features`` is the width q/k/v read (default
     ``hidden_size``; an EAGLE-3 layer reads ``2 * hidden_size``). With ``tp`` this rank's
-    heads only (``specengine.distributed.tp_layers``): QKV column-, ``o_proj`` row-parallel."""
+    heads only (``specengine.model.tp_layers``): QKV column-, ``o_proj`` row-parallel."""
 
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding,
                  in_features: int | None = None, tp: TPGroup | None = None) -> None:
@@ -253,7 +253,7 @@ class CausalLM(nn.Module):
         #: HF name -> this rank's slice of that tensor, for the tensors that are split
         self.tp_shards: dict[str, Any] = {}
         if tp is not None:
-            from specengine.model.loader import hf_named_tensors
+            from specengine.model.weight_names import hf_named_tensors
 
             names = list(hf_named_tensors(self, remove_duplicate=False))
             self.tp_shards = shard_specs(names, cfg, tp.rank, tp.world_size)

@@ -18,6 +18,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -124,14 +125,14 @@ def serve(engine: AsyncSpecEngine, **options: Any) -> None:
 def serve_main(args: Any) -> int:
     """``specengine serve`` with parsed ``args`` (``specengine.cli``); returns the exit
     status once the server has shut down."""
-    from specengine.cli import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
     from specengine.engine import SpecEngine
 
     logging.getLogger("specengine").setLevel(args.log_level.upper())
     model, draft = args.model, args.draft
     if model is None:  # the bundled pair, as `specengine generate`
-        model = DEFAULT_TARGET
-        if draft is None and (DEFAULT_DRAFT / "config.json").is_file():
+        model = Path(DEFAULT_TARGET)
+        if draft is None and (Path(DEFAULT_DRAFT) / "config.json").is_file():
             draft = str(DEFAULT_DRAFT)
     if not model.is_dir():
         raise ValueError(f"--model {model}: no such directory")

@@ -138,14 +138,12 @@ def load_in_process(engine: SpecEngine, named_tensors: Iterable[tuple[str, torch
     check_allowed(engine, version)
     tp = getattr(engine, "tp", None)
     if which == "policy" and tp is not None:  # every rank checks, then copies its slice
-        from specengine.distributed.tp_weights import load_policy
-
         def mark_torn_tp(names: list[str]) -> None:  # commit clears them once all are in
             engine._torn_weights.update((which, n) for n in names)
 
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
-        names = load_policy(tp, engine.model, named_tensors, mark_torn_tp, check_finite)
+        names = tp.load_policy(engine.model, named_tensors, mark_torn_tp, check_finite)
         return commit(engine, which, names, version)
     items = read_update(named_tensors, check_finite)
     if which == "policy":

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specengine.core.kv_cache import KVCache, PrefillPlan
+from specengine.core.prefix_cache import SeqGroup
 from specengine.core.seq_arena import SeqArena
-from specengine.kv_cache import KVCache, PrefillPlan
-from specengine.prefix_cache import SeqGroup
-from specengine.sequence import SeqStatus, Sequence
+from specengine.core.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The paged KV cache: one tensor for all layers plus the C++ block allocator that hands out
 its blocks to sequences, which may share them (reference counts): a GRPO group's prompt
-blocks, and full blocks found in the prefix cache (``specengine.prefix_cache``)."""
+blocks, and full blocks found in the prefix cache (``specengine.core.prefix_cache``)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from specengine.config import MAX_K, EngineConfig
+from specengine.core.prefix_cache import PrefixCache, block_hashes
+from specengine.core.sequence import Sequence
 from specengine.model.config import ModelConfig
-from specengine.prefix_cache import PrefixCache, block_hashes
-from specengine.sequence import Sequence
 
 if TYPE_CHECKING:
     from specengine.core.seq_arena import SeqArena
@@ -67,7 +67,7 @@ class KVCache:
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
                  prefix_caching: bool = False) -> None:
-        from specengine import _C
+        import specengine._C as _C
 
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
@@ -113,7 +113,7 @@ class KVCache:
         allocation written straight into the arena's rows (one C++ pass, ``_C.grow_tables``),
         all or nothing: False, with nothing allocated, when the free blocks (cached ones
         nobody holds included) do not cover them all."""
-        from specengine import _C
+        import specengine._C as _C
 
         while True:
             status, value = _C.grow_tables(self.allocator, slots, len(slots), arena.lens,

@@ -8,12 +8,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specengine import _C
+import specengine._C as _C
+from specengine.core.kv_cache import KVCache
+from specengine.core.sequence import Sequence
 from specengine.core.transfer import to_device
-from specengine.kv_cache import KVCache
 from specengine.model.attention import AttentionBackend, AttentionMetadata
 from specengine.model.llama import CausalLM
-from specengine.sequence import Sequence
 
 
 @dataclass(frozen=True)

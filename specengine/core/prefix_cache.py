@@ -206,10 +206,7 @@ def drafter_allows_prefix_cache(drafter: object) -> bool:
     """Prefix-cache hits skip the target's pass over the cached tokens; a drafter that builds
     its own state from the target's features at every prompt position (EAGLE-3, MTP) would
     then miss those positions, so with one the cache is off (groups still share)."""
-    from specengine.drafters.feature_drafter import FeatureDrafter
-
-    inner = [drafter, getattr(drafter, "neural", None)]
-    return not any(isinstance(d, FeatureDrafter) for d in inner)
+    return not getattr(drafter, "reads_prompt_features", False)
 
 
 __all__ = ["PrefixCache", "SeqGroup", "block_hashes", "drafter_allows_prefix_cache",
