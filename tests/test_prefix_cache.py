@@ -92,7 +92,7 @@ def test_random_events_with_shared_blocks_leak_nothing() -> None:
                 cache.free(seq)
             live.remove(seq)
         elif ev < 0.84 and sched.running:  # preempt (e.g. kv_on_update="recompute")
-            sched._preempt(rng.choice(sched.running))
+            sched.preempt(rng.choice(sched.running))
             preempted += 1
         elif ev < 0.93:  # a weight update
             cache.invalidate_prefix_cache()

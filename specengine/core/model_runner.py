@@ -52,7 +52,7 @@ class ModelRunner:
         self.aux_layers = aux_layers
         self.last_prefill = PrefillCounts()
 
-    def _metadata(self, seqs: tuple[Sequence, ...] | list[Sequence], context_lens: list[int],
+    def metadata(self, seqs: tuple[Sequence, ...] | list[Sequence], context_lens: list[int],
                   q_lens: list[int], slot_positions: list[np.ndarray],
                   tree_mask: Tensor | None) -> AttentionMetadata:
         block_tables = _C.build_block_tables(
@@ -90,7 +90,7 @@ class ModelRunner:
         fed_seqs = [seqs[b] for b in fed]
         q_lens = [len(seqs[b]) - starts[b] for b in fed]
         positions = [np.arange(starts[b], len(seqs[b]), dtype=np.int64) for b in fed]
-        meta = self._metadata(fed_seqs, [starts[b] for b in fed], q_lens, positions, None)
+        meta = self.metadata(fed_seqs, [starts[b] for b in fed], q_lens, positions, None)
         ids = [t for b in fed for t in seqs[b].token_slice(starts[b])]
         hidden, aux = self._run(ids, np.concatenate(positions), meta)
         begin = dict(zip(fed, np.concatenate([[0], np.cumsum(q_lens)[:-1]]).tolist()))

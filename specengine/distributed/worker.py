@@ -40,7 +40,7 @@ class RolloutWorker:
                  tree: Sequence[Sequence[int]] | DraftTree | None) -> RequestBatch:
         """The engine's own checks of a whole ``generate`` call (token ids, sampling per
         prompt, the tree, KV fit), with the caller's prompt indices in any error."""
-        return self.engine._validate(batch, k, sampling, tree)
+        return self.engine.validate(batch, k, sampling, tree)
 
     def generate(self, prompts: Sequence[Sequence[int]], k: int,
                  params: Sequence[SamplingParams], tree: DraftTree | None

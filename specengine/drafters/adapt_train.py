@@ -70,7 +70,7 @@ class DraftAdapter:
                  batch_tokens: int = 8192, seed: int = 0) -> None:
         self.drafter = drafter
         self.buffer = FeatureBuffer(capacity, drafter.device)
-        self.math = HeadMath(drafter.module, drafter._embed)
+        self.math = HeadMath(drafter.module, drafter.embed)
         self.depth, self.batch_tokens = depth, batch_tokens
         self.optimizer: HeadOptimizer | None = None  # built at the first adapt
         self._rng = np.random.default_rng(seed)

@@ -208,7 +208,7 @@ class DraftModelDrafter(Drafter):
         final hidden states ``[T, H]``."""
         q_lens = [len(p) for p in positions]
         slots = [c + np.arange(n, dtype=np.int64) for c, n in zip(ctx, q_lens)]
-        meta = self.runner._metadata(states, ctx, q_lens, slots, tree_mask)  # type: ignore
+        meta = self.runner.metadata(states, ctx, q_lens, slots, tree_mask)  # type: ignore
         pos = to_device(np.concatenate(positions), self.device)
         hidden, _ = self.module(ids, pos, self.kv_cache.kv, meta, self.runner.backend)
         return hidden

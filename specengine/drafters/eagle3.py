@@ -219,12 +219,12 @@ class Eagle3Drafter(OnlineAdaptation, FeatureDrafter):
         inputs = aux_layer_inputs(raw, target.num_layers)
         self.aux_layers = tuple(sorted(set(inputs)))
         self._aux_index = [self.aux_layers.index(i) for i in inputs]
-        self._embed = ctx.model.model.embed_tokens
+        self.embed = ctx.model.model.embed_tokens
         prev = torch.get_default_dtype()
         torch.set_default_dtype(ecfg.torch_dtype)
         try:
             with torch.device(ctx.device):
-                module = Eagle3Head(hcfg, self.draft_vocab_size, self._embed,
+                module = Eagle3Head(hcfg, self.draft_vocab_size, self.embed,
                                     norm_before_residual)
         finally:
             torch.set_default_dtype(prev)
@@ -266,10 +266,10 @@ class Eagle3Drafter(OnlineAdaptation, FeatureDrafter):
     def _staged_vocab_map(self, tensors: dict[str, Tensor], required: bool) -> Tensor | None:
         """Pop and check ``d2t`` / ``t2d`` / ``embed_tokens.weight`` from ``tensors``; returns
         the target id of every draft id (None when no ``d2t`` was given)."""
-        vocab, dv = self._embed.num_embeddings, self.draft_vocab_size
+        vocab, dv = self.embed.num_embeddings, self.draft_vocab_size
         embed = tensors.pop(EMBED_KEY, None)
         if embed is not None:
-            own = self._embed.weight.detach().float().cpu()
+            own = self.embed.weight.detach().float().cpu()
             if tuple(embed.shape) != tuple(own.shape) or not torch.allclose(
                     embed.float(), own, rtol=1e-2, atol=1e-3):
                 raise CheckpointError(

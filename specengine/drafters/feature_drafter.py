@@ -131,7 +131,7 @@ class FeatureDrafter(Drafter):
         ``hidden``; returns the output hidden states ``g [T, H]``."""
         q_lens = [len(p) for p in positions]
         slots = [c + np.arange(n, dtype=np.int64) for c, n in zip(ctx, q_lens)]
-        meta = self.runner._metadata(states, ctx, q_lens, slots, tree_mask)  # type: ignore
+        meta = self.runner.metadata(states, ctx, q_lens, slots, tree_mask)  # type: ignore
         pos = to_device(np.concatenate(positions), self.device)
         out, _ = self.module(ids, hidden, pos, self.kv_cache.kv, meta, self.runner.backend)
         return out
