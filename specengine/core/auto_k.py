@@ -48,7 +48,7 @@ from specengine.core.run_stats import StepTimes
 
 logger = logging.getLogger(__name__)
 
-#: the k a step runs with when the drafter only catches up (no drafts; speculate.py)
+#: the k a step runs with when the drafter only catches up (no drafts; core/step.py)
 SYNC = -1
 #: ``generate(k="auto")``
 AUTO = "auto"

@@ -192,7 +192,7 @@ class BatchState:
         return np.fromiter((len(s) for s in self.seqs), dtype=np.int64, count=len(self.seqs))
 
     def chain_drafts(self, k: int, lens: np.ndarray, max_model_len: int) -> np.ndarray:
-        """``speculate.num_drafts_for`` of every row at once: ``k``, cut so a step emits
+        """``core.step.num_drafts_for`` of every row at once: ``k``, cut so a step emits
         nothing past ``max_tokens`` (it emits drafts + 1) nor feeds past ``max_model_len``."""
         n = len(lens)
         remaining = self.host_limits[MAX_TOKENS, :n] - (lens - self.host_limits[PROMPT_LEN, :n])
@@ -211,7 +211,7 @@ class BatchState:
     def stage_step(self, k: int, tree_drafts: int, max_model_len: int
                    ) -> tuple[np.ndarray, int]:
         """:meth:`stage` with the step's draft plan made here: a chain of ``k`` drafts cut per
-        row as ``speculate.num_drafts_for``, or (``tree_drafts >= 0``) a tree's for every
+        row as ``core.step.num_drafts_for``, or (``tree_drafts >= 0``) a tree's for every
         row, none for all when a row would feed past ``max_model_len``. Returns the counts
         and the largest."""
         max_drafts = self._stage(None, k, tree_drafts, max_model_len, None)
