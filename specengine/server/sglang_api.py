@@ -46,6 +46,7 @@ from specengine.sampling import SamplingParams
 from specengine.server.errors import describe_validation, status_for
 from specengine.server.schemas import GenerateRequest, UpdateWeightsFromDistributedRequest
 from specengine.server.sglang_schemas import (
+    UNION_TAGS,
     AbortRequestSGLang,
     GroupNameRequest,
     InitWeightsUpdateGroupRequest,
@@ -247,7 +248,9 @@ def _parse(model: type[M], body: Any, status: int = 400) -> M:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        exc = RequestValidationError(e.errors())
+        errors = [dict(err, loc=tuple(p for p in err["loc"] if p not in UNION_TAGS))
+                  for err in e.errors()]
+        exc = RequestValidationError(errors)
         if status == 422:
             raise exc from None
         raise HTTPException(400, describe_validation(exc)[1]) from None

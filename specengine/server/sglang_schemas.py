@@ -11,9 +11,9 @@ penalties), so they need no change here when they land.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from specengine.sampling import MAX_INT32, MAX_INT64, SamplingParams
 from specengine.server.schemas import MAX_REQUEST_ID_CHARS
@@ -28,6 +28,22 @@ _OPTIONAL_FIELDS = {"stop": ("stop", None), "min_p": ("min_p", 0.0),
                     "frequency_penalty": ("frequency_penalty", 0.0),
                     "presence_penalty": ("presence_penalty", 0.0),
                     "repetition_penalty": ("repetition_penalty", 1.0)}
+
+
+def _one_or_list(one: Any, many: Any, is_many: Any = None) -> Any:
+    """A field that is one value or a list of them (one per prompt of a batch), told apart
+    before validation, so an error names the field once rather than per union branch. The
+    branch tags ``one`` / ``many`` are dropped from error locations (``sglang_api``)."""
+    def pick(v: object) -> str:
+        if is_many is not None:
+            return "many" if is_many(v) else "one"
+        return "many" if isinstance(v, list) else "one"
+    return Annotated[Annotated[one, Tag("one")] | Annotated[many, Tag("many")],
+                     Discriminator(pick)]
+
+
+#: branch tags of :func:`_one_or_list`, not part of a field's path
+UNION_TAGS = ("one", "many")
 
 
 def _engine_has(name: str) -> bool:
@@ -94,14 +110,16 @@ class SGLangGenerateRequest(BaseModel):
 
     model_config = _STRICT
 
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = None
-    return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1  # -1 only: logprobs of the output tokens
-    top_logprobs_num: int | list[int] = 0  # 0 only (alternatives are not returned yet)
+    text: _one_or_list(str, list[str]) | None = None
+    input_ids: _one_or_list(list[int], list[list[int]], lambda v: isinstance(
+        v, list) and bool(v) and isinstance(v[0], list)) | None = None
+    sampling_params: _one_or_list(SGLangSamplingParams, list[SGLangSamplingParams]
+                                  ) | None = None
+    return_logprob: _one_or_list(bool, list[bool]) = False
+    logprob_start_len: _one_or_list(int, list[int]) = -1  # -1 only: output tokens' logprobs
+    top_logprobs_num: _one_or_list(int, list[int]) = 0  # 0 only (no alternatives yet)
     stream: bool = False
-    rid: str | list[str] | None = None
+    rid: _one_or_list(str, list[str]) | None = None
     k: int | Literal["auto"] | None = None
     k_max: int | None = None
 
