@@ -38,7 +38,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from specengine.engine import SpecEngine
 from specengine.outputs import GenerationOutput, RequestOutput
@@ -120,6 +120,9 @@ async def _merged(state: Any, jobs: list[Job]
                 async for out in stream:
                     queue.put_nowait((i, out))
             queue.put_nowait((i, None))
+        except ValueError as exc:  # the engine's refusal of this prompt: say which one
+            queue.put_nowait((i, ValueError(f"batch item {i}: {exc}") if len(jobs) > 1
+                              else exc))
         except Exception as exc:  # noqa: BLE001 - handed to the reader
             queue.put_nowait((i, exc))
 
@@ -276,6 +279,37 @@ def _success(message: str, **extra: object) -> Response:
     return json_response({"success": True, "message": message, **extra})
 
 
+#: the JSON bodies of the routes that read theirs themselves, for the OpenAPI schema
+_BODIES: dict[str, Any] = {
+    "/generate": GenerateRequest | SGLangGenerateRequest,
+    "/update_weights_from_distributed": (UpdateWeightsFromDistributedRequest
+                                         | UpdateWeightsFromDistributedSGLang),
+    "/init_weights_update_group": InitWeightsUpdateGroupRequest,
+    "/destroy_weights_update_group": GroupNameRequest,
+    "/update_weights_from_disk": UpdateWeightsFromDiskRequest,
+    "/abort_request": AbortRequestSGLang,
+}
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """Put the bodies of this module's routes (each parsed by its handler, to tell the
+    dialects apart) into the app's OpenAPI schema, as FastAPI does for a declared body."""
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = original()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, body in _BODIES.items():
+            js = TypeAdapter(body).json_schema(ref_template="#/components/schemas/{model}")
+            components.update(js.pop("$defs", {}))
+            schema["paths"][path]["post"]["requestBody"] = {
+                "required": True, "content": {"application/json": {"schema": js}}}
+        return schema
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def mount(app: FastAPI) -> None:
     """Add this module's routes to ``app`` (made by ``build_app``; its state is
     ``app.state.server``)."""
@@ -285,6 +319,7 @@ def mount(app: FastAPI) -> None:
     native_update = _native_endpoint(app, "/update_weights_from_distributed")
     groups: dict[str, NamedGroup] = {}
     app.state.sglang_groups = groups
+    _document_bodies(app)
 
     async def on_engine(fn: Callable[[SpecEngine], T]) -> T:
         return await aeng.run_in_engine(fn)
@@ -556,7 +591,8 @@ def mount(app: FastAPI) -> None:
                         num_paused_requests=0, weight_version=new)
 
     # ---- the rest ----------------------------------------------------------------------
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.get("/flush_cache", operation_id="flush_cache_get")
+    @app.post("/flush_cache", operation_id="flush_cache_post")
     async def flush_cache() -> Response:
         await on_engine(lambda e: e.kv_cache.invalidate_prefix_cache())
         return _success("prefix cache flushed")
