@@ -25,6 +25,7 @@ from server_helpers import (
 
 from specengine import AsyncSpecEngine, SamplingParams, SpecEngine
 from specengine.outputs import GenerationOutput
+from specengine.server.serve import RolloutServer
 from specengine.server.sglang_schemas import DEFAULT_MAX_NEW_TOKENS
 
 PROMPT_IDS = [5, 6, 7, 8]
@@ -44,9 +45,14 @@ def aeng() -> Iterator[AsyncSpecEngine]:
 
 
 @pytest.fixture(scope="module")
-def served(aeng: AsyncSpecEngine) -> Iterator[int]:
-    with running_server(aeng, default_k=3) as (server, _):
-        yield server.port
+def server(aeng: AsyncSpecEngine) -> Iterator[RolloutServer]:
+    with running_server(aeng, default_k=3) as (srv, _):
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def served(server: RolloutServer) -> int:
+    return server.port
 
 
 def expect(out: dict[str, Any], want: GenerationOutput, rid: str | None = None,
@@ -285,3 +291,29 @@ def _get(port: int, path: str) -> str:
         return resp.read().decode()
     finally:
         conn.close()
+
+
+def test_abort_request_ends_every_sample_of_a_group(server, aeng) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=WAIT_S)
+    try:
+        conn.request("POST", "/generate", json.dumps({
+            "input_ids": PROMPT_IDS, "rid": "long", "stream": True, "sampling_params": {
+                "max_new_tokens": 200, "ignore_eos": True, "n": 2, "temperature": 1.0,
+                "sampling_seed": 1}}).encode(), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: {")  # both samples are in the engine
+        status, answer = post_json(server.port, "/abort_request", {"rid": "long"})
+        assert status == 200 and answer["aborted"] == ["long-0", "long-1"], answer
+        events = [line.removeprefix("data: ") for line in resp.read().decode().split("\n\n")
+                  if line.startswith("data: ")]
+    finally:
+        conn.close()
+    assert events[-1] == "[DONE]"
+    finals = [json.loads(e) for e in events[:-1]]
+    finals = {c["index"]: c for c in finals if c["meta_info"]["finish_reason"]}
+    assert sorted(finals) == [0, 1]
+    for c in finals.values():
+        assert c["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(c["output_ids"]) < 200
+    in_engine(aeng, assert_idle_and_free)

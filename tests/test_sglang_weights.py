@@ -128,6 +128,14 @@ def test_sglang_learner_updates_a_running_server_all_or_nothing() -> None:
         assert status == 200 and answer["weight_version"] == 5, answer
         assert get(port, "/get_model_info")["weight_version"] == 5
 
+        # Sizes it cannot know (a dtype torch lacks): refused, the group marked out of step.
+        status, answer = post(port, "/update_weights_from_distributed",
+                              {**announce(part), "dtypes": ["float33"] * len(part)})
+        assert status == 400 and "'float33' is not a torch dtype" in answer["message"]
+        status, answer = post(port, "/update_weights_from_distributed", announce(part))
+        assert status == 400 and "out of step" in answer["message"], answer
+        assert get(port, "/get_model_info")["weight_version"] == 5
+
         status, answer = post(port, "/destroy_weights_update_group", {"group_name": GROUP})
         assert status == 200 and answer["success"], answer
         dist.destroy_process_group(pg)
