@@ -317,3 +317,22 @@ def test_abort_request_ends_every_sample_of_a_group(server, aeng) -> None:
         assert c["meta_info"]["finish_reason"]["type"] == "abort"
         assert len(c["output_ids"]) < 200
     in_engine(aeng, assert_idle_and_free)
+
+
+def test_our_body_streams_a_group(served, reference) -> None:
+    prompt = [5, 9, 6, 7, 8, 5, 9]
+    events = sse(served, {"prompt_token_ids": prompt, "request_id": "gs", "stream": True,
+                          "sampling_params": {"max_tokens": 8, "temperature": 1.5, "n": 2,
+                                              "seed": 5}})
+    assert events[-1] == "[DONE]"
+    want = reference.generate([prompt], k=3, sampling=SamplingParams(
+        temperature=1.5, max_tokens=8, n=2, seed=5))
+    tokens: dict[str, list[int]] = {"gs-0": [], "gs-1": []}
+    finals = {}
+    for e in events[:-1]:
+        tokens[e["request_id"]].extend(e["new_token_ids"])
+        if e["finished"]:
+            finals[e["request_id"]] = e["output"]
+    for i, w in enumerate(want):
+        assert tokens[f"gs-{i}"] == finals[f"gs-{i}"]["token_ids"] == list(w.token_ids)
+        assert finals[f"gs-{i}"]["sample_index"] == i
