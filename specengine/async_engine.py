@@ -26,13 +26,14 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from specengine.async_loop import EngineClosedError, EngineLoop, EngineOverloadedError
+from specengine.async_loop import Channel, EngineClosedError, EngineLoop, EngineOverloadedError
 from specengine.core.auto_k import DEFAULT_K_MAX
 from specengine.core.requests import prompt_ids
 from specengine.engine import SpecEngine
@@ -144,6 +145,60 @@ class AsyncSpecEngine:
                     return
         finally:
             if not done:  # cancelled or closed early: free its KV blocks now
+                self._loop.send("cancel", ch)
+
+    async def generate_group_stream(self, prompt: list[int] | str, params: SamplingParams, *,
+                                    k: int | str | None = None, request_id: str | None = None,
+                                    k_max: int = DEFAULT_K_MAX) -> AsyncIterator[RequestOutput]:
+        """The ``params.n`` (> 1) samples of one prompt as one group sharing its prefill, as
+        ``SpecEngine.add_request`` makes them: yields every sample's :class:`RequestOutput`
+        of each step (request id ``f"{request_id}-{i}"``, default a fresh base id; the final
+        output's ``sample_index`` is i) until all n have finished. With a seed, sample i
+        draws from ``sample_seed(seed, i)``, so the group equals ``SpecEngine.generate``'s.
+        Leaving early aborts the unfinished samples; errors as :meth:`generate_stream`."""
+        if not isinstance(params, SamplingParams) or params.n < 2:
+            raise ValueError("generate_group_stream takes SamplingParams with n > 1 (use "
+                             "generate_stream for one sequence)")
+        loop = asyncio.get_running_loop()
+        base = request_id if request_id is not None else f"group-{uuid.uuid4().hex[:16]}"
+        if not isinstance(base, str) or not base:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        chans: list[Channel] = []
+        try:
+            for i in range(params.n):
+                ch = self._loop.register(f"{base}-{i}", loop)
+                ch.queue = queue  # one queue: the caller reads the samples in step order
+                chans.append(ch)
+        except BaseException:
+            for ch in chans:
+                self._loop.release(ch)
+            raise
+        pending = {ch.request_id: ch for ch in chans}
+        try:
+            try:
+                if isinstance(prompt, str):
+                    prompt = await loop.run_in_executor(self._text_pool, self._admit, prompt)
+                else:
+                    prompt = self._admit(prompt)
+            except ValueError:
+                for ch in chans:
+                    self._loop.release(ch)
+                pending.clear()
+                raise
+            self._loop.send("add_group", (chans, base, prompt, params, k, k_max))
+            while pending:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    pending.clear()  # the loop forgot the samples that failed
+                    raise item
+                if item.finished:
+                    pending.pop(item.request_id, None)
+                if item.output is not None:
+                    item = await self._with_text(item)
+                yield item
+        finally:
+            for ch in pending.values():  # cancelled or closed early: free their KV blocks
                 self._loop.send("cancel", ch)
 
     def _admit(self, prompt: object) -> object:

@@ -103,7 +103,9 @@ class EngineLoop:
                 del self._live[ch.request_id]
 
     def send(self, kind: str, payload: object) -> None:
-        """Queue ``add`` (channel, prompt, params, k, tree, k_max) or ``cancel`` (channel)."""
+        """Queue ``add`` (channel, prompt, params, k, tree, k_max), ``add_group`` (the n
+        samples' channels, the base request id, prompt, params with n > 1, k, k_max) or
+        ``cancel`` (channel)."""
         with self._cond:
             self._commands.append((kind, payload))
             self._cond.notify()
@@ -177,6 +179,24 @@ class EngineLoop:
                 with self._cond:
                     del self._live[ch.request_id]
                 self._deliver([(ch, exc)])
+        elif kind == "add_group":  # the n samples of one prompt: one group, one prefill
+            chans, base, prompt, params, k, k_max = payload
+            with self._cond:
+                current = all(self._live.get(c.request_id) is c for c in chans)
+            if not current:  # a sample was cancelled (the caller left) before it was added
+                for c in chans:
+                    self.send("cancel", c)
+                return
+            try:
+                if closed:
+                    raise EngineClosedError("the async engine was closed")
+                ids = eng.add_request(prompt, params, k=k, request_id=base, k_max=k_max)
+                assert ids == [c.request_id for c in chans], (ids, chans)
+            except Exception as exc:  # bad input: this caller only (one queue for all n)
+                with self._cond:
+                    for c in chans:
+                        self._live.pop(c.request_id, None)
+                self._deliver([(chans[0], exc)])
         elif kind == "cancel":
             ch = payload
             with self._cond:

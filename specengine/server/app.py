@@ -42,6 +42,7 @@ from specengine.server.schemas import (
     LoadWeightsRequest,
     UpdateWeightsFromDistributedRequest,
 )
+from specengine.server.sglang_api import mount as mount_sglang
 from specengine.weights.staged import StagedUpdate
 
 logger = logging.getLogger(__name__)
@@ -330,6 +331,9 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
         return Response(state.metrics.render(snap, engine.num_unfinished),
                         media_type=CONTENT_TYPE)
 
+    # SGLang's native API and n > 1 (GRPO groups); it takes over /generate and
+    # /update_weights_from_distributed, serving our bodies through the routes above.
+    mount_sglang(app)
     return app
 
 

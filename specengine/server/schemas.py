@@ -40,7 +40,7 @@ class SamplingParamsBody(BaseModel):
     ignore_eos: bool | None = None
     seed: int | None = None
     max_policy_lag: int | None = None
-    n: int | None = None  # only 1: /generate answers one completion (send n requests)
+    n: int | None = None  # > 1: one group sharing its prefill (server.sglang_api)
 
     def to_params(self) -> SamplingParams:
         """The engine's ``SamplingParams`` (raises its ``ValueError`` on a bad value)."""
