@@ -220,10 +220,6 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
         if state.draining:
             raise HTTPException(503, "the server is shutting down: no new requests")
         params = body.sampling_params.to_params() if body.sampling_params else None
-        if params is not None and params.n != 1:
-            raise ValueError(f"sampling_params.n must be 1 here, got {params.n}: /generate "
-                             "answers one completion; send n requests (each its own seed) or "
-                             "use SpecEngine.generate for a GRPO group")
         k = state.default_k if body.k is None else body.k
         k_max = state.default_k_max if body.k_max is None else body.k_max
         rid = body.request_id or f"http-{uuid.uuid4().hex}"
