@@ -336,3 +336,23 @@ def test_our_body_streams_a_group(served, reference) -> None:
     for i, w in enumerate(want):
         assert tokens[f"gs-{i}"] == finals[f"gs-{i}"]["token_ids"] == list(w.token_ids)
         assert finals[f"gs-{i}"]["sample_index"] == i
+
+
+def test_python_client_reads_a_group(served, reference) -> None:
+    """``SpecEngineClient.generate_group`` returns the n outputs of one group (sample order);
+    ``generate`` refuses a group's answer instead of returning a wrong single output."""
+    from specengine.client import SpecEngineClient
+
+    client = SpecEngineClient(f"http://127.0.0.1:{served}")
+    prompt = [5, 9, 6, 7]
+    params = SamplingParams(temperature=1.5, max_tokens=10, n=3, seed=5)
+    want = reference.generate([prompt], k=3, sampling=params)
+    got = client.generate_group(prompt, params, k=3, request_id="cg")
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.sample_index for g in got] == [0, 1, 2]
+    with pytest.raises(ValueError, match="generate_group"):
+        client.generate(prompt, params, k=3)
+    single = client.generate_group(prompt, SamplingParams(temperature=0.0, max_tokens=10), k=3)
+    assert [g.token_ids for g in single] == [
+        reference.generate([prompt], k=3, sampling=SamplingParams(temperature=0.0,
+                                                                   max_tokens=10))[0].token_ids]
