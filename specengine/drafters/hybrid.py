@@ -33,6 +33,7 @@ from specengine.core.verify import VerifyOutput, VerifyShape
 from specengine.drafters.base import Drafter, DraftProposal
 from specengine.drafters.suffix import SuffixDrafter
 from specengine.drafters.suffix_index import Chain
+from specengine.kv_cache import KVCache
 from specengine.model_runner import ForwardOutput
 from specengine.sequence import Sequence
 from specengine.tree import DraftTree
@@ -219,6 +220,12 @@ class HybridDrafter(Drafter):
     def release(self, seq: Sequence) -> None:
         self.suffix.release(seq)
         self.neural.release(seq)
+
+    def bind_prefix_cache(self, kv_cache: KVCache) -> None:
+        self.neural.bind_prefix_cache(kv_cache)  # the suffix index is built from token ids
+
+    def clear_prefix_cache(self) -> None:
+        self.neural.clear_prefix_cache()
 
 
 __all__ = ["HybridDrafter"]
