@@ -159,11 +159,11 @@ def test_static_path_names_no_block_the_drafter_did_not_write(target: Path) -> N
     on = SpecEngine(target, DEFAULT_DRAFT, cuda_graphs=True, **KW)
     off = SpecEngine(target, DEFAULT_DRAFT, cuda_graphs=True, enable_prefix_caching=False, **KW)
     generate(on, GREEDY, k=0)
-    assert len(on.kv_cache.prefix) == 0
     got = generate(on, GREEDY)
-    assert on.stats.num_cached_prompt_tokens == 0
+    cached = on.stats.num_cached_prompt_tokens
     want = generate(off, GREEDY)
-    assert_same(got, want)
+    assert_same(got, want)  # (a hit on blocks without the head's entries: acceptance falls)
+    assert cached == 0
     again = generate(on, GREEDY)  # named now
     assert on.stats.num_cached_prompt_tokens == len(PROMPTS) * 31 * BS
     assert_same(again, want)
