@@ -288,3 +288,21 @@ def test_adapt_draft_clears_the_names(target: Path) -> None:
         assert len(eng.kv_cache.prefix) > 0
         eng.adapt_draft(steps=2)
         assert len(eng.kv_cache.prefix) == 0
+
+
+def test_named_draft_blocks_give_way_when_the_draft_cache_runs_short(target: Path) -> None:
+    """The small LM's named blocks nobody holds count as free: a draft cache full of them
+    evicts them (least recently released first) when its running rows grow."""
+    kw = {**KW, "kv_cache_tokens": 1536}  # 96 blocks: two 512-token prompts take 70
+    eng = SpecEngine(target, str(target), **kw)
+    other = [arith_prompt(3), arith_prompt(4)]
+    generate(eng, GREEDY)
+    drafter = eng.drafter
+    assert isinstance(drafter, DraftModelDrafter)
+    assert len(drafter.prefix.cache.evictable) == len(PROMPTS) * 32
+    got = generate(eng, GREEDY, prompts=other)  # needs blocks only eviction can give
+    assert drafter.prefix.cache.num_evicted > 0
+    assert all(o.num_accepted_tokens == o.num_draft_tokens for o in got)
+    want = generate(SpecEngine(target, str(target), enable_prefix_caching=False, **kw), GREEDY,
+                    prompts=other)
+    assert_same(got, want)
