@@ -216,6 +216,7 @@ class SpecEngine:
             self.graphs.capture = False
         if self.drafter is not None:
             self.drafter.bind_static(self.graphs)
+            self.drafter.bind_prefix_cache(self.kv_cache)  # a cached prefix serves it too
         self.weight_version = 0
         self._weight_receiver: WeightReceiver | None = None
         # (which, name) of tensors a failed in-place update may have half-written.

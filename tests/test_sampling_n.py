@@ -141,13 +141,12 @@ def test_one_sample_of_a_group_follows_the_policy(tmp_path: Path) -> None:
 
 def test_eagle3_group_drafts_from_the_siblings_features() -> None:
     """The bundled EAGLE-3 head reads the target's features of every prompt position: the
-    borrowing samples get the sibling's (the prefix cache is off with such a drafter), so each
-    sample's drafts, acceptances and tokens equal a lone request's."""
+    borrowing samples get the sibling's, so each sample's drafts, acceptances and tokens equal
+    a lone request's."""
     from specengine.arith_task import heldout_prompts
     from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
 
     eng = SpecEngine(DEFAULT_TARGET, draft=DEFAULT_DRAFT, device="cpu", max_model_len=256)
-    assert eng.kv_cache.prefix is None
     prompts = heldout_prompts(3)
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
     lone = eng.generate(prompts, k=3, sampling=greedy)

@@ -340,13 +340,15 @@ class EngineCore:
     def _prefill(self, seqs: tuple[Sequence, ...], observe: bool, version: int) -> None:
         """Prompt pass + first token; the drafter catches up only when some request will
         draft (a k=0 baseline on an engine with a drafter costs exactly a plain engine's)."""
-        logits, target_out = self.runner.prefill(seqs)  # [B, V]
+        logits, target_out = self.runner.prefill(seqs, observe)  # [B, V]
         empty = torch.zeros(len(seqs), 0, dtype=torch.int64, device=self.device)
         zeros = torch.zeros(len(seqs), dtype=torch.int32, device=self.device)
         out = self.sampler(logits[:, None, :], empty, zeros, None, None,
                            SamplingTensors.from_seqs(seqs, self.device))
         packed = to_host(out.pack())  # one host sync
-        rows = [list(range(len(seq))) for seq in seqs]
+        # The fed rows: a reused prefix is not fed, and the drafter's KV of it is reused too
+        # (drafters.draft_prefix); a borrower's rows are its sibling's.
+        rows = target_out.fed_rows
         none = np.zeros(len(seqs), dtype=np.int64)  # no drafts: one emitted token per row
         slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
         append_step(self.arena, seqs, packed, len(seqs), slots, none, none, None, version)

@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 def after_update(core: EngineCore, which: str, version: int) -> None:
     """Apply the engine's in-flight policy once an update of ``which`` committed ``version``."""
     core.kv_cache.invalidate_prefix_cache()  # no later prefill may reuse older weights' KV
+    if core.drafter is not None:  # nor the drafter's own cached KV (drafters.draft_prefix)
+        core.drafter.clear_prefix_cache()
     if not core.has_unfinished():
         return
     if which == "policy" and core.config.kv_on_update == "recompute":

@@ -80,10 +80,12 @@ class ModelRunner:
         pos = to_device(positions.astype(np.int64), self.device)
         return self.model(ids, pos, self.kv_cache.kv, meta, self.backend, self.aux_layers)
 
-    def prefill(self, seqs: tuple[Sequence, ...]) -> tuple[Tensor, ForwardOutput]:
+    def prefill(self, seqs: tuple[Sequence, ...], drafted: bool = True
+                ) -> tuple[Tensor, ForwardOutput]:
         """Run each sequence's tokens after its reused prefix (``seq.num_cached_tokens`` at
         admission, ``KVCache.pending``); returns last-token logits ``[B, V]`` (a sample that
-        borrows a sibling's pass gets the sibling's row)."""
+        borrows a sibling's pass gets the sibling's row). ``drafted``: the drafter will catch
+        up on this pass (``KVCache.finish_prefill``)."""
         plans = [self.kv_cache.pending.get(s.seq_id) for s in seqs]
         starts = [s.num_cached_tokens if p is not None else 0 for s, p in zip(seqs, plans)]
         fed = [b for b, p in enumerate(plans) if p is None or p.leader is None]
@@ -104,6 +106,6 @@ class ModelRunner:
             sum(len(s) for s in seqs),
             sum(len(s) for s in seqs) - sum(q_lens),
             sum(len(p.shared) for p in plans if p is not None))
-        self.kv_cache.finish_prefill(seqs)
+        self.kv_cache.finish_prefill(seqs, drafted)
         return logits, ForwardOutput(hidden, aux, [begin[a] for a in src] + [int(hidden.shape[0])],
                                      [rows_of[a] for a in src])

@@ -195,7 +195,9 @@ class OnlineAdaptation:
         if self.adapter is None:
             raise ValueError("adapt_draft: this engine keeps no rollout buffer; create it with "
                              "draft_options={'adapt_buffer_tokens': N} (or 'adapt_every': N)")
-        return self.adapter.adapt(steps, lr)
+        result = self.adapter.adapt(steps, lr)
+        self.draft_weights_changed()  # type: ignore[attr-defined]  # no cached draft KV
+        return result
 
     def release(self, seq: Sequence) -> None:
         from specengine.core.sequence import SeqStatus

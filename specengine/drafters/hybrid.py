@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from specengine.core.graphs import GraphRunner
+from specengine.core.kv_cache import KVCache
 from specengine.core.model_runner import ForwardOutput
 from specengine.core.sequence import Sequence
 from specengine.core.transfer import to_device
@@ -64,7 +65,6 @@ class HybridDrafter(Drafter):
         self.neural, self.suffix = neural, suffix
         self.aux_layers = neural.aux_layers
         self.point_mass = neural.point_mass
-        self.reads_prompt_features = neural.reads_prompt_features
         # running counts: neural proposed / accepted per position; suffix drafts verified /
         # accepted per bin of their estimate
         self.proposed = np.zeros(0)
@@ -220,6 +220,12 @@ class HybridDrafter(Drafter):
     def release(self, seq: Sequence) -> None:
         self.suffix.release(seq)
         self.neural.release(seq)
+
+    def bind_prefix_cache(self, kv_cache: KVCache) -> None:
+        self.neural.bind_prefix_cache(kv_cache)  # the suffix index is built from token ids
+
+    def clear_prefix_cache(self) -> None:
+        self.neural.clear_prefix_cache()
 
 
 __all__ = ["HybridDrafter"]
