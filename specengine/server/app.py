@@ -35,6 +35,7 @@ from specengine.outputs import GenerationOutput, RequestOutput
 from specengine.server.errors import BearerAuth, install_error_handlers, status_for
 from specengine.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, check_max_body_bytes
 from specengine.server.metrics import CONTENT_TYPE, ServerMetrics, read_engine
+from specengine.server.openai_api import register_openai_api
 from specengine.server.schemas import (
     AbortRequest,
     GenerateRequest,
@@ -330,6 +331,7 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
         return Response(state.metrics.render(snap, engine.num_unfinished),
                         media_type=CONTENT_TYPE)
 
+    register_openai_api(app, state)  # /v1/models, /v1/completions, /v1/chat/completions
     return app
 
 
