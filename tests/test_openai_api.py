@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from readme_blocks import readme_block
 from server_helpers import (
     WAIT_S,
     assert_idle_and_free,
@@ -455,3 +456,16 @@ def test_async_engine_group_stream_and_generate_refusal(aeng) -> None:
     want = in_engine(aeng, lambda e: e.generate([PROMPT_IDS], sampling=params))
     assert [o.token_ids for o in finals] == [o.token_ids for o in want]
     in_engine(aeng, assert_idle_and_free)
+
+
+def test_readme_example_runs_as_written(served) -> None:
+    server, _ = served
+    code = readme_block("### Use it from your RL framework").replace(
+        "http://127.0.0.1:8000", f"http://127.0.0.1:{server.port}")
+    assert code.count(str(server.port)) == 2  # both URLs pointed at the test server
+    ns: dict[str, object] = {"__name__": "readme_example"}
+    exec(compile(code, "README.md (Use it from your RL framework)", "exec"), ns)
+    group, chat = ns["group"], ns["chat"]
+    assert len(group.choices) == 4 and {c.finish_reason for c in group.choices} == {"stop"}
+    assert all(c.num_accepted_tokens > 0 for c in group.choices)  # k=3 drafts, accepted
+    assert chat.choices[0].message.content.endswith("A:857")
