@@ -246,7 +246,8 @@ RICH_TEMPLATE = """\
 {% endif %}
 {% for message in messages %}
     {% if message.role == 'user' %}
-[U] {{ message.content }}{{ eos_token }}
+[U{% if message.name is defined %}:{{ message.name }}{% endif %}] {{ message.content }}\
+{{ eos_token }}
     {% elif message.role == 'assistant' %}
 [A] {% if message.reasoning_content %}<think>{{ message.reasoning_content }}</think>{% endif %}\
 {% generation %}{{ message.content }}{% endgeneration %}{% if not loop.last %}{{ eos_token }}\
@@ -266,7 +267,7 @@ CONVERSATIONS = [
      {"role": "assistant", "content": "2+5=7;A:857"}, {"role": "user", "content": "1+2="}],
     [{"role": "system", "content": "be <brief> & exact"},
      {"role": "user", "content": "what's \"1\"+1?", "name": None},
-     {"role": "assistant", "content": "2", "reasoning_content": "1+1=2"},
+     {"role": "assistant", "content": "2", "reasoning": "1+1=2"},
      {"role": "tool", "name": "calc", "content": "<b>2</b> é"},
      {"role": "user", "content": "and 2+2?"}],
 ]
@@ -342,6 +343,18 @@ BAD = [
     ("tool_choice auto", "chat", {"messages": [{"role": "user", "content": "1+1="}],
                                   "tool_choice": "auto"}, 400, "tool_choice", "not parsed"),
     ("suffix", "cmpl", {"prompt": PROMPT, "suffix": "x"}, 400, "suffix", "suffix"),
+    ("best_of", "cmpl", {"prompt": PROMPT, "best_of": 3}, 400, "best_of", "best_of"),
+    ("min_tokens", "cmpl", {"prompt": PROMPT, "min_tokens": 4}, 400, "min_tokens",
+     "min_tokens=4"),
+    ("structured output", "chat", {"messages": [{"role": "user", "content": "1+1="}],
+                                   "response_format": {"type": "json_object"}}, 400,
+     "response_format", "structured output"),
+    ("continue_final_message", "chat", {"messages": [{"role": "user", "content": "1+1="}],
+                                        "continue_final_message": True}, 400,
+     "continue_final_message", "not supported"),
+    ("request's chat template", "chat", {"messages": [{"role": "user", "content": "1+1="}],
+                                         "chat_template": "{{ 'x' }}"}, 400, "chat_template",
+     "not accepted"),
     ("bad temperature", "cmpl", {"prompt": PROMPT, "temperature": -1}, 400, "temperature",
      "temperature must be"),
     ("string temperature", "cmpl", {"prompt": PROMPT, "temperature": "hot"}, 400,
