@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -440,16 +441,36 @@ def test_draining_server_refuses_new_requests(served, aeng) -> None:
 
 def test_closing_a_group_stream_aborts_every_sample(served, aeng) -> None:
     server, client = served
-    stream = client.completions.create(model=MODEL, prompt=PROMPT, n=4, max_tokens=200,
+    max_tokens = 240
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, n=4, max_tokens=max_tokens,
                                        temperature=1.0, stream=True,
                                        extra_body={"ignore_eos": True})
-    first = next(iter(stream))
-    assert first.choices
+    assert next(iter(stream)).choices
     live = server.state.live
     assert len(live) == 4
-    stream.close()
-    live.wait_for(lambda s: not s, "the group's samples to be aborted")
+    # Hold the engine thread between two steps while the client leaves, so the samples
+    # cannot run to their end meanwhile: the aborts queued by the handler run first.
+    paused, gate = threading.Event(), threading.Event()
+
+    def hold(_engine: object) -> None:
+        paused.set()
+        gate.wait(WAIT_S)
+
+    holder = threading.Thread(target=in_engine, args=(aeng, hold))
+    holder.start()
+    assert paused.wait(WAIT_S)
+    try:
+        stream.close()
+        live.wait_for(lambda s: not s, "the stream's handler to end")
+    finally:
+        gate.set()
+        holder.join(WAIT_S)
+    for _ in range(10_000):  # each call waits for the engine thread's next gap
+        if not in_engine(aeng, lambda e: e.has_unfinished()):
+            break
     in_engine(aeng, assert_idle_and_free)
+    # aborted early: far fewer tokens than 4 samples run to max_tokens
+    assert in_engine(aeng, lambda e: e.stats.num_generated_tokens) < 4 * max_tokens // 2
 
 
 def test_async_engine_group_stream_and_generate_refusal(aeng) -> None:
@@ -482,3 +503,32 @@ def test_readme_example_runs_as_written(served) -> None:
     assert len(group.choices) == 4 and {c.finish_reason for c in group.choices} == {"stop"}
     assert all(c.num_accepted_tokens > 0 for c in group.choices)  # k=3 drafts, accepted
     assert chat.choices[0].message.content.endswith("A:857")
+
+
+def test_incremental_text_holds_back_split_characters() -> None:
+    """Streamed text with a byte-level tokenizer (one token per byte): a character split
+    over tokens comes out whole once complete, never as U+FFFD; a final output that ends
+    mid-character gives its rest in the last chunk."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from specengine.server.openai_api import IncrementalText
+    from specengine.tokenizer import TextTokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    text = "aé中🙂b"
+    ids = tok.encode(text).ids
+    assert len(ids) == len(text.encode())
+    inc = IncrementalText(TextTokenizer(tok), skip_special_tokens=True)
+    deltas = [inc.push([t]) for t in ids]
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+    assert [d for d in deltas if d] == list(text)
+    assert inc.finish(tok.decode(ids)) == ""
+    cut = ids[:-2]  # "aé中" and 3 of the emoji's 4 bytes
+    inc = IncrementalText(TextTokenizer(tok), skip_special_tokens=True)
+    streamed = "".join(inc.push([t]) for t in cut)
+    assert streamed == "aé中"
+    full = tok.decode(cut)
+    assert streamed + inc.finish(full) == full and full.endswith("\ufffd")
