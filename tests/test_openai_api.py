@@ -9,6 +9,7 @@ leaves the engine idle and whole.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import threading
@@ -532,3 +533,29 @@ def test_incremental_text_holds_back_split_characters() -> None:
     assert streamed == "aé中"
     full = tok.decode(cut)
     assert streamed + inc.finish(full) == full and full.endswith("\ufffd")
+
+
+def test_async_engine_group_admission_is_all_or_nothing(aeng) -> None:
+    """A group takes n of the max_waiting slots (64 here), all or none; its sample ids are
+    reserved together; a refused group leaves no slot or id taken."""
+    from specengine.async_loop import EngineOverloadedError
+
+    long = SamplingParams(temperature=1.0, max_tokens=200, n=40, ignore_eos=True)
+
+    async def run() -> None:
+        first = aeng.generate_stream(PROMPT_IDS, long, request_id="big")
+        async with contextlib.aclosing(first):
+            await anext(first)
+            assert aeng.num_unfinished == 40
+            with pytest.raises(EngineOverloadedError, match="group of n=40 would pass"):
+                await anext(aeng.generate_stream(PROMPT_IDS, long, request_id="more"))
+            with pytest.raises(ValueError, match=r"\['big-0', 'big-1'\] of the 2 samples"):
+                await anext(aeng.generate_stream(PROMPT_IDS, SamplingParams(n=2),
+                                                 request_id="big"))
+            assert aeng.num_unfinished == 40
+        small = SamplingParams(temperature=0.0, max_tokens=4, n=24)  # fits beside 40: 64
+        outs = [o async for o in aeng.generate_stream(PROMPT_IDS, small, request_id="more")]
+        assert sum(o.finished for o in outs) == 24
+
+    asyncio.run(run())
+    in_engine(aeng, assert_idle_and_free)
