@@ -52,6 +52,7 @@ __all__ = [
     "answer_of",
     "reward",
     "write_tokenizer_json",
+    "CHAT_TEMPLATE",
 ]
 
 PAD = "<pad>"
@@ -242,6 +243,24 @@ def reward(prompt: str, completion: str) -> float:
     except ValueError:
         return 0.0
     return 1.0 if got == want else 0.0
+
+
+#: the bundled target's chat template (its tokenizer_config.json): a user turn is a question
+#: "Q:<problem>" (content "472+385=" asks "Q:472+385="), an assistant turn its trace and
+#: answer closed by EOS; the model answers right after a question, so the generation prompt
+#: adds nothing. Other roles are refused (the model knows none).
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}\n"
+    "{%- if message['role'] == 'user' -%}\n"
+    "{{ 'Q:' + message['content'] }}\n"
+    "{%- elif message['role'] == 'assistant' -%}\n"
+    "{{ message['content'] + eos_token }}\n"
+    "{%- else -%}\n"
+    "{{ raise_exception('the arithmetic model takes user and assistant messages only, got "
+    "role ' + message['role']) }}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+)
 
 
 def write_tokenizer_json(path: str | Path) -> None:

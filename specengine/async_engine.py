@@ -26,16 +26,14 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from specengine.async_loop import Channel, EngineClosedError, EngineLoop, EngineOverloadedError
+from specengine.async_loop import EngineClosedError, EngineLoop, EngineOverloadedError
 from specengine.core.auto_k import DEFAULT_K_MAX
-from specengine.core.requests import prompt_ids
 from specengine.engine import SpecEngine
 from specengine.outputs import GenerationOutput, RequestOutput
 from specengine.sampling import SamplingParams
@@ -95,7 +93,11 @@ class AsyncSpecEngine:
                        request_id: str | None = None, k_max: int = DEFAULT_K_MAX
                        ) -> GenerationOutput:
         """Run one request to the end and return its output (arguments as
-        ``SpecEngine.add_request``). Cancelling the caller aborts the request."""
+        ``SpecEngine.add_request``; one sample: a group's outputs come from
+        :meth:`generate_stream`). Cancelling the caller aborts the request."""
+        if isinstance(params, SamplingParams) and params.n > 1:
+            raise ValueError(f"generate returns one output; got n={params.n}: iterate "
+                             "generate_stream for the samples of a group")
         stream = self.generate_stream(prompt, params, k=k, tree=tree, request_id=request_id,
                                       k_max=k_max)
         async with contextlib.aclosing(stream):
@@ -114,12 +116,21 @@ class AsyncSpecEngine:
         cancellation) aborts the request. Raises ``EngineOverloadedError`` when ``max_waiting``
         requests are unfinished, ``EngineClosedError`` after :meth:`close`, ``ValueError`` for
         bad input (also a ``request_id`` still in use). ``k_max``: the largest k of a
-        ``k="auto"`` request (``SpecEngine.add_request``)."""
-        if isinstance(params, SamplingParams) and params.n > 1:  # one stream is one sequence
-            raise ValueError(f"AsyncSpecEngine streams one sequence per request; got n="
-                             f"{params.n}: add the samples as separate requests")
+        ``k="auto"`` request (``SpecEngine.add_request``).
+
+        ``params.n > 1``: one GRPO group, added as ``SpecEngine.add_request`` adds it (the
+        prompt prefilled once, its KV shared by the samples); the stream yields every
+        sample's outputs as they come (``request_id`` ``f"{request_id}-{i}"`` for sample i;
+        with no ``request_id``, a fresh one stands for it) and ends when all n finished."""
+        n = params.n if isinstance(params, SamplingParams) else 1
         loop = asyncio.get_running_loop()
-        ch = self._loop.register(request_id, loop)
+        if n > 1:
+            chs = self._loop.register_group(request_id, n, loop)
+            request_id = chs[0].request_id.rsplit("-", 1)[0]  # the group's (maybe fresh) id
+        else:
+            chs = [self._loop.register(request_id, loop)]
+            request_id = chs[0].request_id
+        queue = chs[0].queue  # a group's channels share it
         done = False
         try:
             try:
@@ -127,17 +138,20 @@ class AsyncSpecEngine:
                     prompt = await loop.run_in_executor(self._text_pool, self._admit, prompt)
                 else:
                     prompt = self._admit(prompt)
-            except ValueError:  # refused before the engine saw it: its slot is free at once
+            except ValueError:  # refused before the engine saw it: its slots are free at once
                 done = True
-                self._loop.release(ch)
+                for ch in chs:
+                    self._loop.release(ch)
                 raise
-            self._loop.send("add", (ch, prompt, params, k, tree, k_max))
+            self._loop.send("add", (chs, request_id, prompt, params, k, tree, k_max))
+            num_finished = 0
             while True:
-                item = await ch.queue.get()
+                item = await queue.get()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
-                done = item.finished
+                num_finished += item.finished
+                done = num_finished == n
                 if item.output is not None:
                     item = await self._with_text(item)
                 yield item
@@ -145,74 +159,8 @@ class AsyncSpecEngine:
                     return
         finally:
             if not done:  # cancelled or closed early: free its KV blocks now
-                self._loop.send("cancel", ch)
-
-    async def generate_group_stream(self, prompt: list[int] | str, params: SamplingParams, *,
-                                    k: int | str | None = None, request_id: str | None = None,
-                                    k_max: int = DEFAULT_K_MAX) -> AsyncIterator[RequestOutput]:
-        """The ``params.n`` (> 1) samples of one prompt as one group sharing its prefill, as
-        ``SpecEngine.add_request`` makes them: yields every sample's :class:`RequestOutput`
-        of each step (request id ``f"{request_id}-{i}"``, default a fresh base id; the final
-        output's ``sample_index`` is i) until all n have finished. With a seed, sample i
-        draws from ``sample_seed(seed, i)``, so the group equals ``SpecEngine.generate``'s.
-        Leaving early aborts the unfinished samples; errors as :meth:`generate_stream`."""
-        if not isinstance(params, SamplingParams) or params.n < 2:
-            raise ValueError("generate_group_stream takes SamplingParams with n > 1 (use "
-                             "generate_stream for one sequence)")
-        loop = asyncio.get_running_loop()
-        base = request_id if request_id is not None else f"group-{uuid.uuid4().hex[:16]}"
-        if not isinstance(base, str) or not base:
-            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        chans: list[Channel] = []
-        try:
-            for i in range(params.n):
-                ch = self._loop.register(f"{base}-{i}", loop)
-                ch.queue = queue  # one queue: the caller reads the samples in step order
-                chans.append(ch)
-        except BaseException:
-            for ch in chans:
-                self._loop.release(ch)
-            raise
-        pending = {ch.request_id: ch for ch in chans}
-        try:
-            try:
-                if isinstance(prompt, str):
-                    prompt = await loop.run_in_executor(self._text_pool, self._admit, prompt)
-                else:
-                    prompt = self._admit(prompt)
-            except ValueError:
-                for ch in chans:
-                    self._loop.release(ch)
-                pending.clear()
-                raise
-            self._loop.send("add_group", (chans, base, prompt, params, k, k_max))
-            while pending:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    pending.clear()  # the loop forgot the samples that failed
-                    raise item
-                if item.finished:
-                    pending.pop(item.request_id, None)
-                if item.output is not None:
-                    item = await self._with_text(item)
-                yield item
-        finally:
-            for ch in pending.values():  # cancelled or closed early: free their KV blocks
-                self._loop.send("cancel", ch)
-
-    def _admit(self, prompt: object) -> object:
-        """The checks of ``prompt`` that need no engine state, and a text's token ids (run in
-        the text pool); the engine checks the rest when it adds the request. A prompt that
-        cannot fit in ``max_model_len`` is refused by its length before any per-token work.
-        The message is ``requests.validate_requests``' (single requests are prompt 0)."""
-        max_model_len = self.engine.config.max_model_len
-        if isinstance(prompt, str):
-            prompt = prompt_ids(prompt, 0, self.engine.tokenizer)
-        if isinstance(prompt, (list, tuple)) and len(prompt) >= max_model_len:
-            raise ValueError(f"prompt 0 has {len(prompt)} tokens; max_model_len is "
-                             f"{max_model_len}, which leaves no room to generate")
-        return prompt
+                for ch in chs:  # (a finished sample's cancel is a no-op)
+                    self._loop.send("cancel", ch)
 
     async def _with_text(self, out: RequestOutput) -> RequestOutput:
         """``out`` with its final output's ``text`` decoded in the text pool (the engine
@@ -227,6 +175,16 @@ class AsyncSpecEngine:
         except RuntimeError:  # closed meanwhile (the pool takes no work): decode right here
             text = tok.decode(final.token_ids)
         return dataclasses.replace(out, output=dataclasses.replace(final, text=text))
+
+    async def run_in_text_pool(self, fn: Callable[[], T]) -> T:
+        """``fn()`` in the text pool, where prompts are tokenized: text work (tokenizing,
+        rendering a chat template) off the event loop and off the engine thread, at most
+        ``TEXT_WORKERS`` at once. Raises ``EngineClosedError`` after :meth:`close`."""
+        try:
+            fut = self._text_pool.submit(fn)
+        except RuntimeError as exc:  # the pool takes no work once closed
+            raise EngineClosedError("the async engine is closed") from exc
+        return await asyncio.wrap_future(fut)
 
     async def abort(self, request_id: str) -> RequestOutput:
         """Abort an unfinished request (its KV blocks are freed at once); its caller gets the

@@ -35,6 +35,7 @@ from specengine.outputs import GenerationOutput, RequestOutput
 from specengine.server.errors import BearerAuth, install_error_handlers, status_for
 from specengine.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, check_max_body_bytes
 from specengine.server.metrics import CONTENT_TYPE, ServerMetrics, read_engine
+from specengine.server.openai_api import register_openai_api
 from specengine.server.schemas import (
     AbortRequest,
     GenerateRequest,
@@ -327,7 +328,8 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
         return Response(state.metrics.render(snap, engine.num_unfinished),
                         media_type=CONTENT_TYPE)
 
-    # SGLang's native API and n > 1 (GRPO groups); it takes over /generate and
+    register_openai_api(app, state)  # /v1/models, /v1/completions, /v1/chat/completions
+    # SGLang's native API and n > 1 on /generate (GRPO groups); it takes over /generate and
     # /update_weights_from_distributed, serving our bodies through the routes above.
     mount_sglang(app)
     return app

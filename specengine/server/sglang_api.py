@@ -10,7 +10,7 @@
   ``output_token_logprobs`` as ``[logprob, token_id, null]``, ``weight_version``; a list for
   a batch or ``n`` > 1, prompt-major); any other body is ours (``prompt`` /
   ``prompt_token_ids``), answered as before. ``sampling_params.n`` > 1 runs the n samples as
-  one group that shares the prompt's prefill (``AsyncSpecEngine.generate_group_stream``), in
+  one group that shares the prompt's prefill (``AsyncSpecEngine.generate_stream`` with n > 1), in
   both dialects: ours then answers ``{"request_id", "outputs": [...]}`` (sample i's id is
   ``f"{request_id}-{i}"``) and streams every sample's step events.
 - SGLang's weight endpoints: ``/init_weights_update_group``, ``/update_weights_from_distributed``
@@ -83,12 +83,9 @@ class Job:
 
 
 def _stream(state: Any, job: Job) -> AsyncIterator[RequestOutput]:
-    aeng = state.engine
-    if job.params.n == 1:
-        return aeng.generate_stream(job.prompt, job.params, k=job.k, request_id=job.rid,
-                                    k_max=job.k_max)
-    return aeng.generate_group_stream(job.prompt, job.params, k=job.k, request_id=job.rid,
-                                      k_max=job.k_max)
+    # n > 1: one group sharing the prompt's prefill (sample i is f"{rid}-{i}")
+    return state.engine.generate_stream(job.prompt, job.params, k=job.k, request_id=job.rid,
+                                        k_max=job.k_max)
 
 
 def _claim(state: Any, jobs: list[Job]) -> None:
