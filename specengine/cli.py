@@ -184,6 +184,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-body-mb", type=float, default=32.0, metavar="MB",
                    help="largest request body accepted (MiB); a larger one gets 413 before "
                         "it is read")
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in /v1/models and OpenAI answers (default: the "
+                        "checkpoint directory's name)")
     s.add_argument("--seed", type=int, default=0,
                    help="engine seed (requests without a seed draw theirs from it)")
     _add_engine_options(s)

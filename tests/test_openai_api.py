@@ -429,6 +429,20 @@ def test_auth_error_on_v1_paths(aeng) -> None:
         assert good.models.list().data[0].id == MODEL
 
 
+def test_served_model_name_is_the_name_on_v1(aeng) -> None:
+    """``serve --served-model-name`` (``make_server(served_model_name=)``): /v1/models lists
+    it, answers carry it, and the checkpoint's own name is then a 404."""
+    with running_server(aeng, served_model_name="policy-v3") as (server, _):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                               max_retries=0, timeout=WAIT_S)
+        assert [m.id for m in client.models.list().data] == ["policy-v3"]
+        out = client.completions.create(model="policy-v3", prompt=PROMPT, max_tokens=4,
+                                        temperature=0)
+        assert out.model == "policy-v3"
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+
+
 def test_draining_server_refuses_new_requests(served, aeng) -> None:
     server, client = served
     server.state.draining = True

@@ -176,11 +176,14 @@ async def _events(state: ServerState, rid: str, stream: AsyncIterator[RequestOut
 
 def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
               default_k: int | str = 0, default_k_max: int = DEFAULT_K_MAX,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              served_model_name: str | None = None) -> FastAPI:
     """The server's app over ``engine`` (which it does not close: ``specengine.server.serve``
     does at shutdown). ``api_key``: every endpoint then needs ``Authorization: Bearer
     <api_key>``. ``default_k``: the draft length of requests that give no ``k`` (an int, or
-    ``"auto"``: each step's k in 0..``default_k_max``, as a request's ``"k": "auto"``)."""
+    ``"auto"``: each step's k in 0..``default_k_max``, as a request's ``"k": "auto"``).
+    ``served_model_name``: the model's name on the OpenAI-compatible routes (default: the
+    checkpoint directory's name)."""
     if not isinstance(engine, AsyncSpecEngine):
         raise ValueError(f"engine must be an AsyncSpecEngine, got {type(engine).__name__}")
     try:
@@ -328,7 +331,8 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
         return Response(state.metrics.render(snap, engine.num_unfinished),
                         media_type=CONTENT_TYPE)
 
-    register_openai_api(app, state)  # /v1/models, /v1/completions, /v1/chat/completions
+    # /v1/models, /v1/completions, /v1/chat/completions
+    register_openai_api(app, state, served_model_name)
     # SGLang's native API and n > 1 on /generate (GRPO groups); it takes over /generate and
     # /update_weights_from_distributed, serving our bodies through the routes above.
     mount_sglang(app)
