@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 from specengine.async_loop import EngineClosedError, EngineLoop, EngineOverloadedError
 from specengine.core.auto_k import DEFAULT_K_MAX
+from specengine.core.requests import prompt_ids
 from specengine.engine import SpecEngine
 from specengine.outputs import GenerationOutput, RequestOutput
 from specengine.sampling import SamplingParams
@@ -161,6 +162,19 @@ class AsyncSpecEngine:
             if not done:  # cancelled or closed early: free its KV blocks now
                 for ch in chs:  # (a finished sample's cancel is a no-op)
                     self._loop.send("cancel", ch)
+
+    def _admit(self, prompt: object) -> object:
+        """The checks of ``prompt`` that need no engine state, and a text's token ids (run in
+        the text pool); the engine checks the rest when it adds the request. A prompt that
+        cannot fit in ``max_model_len`` is refused by its length before any per-token work.
+        The message is ``requests.validate_requests``' (single requests are prompt 0)."""
+        max_model_len = self.engine.config.max_model_len
+        if isinstance(prompt, str):
+            prompt = prompt_ids(prompt, 0, self.engine.tokenizer)
+        if isinstance(prompt, (list, tuple)) and len(prompt) >= max_model_len:
+            raise ValueError(f"prompt 0 has {len(prompt)} tokens; max_model_len is "
+                             f"{max_model_len}, which leaves no room to generate")
+        return prompt
 
     async def _with_text(self, out: RequestOutput) -> RequestOutput:
         """``out`` with its final output's ``text`` decoded in the text pool (the engine
