@@ -31,6 +31,10 @@ def check_tensor_parallel(cfg: ModelConfig, n: int) -> None:
     ranks."""
     if n == 1:
         return
+    if cfg.num_experts:
+        raise ValueError(f"tensor_parallel_size {n} is not supported for mixture-of-experts "
+                         f"models yet ({cfg.model_type}: expert parallelism is not built); use "
+                         "tensor_parallel_size=1")
     if cfg.num_heads % n:
         raise ValueError(f"tensor_parallel_size {n} must divide the number of attention heads "
                          f"({cfg.num_heads}): each rank owns num_heads / tensor_parallel_size "

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from specengine.model.config import CheckpointError, ModelConfig
 from specengine.model.llama import CausalLM, MergedLinear
+from specengine.model.moe import FusedExperts
 
 if TYPE_CHECKING:
     from specengine.distributed.tp_group import TPGroup
@@ -72,7 +73,8 @@ def hf_named_tensors(module: nn.Module, remove_duplicate: bool = True) -> dict[s
     """Every parameter of ``module`` under its Hugging Face checkpoint name, in module order.
 
     A merged projection (``qkv_proj``, ``gate_up_proj``) appears as its HF parts
-    (``q_proj.weight`` ...), row slices sharing its storage: copying into them writes the
+    (``q_proj.weight`` ...), and a layer's merged experts as ``experts.{e}.gate_proj.weight``
+    ..., slices sharing its storage: copying into them writes the
     merged parameter in place. Every path that updates weights by name (checkpoint load,
     ``load_weights``, weight sync) goes through this. With ``remove_duplicate`` a tied
     parameter is listed once, under its first name (as ``named_parameters()``).
@@ -81,7 +83,7 @@ def hf_named_tensors(module: nn.Module, remove_duplicate: bool = True) -> dict[s
     seen: set[int] = set()
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         prefix = f"{mod_name}." if mod_name else ""
-        if isinstance(mod, MergedLinear):
+        if isinstance(mod, (MergedLinear, FusedExperts)):
             parent = prefix[: prefix.rstrip(".").rfind(".") + 1]
             out.update((parent + n, t) for n, t in mod.hf_tensors().items())
             continue

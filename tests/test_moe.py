@@ -1,0 +1,176 @@
+"""Mixture-of-experts policies (Qwen3-MoE, Qwen2-MoE, Mixtral) against transformers, and the
+engine's lossless guarantees on an MoE target."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from checkpoints import make_hf_model, save_checkpoint
+from test_model_parity import NUM_NEW, engine_logits, prompts_for
+
+from specengine import SamplingParams, SpecEngine
+from specengine.model.config import CheckpointError, ModelConfig
+from specengine.model.loader import iter_checkpoint
+from specengine.model.moe import SparseMoeBlock
+
+# name: (arch, overrides, shard_kb)
+CASES = {
+    # 5 experts, top-3, renormalised, layer 0 dense (mlp_only_layers), sharded checkpoint.
+    "qwen3_moe-top3-norm": ("qwen3_moe", {}, 60),
+    # 7 experts, top-1, not renormalised, decoder_sparse_step=2: only layer 1 of 3 is sparse.
+    "qwen3_moe-top1-step2": ("qwen3_moe", dict(num_experts=7, num_experts_per_tok=1,
+                                               norm_topk_prob=False, mlp_only_layers=[],
+                                               decoder_sparse_step=2, num_layers=3), None),
+    # shared expert with its sigmoid gate, q/k/v biases.
+    "qwen2_moe": ("qwen2_moe", {}, None),
+    # top-2 of 3, always renormalised, `block_sparse_moe.experts.*.w1/w2/w3` names, tied.
+    "mixtral": ("mixtral", {}, None),
+}
+
+
+def _build(arch: str, overrides: dict, seed: int = 0) -> torch.nn.Module:
+    overrides = dict(overrides)
+    num_layers = overrides.pop("num_layers", 2)
+    return make_hf_model(arch, num_layers=num_layers, seed=seed, **overrides)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    arch, overrides, shard_kb = CASES[request.param]
+    hf = _build(arch, overrides)
+    path = save_checkpoint(hf, tmp_path_factory.mktemp(request.param), shard_kb)
+    engine = SpecEngine(path, device="cpu", dtype="float32", block_size=16, max_model_len=256,
+                        max_batch_size=8)
+    return request.param, hf, engine, path
+
+
+def _hf_routing(hf: torch.nn.Module, ids: list[int]) -> list[Counter]:
+    """Tokens per expert in every sparse layer of ``hf`` for one prompt."""
+    seen: list[Counter] = []
+
+    def hook(module, args, out) -> None:  # type: ignore[no-untyped-def]
+        seen.append(Counter(out[2].flatten().tolist()))  # (logits, scores, indices)
+
+    handles = [m.register_forward_hook(hook) for n, m in hf.named_modules()
+               if n.endswith(".gate") and hasattr(m, "top_k")]
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def test_layers_are_sparse_where_transformers_says(pair) -> None:
+    name, hf, engine, _ = pair
+    ours = [isinstance(getattr(layer, layer.mlp_name), SparseMoeBlock)
+            for layer in engine.model.model.layers]
+    theirs = [type(layer.mlp).__name__.endswith("SparseMoeBlock")
+              for layer in hf.model.layers]
+    assert ours == theirs
+    assert any(ours)
+    if name == "qwen3_moe-top1-step2":
+        assert ours == [False, True, False]
+    if name == "qwen3_moe-top3-norm":
+        assert ours == [False, True]
+
+
+def test_prefill_logits_match(pair) -> None:
+    name, hf, engine, _ = pair
+    prompts = prompts_for(hf.config.vocab_size)
+    # Routing is uneven: the 1-token prompt leaves experts without a token, and across the
+    # longer prompts the busiest expert gets more than its share.
+    counts = _hf_routing(hf, prompts[0])
+    assert all(len(c) < hf.config.num_experts if hasattr(hf.config, "num_experts")
+               else len(c) < hf.config.num_local_experts for c in counts)
+    busy = _hf_routing(hf, prompts[-1])
+    assert any(max(c.values()) > sum(c.values()) / len(c) for c in busy)
+    for ids in prompts:
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+        ours = engine_logits(engine, ids)
+        scale = ref.abs().max().item()
+        assert (ours - ref).abs().max().item() <= 1e-4 * scale, name
+
+
+def test_greedy_generation_matches_transformers(pair) -> None:
+    name, hf, engine, _ = pair
+    prompts = prompts_for(hf.config.vocab_size)
+    outs = engine.generate(prompts, k=0, sampling=SamplingParams(temperature=0.0,
+                                                                 max_tokens=NUM_NEW))
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                              dtype=torch.long), do_sample=False, max_new_tokens=NUM_NEW,
+                              min_new_tokens=NUM_NEW, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=0)
+        ref_tokens = gen.sequences[0, len(ids):].tolist()
+        assert list(out.token_ids) == ref_tokens, name
+        ref_logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
+                        for step, t in zip(gen.logits, ref_tokens)]
+        assert out.logprobs == pytest.approx(ref_logprobs, abs=1e-4)
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_state_dict_uses_hf_names_and_round_trips(pair) -> None:
+    name, hf, engine, path = pair
+    ours = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    # transformers >= 5 holds merged experts in memory; its checkpoint (and ours) names them
+    # one by one, so compare against the saved keys.
+    saved = dict(iter_checkpoint(path))
+    tied = set(ours) - set(saved)
+    assert tied <= {"lm_head.weight"}, tied
+    assert set(saved) <= set(ours)
+    for k, v in saved.items():
+        assert torch.equal(ours[k], v), k
+    # load_state_dict takes the same names: a perturbed copy goes in and comes back out.
+    moe_key = next(k for k in saved if ".experts.1." in k)
+    changed = {k: v.clone() for k, v in ours.items()}
+    assert changed[moe_key].shape == (hf.config.hidden_size, hf.config.moe_intermediate_size) \
+        if moe_key.endswith(("down_proj.weight", "w2.weight")) else True
+    changed[moe_key] += 1.0
+    ptrs = [p.data_ptr() for p in engine.model.parameters()]
+    try:
+        engine.model.load_state_dict(changed)
+        assert torch.equal(engine.model.state_dict()[moe_key], changed[moe_key])
+        assert [p.data_ptr() for p in engine.model.parameters()] == ptrs
+    finally:
+        engine.model.load_state_dict(ours)
+
+
+def test_config_reads_moe_fields() -> None:
+    base = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=32, hidden_size=16,
+                intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+                num_experts=6, num_experts_per_tok=2, moe_intermediate_size=8,
+                decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=True)
+    cfg = ModelConfig.from_dict(base)
+    assert (cfg.model_type, cfg.num_experts, cfg.moe_layers, cfg.qk_norm) == (
+        "qwen3_moe", 6, (1,), True)
+    # transformers >= 5 writes `num_local_experts` for Qwen3-MoE.
+    renamed = {k: v for k, v in base.items() if k != "num_experts"} | {"num_local_experts": 6}
+    assert ModelConfig.from_dict(renamed).num_experts == 6
+    with pytest.raises(CheckpointError, match="num_experts_per_tok"):
+        ModelConfig.from_dict(base | {"num_experts_per_tok": 7})
+    with pytest.raises(CheckpointError, match="decoder_sparse_step"):
+        ModelConfig.from_dict(base | {"decoder_sparse_step": 0})
+    with pytest.raises(CheckpointError, match="moe_intermediate_size"):
+        ModelConfig.from_dict(base | {"moe_intermediate_size": 0})
+    mixtral = ModelConfig.from_dict(dict(base, architectures=["MixtralForCausalLM"],
+                                         num_local_experts=4))
+    assert (mixtral.norm_topk_prob, mixtral.moe_layers, mixtral.moe_intermediate_size,
+            mixtral.qk_norm) == (True, (0, 1, 2, 3), 32, False)
+
+
+def test_tensor_parallel_moe_is_refused_clearly() -> None:
+    from specengine.distributed.tp_layers import check_tensor_parallel
+
+    cfg = ModelConfig.from_dict(dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=32, hidden_size=16,
+        intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=8))
+    check_tensor_parallel(cfg, 1)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        check_tensor_parallel(cfg, 2)
