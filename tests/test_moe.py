@@ -4,16 +4,19 @@ engine's lossless guarantees on an MoE target."""
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 from checkpoints import make_hf_model, save_checkpoint
+from lossless import assert_greedy_lossless, ragged_requests
 from test_model_parity import NUM_NEW, engine_logits, prompts_for
 
 from specengine import SamplingParams, SpecEngine
 from specengine.model.config import CheckpointError, ModelConfig
 from specengine.model.loader import iter_checkpoint
 from specengine.model.moe import SparseMoeBlock
+from specengine.weights import WeightSender
 
 # name: (arch, overrides, shard_kb)
 CASES = {
@@ -174,3 +177,113 @@ def test_tensor_parallel_moe_is_refused_clearly() -> None:
     check_tensor_parallel(cfg, 1)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         check_tensor_parallel(cfg, 2)
+
+
+@pytest.fixture(scope="module")
+def moe_target(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
+    """A Qwen3-MoE target (5 experts, top-3, layer 0 dense) for the engine-level tests."""
+    hf = make_hf_model("qwen3_moe", vocab_size=48, hidden_size=32, seed=1, init_std=0.2)
+    return hf, save_checkpoint(hf, tmp_path_factory.mktemp("moe_target"))
+
+
+def test_ngram_speculation_equals_k0_on_moe_target(moe_target) -> None:
+    _, path = moe_target
+    engine = SpecEngine(path, draft="ngram", device="cpu", dtype="float32", max_model_len=128,
+                        max_batch_size=16)
+    prompts, params = ragged_requests(48, n=10, seed=3)
+    assert_greedy_lossless(engine, prompts, params, ks=(3,), trees=("binary2",))
+    assert engine.stats.num_accepted_tokens > 0
+
+
+def test_triton_kernels_equal_torch_backend_on_moe_target(moe_target) -> None:
+    """The engine on its kernels (the fused MoE kernel under the interpreter on CPU) gives the
+    PyTorch backend's greedy tokens, with and without speculation."""
+    _, path = moe_target
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (8, 4, 6)]
+
+    def make(backend: str) -> SpecEngine:
+        return SpecEngine(path, draft="ngram", device="cpu", dtype="float32",
+                          max_model_len=64, max_batch_size=4, kv_cache_tokens=512,
+                          kernel_backend=backend)
+
+    base = make("torch").generate(prompts, k=0, sampling=params)
+    engine = make("triton")
+    for k in (0, 3):
+        outs = engine.generate(prompts, k=k, sampling=params)
+        for o, b in zip(outs, base):
+            assert o.token_ids == b.token_ids, k
+            assert o.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_sampled_speculation_follows_moe_policy(tmp_path: Path) -> None:
+    """Chi-square on the joint law of tokens 2 and 3 (``test_sampling_lossless``) with an MoE
+    target and an MoE draft model (the target with noise on every weight)."""
+    from test_sampling_lossless import (
+        NUM_SEQS,
+        P_MIN,
+        VOCAB,
+        chi_square_p,
+        exact_joint,
+        run_joint,
+    )
+
+    hf = make_hf_model("qwen3_moe", vocab_size=VOCAB, hidden_size=32, seed=1, init_std=0.25)
+    target = save_checkpoint(hf, tmp_path / "target")
+    draft = make_hf_model("qwen3_moe", vocab_size=VOCAB, hidden_size=32, seed=1, init_std=0.25)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    engine = SpecEngine(target, draft=str(save_checkpoint(draft, tmp_path / "draft")),
+                        device="cpu", dtype="float32", max_model_len=32, max_batch_size=2048,
+                        kv_cache_tokens=2048 * 32, seed=11, draft_options={"sample": True})
+    params = SamplingParams(temperature=0.9, top_k=10, max_tokens=3)
+    counts = run_joint(engine, params, NUM_SEQS, k=2)
+    assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
+    p = chi_square_p(counts, exact_joint(hf, params), NUM_SEQS)
+    assert p > P_MIN, f"chi-square p = {p:.2e}"
+
+
+def test_expert_update_through_weight_sync_equals_fresh_engine(moe_target,
+                                                               tmp_path: Path) -> None:
+    """Two experts of the sparse layer change through the real sender (shared transport); the
+    engine then equals a fresh engine on a checkpoint with those weights, and no parameter
+    moved."""
+    hf, path = moe_target
+    engine = SpecEngine(path, device="cpu", dtype="float32", max_model_len=64,
+                        kv_cache_tokens=512)
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    before = [(o.token_ids, o.logprobs) for o in engine.generate(prompts, sampling=greedy)]
+    ptrs = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+    new = make_hf_model("qwen3_moe", vocab_size=48, hidden_size=32, seed=1, init_std=0.2)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        experts = new.model.layers[1].mlp.experts
+        for e in (0, 3):  # transformers >= 5 keeps them merged in memory too
+            experts.gate_up_proj[e].normal_(0, 0.5, generator=gen)
+            experts.down_proj[e].normal_(0, 0.5, generator=gen)
+    fresh_path = save_checkpoint(new, tmp_path / "new")
+    update = {n: t for n, t in iter_checkpoint(fresh_path)
+              if ".experts.0." in n or ".experts.3." in n}
+    assert len(update) == 6
+    handles = WeightSender(transport="shared").send(update, 1)
+    assert engine.update_weights_from_shared(handles) == 1
+    after = [(o.token_ids, o.logprobs) for o in engine.generate(prompts, sampling=greedy)]
+    fresh = SpecEngine(fresh_path, device="cpu", dtype="float32", max_model_len=64,
+                       kv_cache_tokens=512)
+    assert after == [(o.token_ids, o.logprobs) for o in fresh.generate(prompts,
+                                                                       sampling=greedy)]
+    assert after != before
+    assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == ptrs
+    # A bad expert name or shape is refused whole, nothing written.
+    bad = {"model.layers.1.mlp.experts.5.up_proj.weight": torch.zeros(48, 32),
+           "model.layers.1.mlp.experts.1.up_proj.weight": torch.zeros(48, 32)}
+    with pytest.raises(CheckpointError, match="experts.5"):
+        engine.load_weights(bad)
+    with pytest.raises(CheckpointError, match="shape"):
+        engine.load_weights({"model.layers.1.mlp.experts.1.down_proj.weight":
+                             torch.zeros(48, 32)})
+    assert [(o.token_ids, o.logprobs) for o in engine.generate(prompts, sampling=greedy)] \
+        == after
