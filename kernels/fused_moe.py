@@ -27,6 +27,8 @@ Accumulation is float32 throughout; weights are addressed with 64-bit offsets (2
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -261,3 +263,33 @@ def moe_forward(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k
                          f"{tuple(router_logits.shape)}")
     weights, ids = topk_softmax(router_logits, top_k, renormalize)
     return fused_moe(x, w13, w2, weights, ids)
+
+
+#: (label, H, I) of the MoE shapes compiled ahead of time (E = 128 experts, top-8)
+AOT_SHAPES = (("Qwen3-30B-A3B", 2048, 768), ("Qwen3-235B-A22B", 4096, 1536))
+
+
+def aot_configs() -> list[tuple[str, Callable[[], object]]]:
+    """``scripts/compile_kernels.py``'s configurations: routing and both grouped GEMMs at the
+    Qwen3-MoE shapes, for 4 tokens (32 pairs: ``BLOCK_M`` 16, a decode / verify step) and
+    256 tokens (2,048 pairs: ``BLOCK_M`` 64, prefill), bf16 and fp32."""
+    num_experts, top_k = 128, 8
+
+    def call(dtype: torch.dtype, tokens: int, hidden: int, inter: int) -> Callable[[], object]:
+        def run() -> object:
+            def meta(*shape: int, dtype: torch.dtype = dtype) -> Tensor:
+                return torch.empty(*shape, dtype=dtype, device="meta")
+
+            return moe_forward(meta(tokens, hidden), meta(tokens, num_experts),
+                               meta(num_experts, 2 * inter, hidden),
+                               meta(num_experts, hidden, inter), top_k, True)
+
+        return run
+
+    out: list[tuple[str, Callable[[], object]]] = []
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for model, hidden, inter in AOT_SHAPES:
+            for tokens in (4, 256):
+                out.append((f"{name} {model} E={num_experts} top-{top_k} T={tokens}",
+                            call(dtype, tokens, hidden, inter)))
+    return out

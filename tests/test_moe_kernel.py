@@ -5,6 +5,12 @@ fp16 (the interpreter's bf16 arithmetic is not the GPU's)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -126,3 +132,31 @@ def test_launcher_checks() -> None:
         fused_moe.topk_softmax(torch.randn(3, 4), 5, False)
     with pytest.raises(ValueError, match="router_logits must be"):
         fused_moe.moe_forward(x, torch.randn(3, 5), w13, w2, 2, False)
+
+
+def test_compile_table_has_the_moe_rows_without_spills(tmp_path: Path) -> None:
+    """``scripts/compile_kernels.py`` compiles the MoE kernels (bf16, Qwen3-30B-A3B and
+    235B-A22B shapes) for sm_90a from their ``aot_configs()``, with no spills."""
+    from test_compile_kernels import SCRIPT, _ptxas_path
+
+    if _ptxas_path() is None:
+        pytest.skip("Triton's bundled ptxas is unavailable")
+    out = tmp_path / "table.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--only", "fused_moe: bf16", "--targets", "90",
+         "--jobs", "1", "--json", str(out)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=SCRIPT.parent.parent,
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = json.loads(out.read_text())
+    assert table["errors"] == []
+    rows = table["rows"]
+    assert {r["kernel"] for r in rows} == {"_topk_softmax_kernel", "_moe_gemm_kernel"}
+    labels = " ".join(" ".join(r["all_configs"]) for r in rows)
+    assert "Qwen3-30B-A3B E=128 top-8" in labels and "Qwen3-235B-A22B" in labels
+    for row in rows:
+        assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+    # 235B-A22B shares the 30B variants (H and I are runtime arguments); decode-sized and
+    # prefill-sized launches (BLOCK_M 16 and 64) are separate variants.
+    assert {r["kernel"] for r in rows if "T=4" in r["config"]} == {"_topk_softmax_kernel",
+                                                                   "_moe_gemm_kernel"}
