@@ -287,3 +287,22 @@ def test_expert_update_through_weight_sync_equals_fresh_engine(moe_target,
                              torch.zeros(48, 32)})
     assert [(o.token_ids, o.logprobs) for o in engine.generate(prompts, sampling=greedy)] \
         == after
+
+
+def test_memory_plan_counts_the_experts() -> None:
+    """The memory plan's weight count equals the MoE model's parameters (so the KV cache is
+    sized from what is really left)."""
+    from specengine.core.memory_plan import model_params
+    from specengine.model.llama import CausalLM
+
+    base = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=320, hidden_size=64,
+                intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, num_experts=5, num_experts_per_tok=2,
+                moe_intermediate_size=24, mlp_only_layers=[1])
+    for extra in ({}, {"architectures": ["Qwen2MoeForCausalLM"],
+                       "shared_expert_intermediate_size": 40},
+                  {"architectures": ["MixtralForCausalLM"], "num_local_experts": 3}):
+        cfg = ModelConfig.from_dict({**base, **extra})
+        with torch.device("meta"):
+            model = CausalLM(cfg)
+        assert model_params(cfg) == sum(p.numel() for p in model.parameters()), extra
