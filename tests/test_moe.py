@@ -306,3 +306,13 @@ def test_memory_plan_counts_the_experts() -> None:
         with torch.device("meta"):
             model = CausalLM(cfg)
         assert model_params(cfg) == sum(p.numel() for p in model.parameters()), extra
+
+
+def test_readme_moe_example_runs_as_written() -> None:
+    from readme_blocks import readme_block
+
+    ns: dict[str, object] = {"__name__": "readme_example"}
+    exec(compile(readme_block("### Supported architectures\n"), "README.md (MoE example)",
+                 "exec"), ns)
+    assert ns["moe"].model.config.moe_layers == (0, 1)  # type: ignore[attr-defined]
+    assert len(ns["spec"][0].token_ids) == 24  # type: ignore[index]
