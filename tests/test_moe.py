@@ -316,3 +316,39 @@ def test_readme_moe_example_runs_as_written() -> None:
                  "exec"), ns)
     assert ns["moe"].model.config.moe_layers == (0, 1)  # type: ignore[attr-defined]
     assert len(ns["spec"][0].token_ids) == 24  # type: ignore[index]
+
+
+def test_bench_moe_smoke_gives_gpu_check_rows(tmp_path: Path) -> None:
+    """``benchmarks/bench_moe.py --smoke`` (CPU: the loop only) writes the JSON the GPU check
+    reads; without the fused rows the speed check is a SKIP, never a PASS."""
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    proc = subprocess.run([sys.executable, str(bench / "bench_moe.py"), "--smoke", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sys.path.insert(0, str(bench))
+    import gpu_check_rows as gr
+
+    rows = gr.parse_moe(gr.StepRun("moe", 0, False, proc.stdout, tmp_path))
+    by_check = {r.check: r for r in rows}
+    assert by_check["fused MoE vs per-expert loop"].verdict == "SKIP"
+    touched = by_check["MoE experts touched smoke"]
+    # More tokens per pass touch more distinct experts (12 experts, top-2).
+    counts = [int(part.split(": ")[1]) for part in touched.result.split(" / ")]
+    assert counts == sorted(counts) and counts[0] == 2 and counts[-1] <= 12
+    # The verdict follows the figures: fused rows slower than the loop at one size FAIL.
+    import json
+
+    def verdict(fused_us: list[float]) -> str:
+        rows = []
+        for t, f in zip((1, 4), fused_us):
+            base = dict(model="m", tokens=t, distinct_experts=t, ratio=2.0)
+            rows += [dict(base, impl="fused", time_us=f), dict(base, impl="loop", time_us=10.0)]
+        (tmp_path / "moe.json").write_text(json.dumps({"rows": rows}))
+        out = gr.parse_moe(gr.StepRun("moe", 0, False, "", tmp_path))
+        return next(r.verdict for r in out if r.check == "fused MoE vs per-expert loop")
+
+    assert verdict([5.0, 9.0]) == "PASS"
+    assert verdict([5.0, 11.0]) == "FAIL"
