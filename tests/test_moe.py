@@ -352,3 +352,48 @@ def test_bench_moe_smoke_gives_gpu_check_rows(tmp_path: Path) -> None:
 
     assert verdict([5.0, 9.0]) == "PASS"
     assert verdict([5.0, 11.0]) == "FAIL"
+
+
+def test_eagle3_speculation_equals_k0_on_moe_target(moe_target, tmp_path: Path) -> None:
+    """A (dense) EAGLE-3 head fitted to an MoE target drafts, and k=3 chains and a tree give
+    exactly the tokens of k=0."""
+    from test_eagle3 import fit_head
+
+    hf, path = moe_target
+    prompts, params = ragged_requests(48, n=8, seed=5)
+    head = fit_head(hf, path, tmp_path / "head", [p for p in prompts if len(p) > 2])
+    engine = SpecEngine(path, draft=str(head), device="cpu", dtype="float32",
+                        max_model_len=128, max_batch_size=8)
+    assert_greedy_lossless(engine, prompts, params, ks=(3,), trees=("binary2",))
+    assert engine.stats.num_accepted_tokens > 0
+
+
+def test_static_path_replayed_equals_eager_on_moe_target(moe_target) -> None:
+    """The bucket-padded static path with captured-and-replayed passes (``ReplayingGraph``,
+    a CUDA graph's semantics on the CPU) gives the eager path's outputs on an MoE target:
+    the sparse block adds nothing a replay would get wrong."""
+    from test_static_path import both_paths, mixed_params
+
+    _, path = moe_target
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3], [3, 3, 3]]
+    engines = both_paths(path, "ngram", prompts, 3, mixed_params(4, 1.0, 7), replay=True,
+                         max_batch_size=4)
+    assert engines[1].graphs.num_replays > engines[1].graphs.num_captures
+
+
+def test_moe_decode_step_blocks_the_host_once(moe_target) -> None:
+    """On its kernels (the fused MoE under the interpreter) a decode step of an MoE target
+    still reads the device once and makes no blocking host-to-device copy: routing and the
+    expert alignment stay on the device (a CUDA graph could not hold them otherwise)."""
+    from test_step_syncs import count_step_transfers
+
+    _, path = moe_target
+    engine = SpecEngine(path, "ngram", device="cpu", dtype="float32", kernel_backend="triton",
+                        cuda_graphs=True, graph_buckets=(1, 2, 4), max_model_len=64,
+                        kv_cache_tokens=512)
+    steps = count_step_transfers(engine, [[5, 6, 7, 5, 6, 7], [9, 8]], 3, None,
+                                 SamplingParams(temperature=0.0, max_tokens=5))
+    assert len(steps) >= 2
+    for d2h, h2d in steps:
+        assert sum(d2h.values()) == 1, f"device->host reads in one step: {dict(d2h)}"
+        assert not h2d, f"blocking host->device copies in one step: {dict(h2d)}"
