@@ -36,6 +36,7 @@ def _weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
     (7, 6, 1, 40, 16),  # top-1, E not a power of two
     (20, 3, 3, 16, 48),  # every expert of every token (k = E)
     (37, 12, 2, 72, 40),  # several BLOCK_M rows per expert, H and I off the tile grid
+    (130, 9, 2, 16, 24),  # 260 pairs: the prefill tile (BLOCK_M 64)
 ])
 def test_fused_moe_matches_reference(num_tokens: int, num_experts: int, top_k: int, hidden: int,
                                      inter: int, dtype: torch.dtype) -> None:
