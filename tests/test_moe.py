@@ -167,16 +167,19 @@ def test_config_reads_moe_fields() -> None:
             mixtral.qk_norm) == (True, (0, 1, 2, 3), 32, False)
 
 
-def test_tensor_parallel_moe_is_refused_clearly() -> None:
+def test_tensor_parallel_moe_sizes_must_divide() -> None:
     from specengine.distributed.tp_layers import check_tensor_parallel
 
-    cfg = ModelConfig.from_dict(dict(
-        architectures=["Qwen3MoeForCausalLM"], vocab_size=32, hidden_size=16,
-        intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=8))
-    check_tensor_parallel(cfg, 1)
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        check_tensor_parallel(cfg, 2)
+    base = dict(architectures=["Qwen2MoeForCausalLM"], vocab_size=32, hidden_size=16,
+                intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                shared_expert_intermediate_size=12)
+    check_tensor_parallel(ModelConfig.from_dict(base), 2)
+    with pytest.raises(ValueError, match=r"must divide moe_intermediate_size \(9\)"):
+        check_tensor_parallel(ModelConfig.from_dict(base | {"moe_intermediate_size": 9}), 2)
+    with pytest.raises(ValueError, match=r"shared_expert_intermediate_size \(13\)"):
+        check_tensor_parallel(ModelConfig.from_dict(
+            base | {"shared_expert_intermediate_size": 13}), 2)
 
 
 @pytest.fixture(scope="module")
@@ -397,3 +400,51 @@ def test_moe_decode_step_blocks_the_host_once(moe_target) -> None:
     for d2h, h2d in steps:
         assert sum(d2h.values()) == 1, f"device->host reads in one step: {dict(d2h)}"
         assert not h2d, f"blocking host->device copies in one step: {dict(h2d)}"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_tensor_parallel_2_equals_1_with_an_expert_update(arch: str, tmp_path: Path) -> None:
+    """``tensor_parallel_size=2`` (every expert's inner dimension split over the ranks, the
+    shared expert too) gives one rank's greedy tokens, logprobs within 1e-5, for k=0 and k=3;
+    an update of two experts from a learner's ``WeightSender`` lands on both ranks' slices and
+    equals a fresh engine on those weights."""
+    from net_helpers import ThreadLearner, free_port
+    from test_tensor_parallel import assert_close, outputs
+
+    hf = make_hf_model(arch, vocab_size=64, hidden_size=32, seed=2, init_std=0.2)
+    path = save_checkpoint(hf, tmp_path / "old")
+    prompts = [[5, 9, 14, 5, 9, 14, 5], [30, 31, 32, 33, 30, 31]]
+
+    def make(p: Path, tp: int) -> SpecEngine:
+        return SpecEngine(p, draft="ngram", device="cpu", dtype="float32", max_model_len=64,
+                          kv_cache_tokens=1024, tensor_parallel_size=tp)
+
+    one = make(path, 1)
+    new = make_hf_model(arch, vocab_size=64, hidden_size=32, seed=2, init_std=0.2)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        experts = new.model.layers[1].mlp.experts
+        for e in (0, 2):
+            experts.gate_up_proj[e].normal_(0, 0.5, generator=gen)
+            experts.down_proj[e].normal_(0, 0.5, generator=gen)
+    new_path = save_checkpoint(new, tmp_path / "new")
+    update = {n: t for n, t in iter_checkpoint(new_path)
+              if ".layers.1.mlp.experts.0." in n or ".layers.1.mlp.experts.2." in n}
+    assert len(update) == 6
+    port = free_port()
+    with make(path, 2) as two:
+        inner = two.model.model.layers[1].mlp.experts.w13.shape[1]
+        assert inner == one.model.model.layers[1].mlp.experts.w13.shape[1] // 2
+        for k in (0, 3):
+            assert_close(outputs(two, prompts, k), outputs(one, prompts, k))
+        learner = ThreadLearner(port, 3, 60.0)
+        two.init_weight_update_group("127.0.0.1", port, 1, 3, backend="gloo", timeout_s=60.0)
+        assert learner.join() is None
+        learner.send(update, version=1)
+        assert two.update_weights_from_distributed() == 1
+        assert learner.join() is None
+        after = outputs(two, prompts, 0)
+        two.close_weight_update_group()
+        learner.sender.close()  # type: ignore[union-attr]
+    assert after != outputs(one, prompts, 0)
+    assert_close(after, outputs(make(new_path, 1), prompts, 0))

@@ -181,13 +181,15 @@ class MLP(nn.Module):
         return self.down_proj(act)
 
 
-def sparse_moe_block(cfg: ModelConfig) -> SparseMoeBlock:
-    """The sparse MLP of an MoE layer (Qwen2-MoE's with its shared expert)."""
-    shared = (MLP(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
+def sparse_moe_block(cfg: ModelConfig, tp: TPGroup | None = None) -> SparseMoeBlock:
+    """The sparse MLP of an MoE layer (Qwen2-MoE's with its shared expert); with ``tp`` this
+    rank's slice of every expert's inner dimension (and of the shared expert's)."""
+    shared = (MLP(cfg, tp, intermediate_size=cfg.shared_expert_intermediate_size)
               if cfg.shared_expert_intermediate_size else None)
     names = MIXTRAL_EXPERT_NAMES if cfg.model_type == "mixtral" else QWEN_EXPERT_NAMES
-    return SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                          cfg.moe_intermediate_size, cfg.norm_topk_prob, names, shared)
+    inner = cfg.moe_intermediate_size // (tp.world_size if tp is not None else 1)
+    return SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, inner,
+                          cfg.norm_topk_prob, names, shared, tp)
 
 
 class DecoderLayer(nn.Module):
@@ -198,7 +200,7 @@ class DecoderLayer(nn.Module):
         # The MLP under its checkpoint name: Mixtral calls its sparse block `block_sparse_moe`.
         self.mlp_name = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
         if layer_idx is not None and layer_idx in cfg.moe_layers:
-            setattr(self, self.mlp_name, sparse_moe_block(cfg))
+            setattr(self, self.mlp_name, sparse_moe_block(cfg, tp))
         else:
             setattr(self, self.mlp_name, MLP(cfg, tp))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from specengine.kernels import reference
 
 if TYPE_CHECKING:
+    from specengine.distributed.tp_group import TPGroup
     from specengine.model.attention import AttentionBackend
 
 # HF expert part names: (gate, up, down)
@@ -96,12 +97,18 @@ def _load_hf_names(module: nn.Module, state_dict: dict[str, Any], prefix: str,
 class SparseMoeBlock(nn.Module):
     """Router ``gate`` (``[E, H]``, no bias), the routed experts and, for Qwen2-MoE, a shared
     expert (any module called as ``shared_expert(x, backend)``) scaled by
-    ``sigmoid(shared_expert_gate(x))`` and added to the routed sum."""
+    ``sigmoid(shared_expert_gate(x))`` and added to the routed sum.
+
+    With ``tp`` every rank keeps every expert but ``intermediate_size`` (already this rank's
+    slice) of its inner dimension, as a dense MLP is split: the router is replicated, so
+    every rank routes alike, and the ranks' partial expert sums are added by one all-reduce
+    (SiLU·mul stays local: each rank holds the gate and up rows of the same slice)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  renormalize: bool, expert_names: tuple[str, str, str] = QWEN_EXPERT_NAMES,
-                 shared_expert: nn.Module | None = None) -> None:
+                 shared_expert: nn.Module | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
         self.top_k = top_k
@@ -122,6 +129,8 @@ class SparseMoeBlock(nn.Module):
             out = reference.moe_forward(x, router_logits, w13, w2, self.top_k, self.renormalize)
         else:
             out = backend.fused_moe(x, router_logits, w13, w2, self.top_k, self.renormalize)
+        if self.tp is not None:
+            self.tp.all_reduce(out)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(x, backend)
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared
