@@ -163,6 +163,13 @@ def test_config_reads_moe_fields() -> None:
         ModelConfig.from_dict(base | {"moe_intermediate_size": 0})
     mixtral = ModelConfig.from_dict(dict(base, architectures=["MixtralForCausalLM"],
                                          num_local_experts=4))
+    with pytest.raises(CheckpointError, match="sliding_window=4096"):
+        ModelConfig.from_dict(dict(base, architectures=["MixtralForCausalLM"],
+                                   num_local_experts=4, sliding_window=4096,
+                                   max_position_embeddings=32768))
+    assert ModelConfig.from_dict(dict(base, architectures=["MixtralForCausalLM"],
+                                      num_local_experts=4, sliding_window=4096,
+                                      max_position_embeddings=4096)).num_experts == 4
     assert (mixtral.norm_topk_prob, mixtral.moe_layers, mixtral.moe_intermediate_size,
             mixtral.qk_norm) == (True, (0, 1, 2, 3), 32, False)
 

@@ -113,6 +113,12 @@ class ModelConfig:
             raise CheckpointError(f"config: hidden_act {hidden_act!r} is not supported (silu only)")
         if cfg.get("use_sliding_window"):
             raise CheckpointError("config: sliding-window attention is not supported")
+        window = cfg.get("sliding_window") if model_type == "mixtral" else None
+        if window is not None and int(window) < int(cfg.get("max_position_embeddings", 4096)):
+            # Mixtral has no `use_sliding_window` switch: a window shorter than the context
+            # would change attention (a window at least as long never binds).
+            raise CheckpointError(f"config: sliding-window attention (sliding_window={window}) "
+                                  "is not supported")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         rope_theta, rope_scaling = _rope(cfg)
@@ -188,8 +194,11 @@ def _moe_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     sparse unless ``i in mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``."""
     if model_type not in ("qwen3_moe", "qwen2_moe", "mixtral"):
         return {}
-    # The Qwen configs write `num_experts` (transformers >= 5 saves `num_local_experts`).
-    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    # The Qwen configs write `num_experts` (transformers >= 5 saves `num_local_experts`);
+    # Mixtral's is `num_local_experts`.
+    keys = ("num_local_experts", "num_experts") if model_type == "mixtral" else (
+        "num_experts", "num_local_experts")
+    num_experts = int(cfg.get(keys[0]) or cfg.get(keys[1]) or 0)
     num_layers = int(cfg["num_hidden_layers"])
     if model_type == "mixtral":
         # Every layer sparse; experts as wide as `intermediate_size`; top-k always renormalised.
