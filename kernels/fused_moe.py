@@ -222,11 +222,33 @@ def _check(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: T
         raise ValueError("x, w13 and w2 must be contiguous along their last dim")
 
 
-def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor,
-              topk_ids: Tensor) -> Tensor:
+#: Tokens per launch group: a longer pass (a prefill chunk) runs in groups of this many, so the
+#: float32 ``[T·k, H]`` buffer before the combine stays bounded (4,096 x 8 x 4,096 x 4 B =
+#: 512 MiB at 235B-A22B); each group still reads every expert it touches once.
+MAX_CHUNK_TOKENS = 4096
+
+
+def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+              max_chunk_tokens: int = MAX_CHUNK_TOKENS) -> Tensor:
     """``x [T, H]`` through the experts ``topk_ids [T, k]`` weighted by ``topk_weights [T, k]``
-    (float32) → ``[T, H]`` in ``x``'s dtype (``reference_moe.fused_moe``)."""
+    (float32) → ``[T, H]`` in ``x``'s dtype (``reference_moe.fused_moe``), in groups of at most
+    ``max_chunk_tokens`` tokens."""
     _check(x, w13, w2, topk_weights, topk_ids)
+    if max_chunk_tokens < 1:
+        raise ValueError(f"max_chunk_tokens must be >= 1, got {max_chunk_tokens}")
+    num_tokens = x.shape[0]
+    if num_tokens <= max_chunk_tokens:
+        return _fused_moe_group(x, w13, w2, topk_weights, topk_ids)
+    out = torch.empty_like(x)
+    for lo in range(0, num_tokens, max_chunk_tokens):
+        hi = min(num_tokens, lo + max_chunk_tokens)
+        out[lo:hi] = _fused_moe_group(x[lo:hi], w13, w2, topk_weights[lo:hi],
+                                      topk_ids[lo:hi])
+    return out
+
+
+def _fused_moe_group(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor,
+                     topk_ids: Tensor) -> Tensor:
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2

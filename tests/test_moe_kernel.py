@@ -69,6 +69,11 @@ def test_experts_without_tokens_and_explicit_routing() -> None:
     ref = reference.fused_moe(x, w13, w2, weights, ids)
     assert torch.allclose(fused_moe.fused_moe(x, w13, w2, weights, ids), ref, atol=1e-5,
                           rtol=1e-4)
+    # In groups of 8 tokens (a long prefill's path): the same sums.
+    grouped = fused_moe.fused_moe(x, w13, w2, weights, ids, max_chunk_tokens=8)
+    assert torch.allclose(grouped, ref, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="max_chunk_tokens"):
+        fused_moe.fused_moe(x, w13, w2, weights, ids, max_chunk_tokens=0)
     # The idle experts' weights are never read: poisoning them changes nothing.
     w13[0] = float("nan")
     w2[3] = float("nan")
