@@ -10,9 +10,11 @@ def hf_named_tensors(module: nn.Module, remove_duplicate: bool = True) -> dict[s
     """Every parameter of ``module`` under its Hugging Face checkpoint name, in module order.
 
     A merged projection (``qkv_proj``, ``gate_up_proj``) appears as its HF parts
-    (``q_proj.weight`` ...), row slices sharing its storage: copying into them writes the
-    merged parameter in place. Every path that updates weights by name (checkpoint load,
-    ``load_weights``, weight sync) goes through this. With ``remove_duplicate`` a tied
+    (``q_proj.weight`` ...), and a layer's merged experts (``model.moe.FusedExperts``) as
+    ``experts.{e}.gate_proj.weight`` ...: any module with ``hf_tensors()`` is listed by it,
+    slices sharing its storage, so copying into them writes the merged parameter in place.
+    Every path that updates weights by name (checkpoint load, ``load_weights``, weight sync)
+    goes through this. With ``remove_duplicate`` a tied
     parameter is listed once, under its first name (as ``named_parameters()``).
     """
     out: dict[str, Tensor] = {}
@@ -20,7 +22,7 @@ def hf_named_tensors(module: nn.Module, remove_duplicate: bool = True) -> dict[s
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         prefix = f"{mod_name}." if mod_name else ""
         hf_tensors = getattr(mod, "hf_tensors", None)
-        if hf_tensors is not None:  # a merged projection (``MergedLinear``): its HF parts
+        if hf_tensors is not None:  # merged weights (MergedLinear, FusedExperts): HF parts
             parent = prefix[: prefix.rstrip(".").rfind(".") + 1]
             out.update((parent + n, t) for n, t in hf_tensors().items())
             continue

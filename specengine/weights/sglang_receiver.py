@@ -44,7 +44,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from specengine.model.config import CheckpointError
-from specengine.model.loader import check_entries, format_errors, hf_named_tensors
+from specengine.model.loader import check_entries, format_errors
+from specengine.model.weight_names import hf_named_tensors
 from specengine.weights.finite import check_finite_tensors
 from specengine.weights.protocol import MAX_TIMEOUT_S, MAX_WORLD_SIZE, WeightSyncError
 from specengine.weights.receiver import check_allowed, load_in_process, update_target
