@@ -31,8 +31,7 @@ from specengine.core.graphs import GraphRunner
 from specengine.core.transfer import to_device
 from specengine.core.verify import VerifyOutput, VerifyShape
 from specengine.drafters.base import Drafter, DraftProposal
-from specengine.drafters.suffix import SuffixDrafter
-from specengine.drafters.suffix_index import Chain
+from specengine.drafters.suffix import Chain, SuffixDrafter
 from specengine.model_runner import ForwardOutput
 from specengine.sequence import Sequence
 from specengine.tree import DraftTree
