@@ -75,7 +75,7 @@ void ChildTable::grow() {
 Trie::Trie(int32_t depth) : nodes(1), max_depth(depth) {}
 
 int32_t Trie::get_or_add(int32_t node, int32_t token) {
-  int32_t c = table_.find(node, token);
+  int32_t c = child(node, token);
   if (c < 0) {
     if (!free_.empty()) {
       c = free_.back();
@@ -88,6 +88,7 @@ int32_t Trie::get_or_add(int32_t node, int32_t token) {
     nodes[c].token = token;
     nodes[c].next_sibling = nodes[node].first_child;
     nodes[node].first_child = c;
+    nodes[node].num_children += 1;
     table_.insert(node, token, c);
   }
   Node& ch = nodes[c];
@@ -137,7 +138,7 @@ int64_t Trie::remove(SuffixDoc& doc) {
     f.resize(len);
     for (int64_t i = len - 1; i >= 0; --i) {
       const int32_t node = i == 0 ? 0 : f[i - 1];
-      const int32_t c = table_.find(node, t);
+      const int32_t c = child(node, t);
       if (c < 0) throw std::logic_error("suffix trie out of sync with its documents");
       Node& ch = nodes[c];
       ch.count -= 1;
@@ -147,6 +148,7 @@ int64_t Trie::remove(SuffixDoc& doc) {
         int32_t* link = &nodes[node].first_child;
         while (*link != c) link = &nodes[*link].next_sibling;
         *link = ch.next_sibling;
+        nodes[node].num_children -= 1;
         free_.push_back(c);
       }
       if (node != 0 && nodes[node].best == c) rescan_best(node);
@@ -174,6 +176,7 @@ SuffixCache::SuffixCache(const SuffixParamsC& p) : p_(p), glob_(p.max_depth) {
 }
 
 void SuffixCache::check(const TokenSource& s) const {
+  // Everything is checked before anything changes: a bad batch leaves the cache as it was.
   for (int64_t b = 0; b < s.batch; ++b) {
     const int64_t r = s.rows[b], n = s.lens[b];
     if (r < 0 || r >= s.num_rows) {
@@ -186,8 +189,20 @@ void SuffixCache::check(const TokenSource& s) const {
                                   std::to_string(s.num_prompt[b]) + " (matrix width " +
                                   std::to_string(s.width) + ")");
     }
+    // Only the tokens not indexed yet are read as tokens (a long context is not rescanned
+    // every step): from the end of the sequence's documents, or where new ones start.
+    int64_t from = 0;
+    auto it = by_seq_.find(s.seq_ids[b]);
+    if (it != by_seq_.end()) {
+      const int64_t start = std::max<int64_t>(0, s.num_prompt[b] - p_.prompt_tokens);
+      from = n;
+      for (const auto* doc : {it->second.local.get(), it->second.glob.get()}) {
+        if (doc != nullptr) from = std::min(from, doc->evicted ? start : doc->seq_end());
+      }
+      if (p_.global_tokens > 0 && it->second.glob == nullptr) from = std::min(from, start);
+    }
     const int64_t* row = s.tokens + r * s.width;
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = from; j < n; ++j) {
       if (row[j] < 0 || row[j] > INT32_MAX) {
         throw std::invalid_argument("SuffixCache: token " + std::to_string(row[j]) +
                                     " is not a vocabulary id");
@@ -333,7 +348,9 @@ SuffixDraftC SuffixCache::draft_from(const Trie& trie, const std::vector<int32_t
     while (static_cast<int64_t>(cur.tokens.size()) < cap && nodes[node].cont) {
       const int32_t c = nodes[node].best;
       prob *= static_cast<double>(nodes[c].count) /
-              (static_cast<double>(nodes[node].cont) + p_.smoothing);
+              (static_cast<double>(nodes[node].cont) +
+               p_.open_weight * static_cast<double>(nodes[node].count - nodes[node].cont) +
+               p_.smoothing);
       if (prob < p_.min_prob) break;
       cur.tokens.push_back(nodes[c].token);
       cur.probs.push_back(prob);

@@ -19,7 +19,7 @@ struct SuffixParamsC {
   int64_t max_tokens;     // per-prompt tries, all prompts together
   int64_t global_tokens;  // the global trie (0: none)
   int64_t prompt_tokens;  // prompt tail that starts each document
-  double min_prob, smoothing, spec_factor, spec_offset;
+  double min_prob, smoothing, spec_factor, spec_offset, open_weight;
 };
 
 // (parent node, token) -> child node: open addressing, linear probing, backward-shift deletion.
@@ -69,11 +69,23 @@ class Trie {
     int32_t best = -1;  // most frequent child (ties: smaller token); not kept for the root
     int32_t first_child = -1, next_sibling = -1;
     int32_t token = 0;
+    int32_t num_children = 0;
   };
   explicit Trie(int32_t max_depth);
   void append(SuffixDoc& doc, const int64_t* tokens, int64_t n);
   int64_t remove(SuffixDoc& doc);
-  int32_t child(int32_t node, int32_t token) const { return table_.find(node, token); }
+  // Small fan-out (most nodes below the first levels) walks the sibling list, whose nodes the
+  // step touches anyway; wide nodes (the first levels) look the pair up in the table.
+  int32_t child(int32_t node, int32_t token) const {
+    if (nodes[node].num_children <= kListChildren) {
+      for (int32_t c = nodes[node].first_child; c >= 0; c = nodes[c].next_sibling) {
+        if (nodes[c].token == token) return c;
+      }
+      return -1;
+    }
+    return table_.find(node, token);
+  }
+  static constexpr int32_t kListChildren = 4;
   std::vector<Node> nodes;  // nodes[0]: the root
   int64_t num_tokens = 0;
   int32_t max_depth;

@@ -62,13 +62,14 @@ first ``num_prompt[b]`` its prompt.
 )doc")
       .def(py::init([](int32_t max_depth, int64_t max_tokens, int64_t global_tokens,
                        int64_t prompt_tokens, double min_prob, double smoothing,
-                       double spec_factor, double spec_offset) {
+                       double spec_factor, double spec_offset, double open_weight) {
              return new SuffixCache({max_depth, max_tokens, global_tokens, prompt_tokens,
-                                     min_prob, smoothing, spec_factor, spec_offset});
+                                     min_prob, smoothing, spec_factor, spec_offset,
+                                     open_weight});
            }),
            py::arg("max_depth"), py::arg("max_tokens"), py::arg("global_tokens"),
            py::arg("prompt_tokens"), py::arg("min_prob"), py::arg("smoothing"),
-           py::arg("spec_factor"), py::arg("spec_offset"))
+           py::arg("spec_factor"), py::arg("spec_offset"), py::arg("open_weight") = 0.0)
       .def(
           "sync",
           [](SuffixCache& c, py::handle tokens, py::handle rows, py::handle lens,

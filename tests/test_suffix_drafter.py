@@ -85,7 +85,8 @@ def scan_draft(docs: list[list[int]], context: list[int], limit: int, p: SuffixP
             if not after:
                 break
             t = min(after, key=lambda x: (-after[x], x))
-            prob *= after[t] / (sum(after.values()) + p.smoothing)
+            opened = counts[s] - sum(after.values())
+            prob *= after[t] / (sum(after.values()) + p.open_weight * opened + p.smoothing)
             if prob < p.min_prob:
                 break
             toks.append(t)
@@ -98,7 +99,7 @@ def scan_draft(docs: list[list[int]], context: list[int], limit: int, p: SuffixP
 
 def make_cpp(p: SuffixParams) -> _C.SuffixCache:
     return _C.SuffixCache(p.max_depth, p.max_tokens, p.global_tokens, p.prompt_tokens,
-                          p.min_prob, p.smoothing, p.spec_factor, p.spec_offset)
+                          p.min_prob, p.smoothing, p.spec_factor, p.spec_offset, p.open_weight)
 
 
 # ---- the index (the Python reference) --------------------------------------------------------
@@ -136,7 +137,7 @@ def test_counts_and_drafts_match_the_definition() -> None:
     for trial in range(120):
         p = SuffixParams(max_depth=rng.choice((2, 3, 5, 8)), min_prob=rng.choice((0.0, 0.1)),
                          smoothing=rng.choice((0.0, 0.5)), spec_factor=rng.choice((1.0, 2.0)),
-                         spec_offset=rng.choice((0.0, 1.0)))
+                         spec_offset=rng.choice((0.0, 1.0)), open_weight=rng.choice((0.0, 1.0)))
         vocab = rng.choice((2, 3, 6))
         idx = SuffixIndex(p.max_depth)
         docs: dict[int, list[int]] = {}
@@ -220,7 +221,8 @@ def test_cpp_cache_gives_the_reference_proposals() -> None:
             max_depth=rng.choice((2, 3, 5, 8)), max_tokens=rng.choice((10, 40, 10**6)),
             global_tokens=rng.choice((0, 15, 60, 10**6)), prompt_tokens=rng.choice((0, 2, 8)),
             min_prob=rng.choice((0.0, 0.1, 0.3)), smoothing=rng.choice((0.0, 0.25, 1.0)),
-            spec_factor=rng.choice((0.5, 1.0, 2.0)), spec_offset=rng.choice((-1.0, 0.0, 1.5)))
+            spec_factor=rng.choice((0.5, 1.0, 2.0)), spec_offset=rng.choice((-1.0, 0.0, 1.5)),
+            open_weight=rng.choice((0.0, 0.5, 1.0)))
         ref, cpp = SuffixCacheRef(p), make_cpp(p)
         vocab = rng.choice((2, 3, 6))
         prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(0, 5))] for _ in range(3)]
@@ -268,8 +270,8 @@ def test_global_trie_drafts_across_prompts() -> None:
     """A completion of prompt A serves a sequence of prompt B (the per-prompt trie of B is
     empty); with ``global_tokens=0`` it does not."""
     a, b = [40, 41], [50, 51]
-    for cache in (SuffixCacheRef(SuffixParams(prompt_tokens=0)),
-                  make_cpp(SuffixParams(prompt_tokens=0))):
+    p = SuffixParams(prompt_tokens=0, smoothing=0.0)
+    for cache in (SuffixCacheRef(p), make_cpp(p)):
         cache.release(0, np.array(a + [1, 2, 3, 4, 5]), 2, True)  # unknown: ignored
         src = ({0: (a + [1, 2, 3, 4, 5], 2)}, {1: (b + [7, 1, 2, 3], 2)})
         cache.sync(*batch_of(src[0], random.Random(0)))
@@ -277,7 +279,7 @@ def test_global_trie_drafts_across_prompts() -> None:
         ids, counts, _, match, flags = cache.propose(*batch_of(src[1], random.Random(0)),
                                                      np.array([3]))
         assert ids[0, : counts[0]].tolist() == [4, 5] and match[0] == 3 and flags[0] & 1
-    off = SuffixCacheRef(SuffixParams(prompt_tokens=0, global_tokens=0))
+    off = SuffixCacheRef(replace(p, global_tokens=0))
     off.sync(*batch_of({0: (a + [1, 2, 3, 4, 5], 2)}, random.Random(0)))
     off.release(0, np.array(a + [1, 2, 3, 4, 5]), 2, True)
     assert off.propose(*batch_of({1: (b + [7, 1, 2, 3], 2)}, random.Random(0)),
@@ -327,7 +329,8 @@ def chains_of(drafter: SuffixDrafter, seqs: tuple[Sequence, ...], k: int) -> lis
 
 
 def test_learns_from_running_siblings_and_earlier_epochs() -> None:
-    drafter = SuffixDrafter(suffix_prompt_tokens=2)
+    # exact shares, no threshold: the chains show what is matched and how far it may go
+    drafter = SuffixDrafter(suffix_prompt_tokens=2, suffix_smoothing=0.0, suffix_min_prob=0.0)
     prompt = [10, 11, 12]
     ahead, behind = seq_with(0, prompt, [1, 2, 3, 4, 5]), seq_with(1, prompt, [1, 2])
     other = seq_with(2, [13, 14], [1, 2])
@@ -349,7 +352,8 @@ def test_learns_from_running_siblings_and_earlier_epochs() -> None:
     # for the same prompt and (global trie) for another with the same tail
     assert chains_of(drafter, (seq_with(4, prompt, []),), 2) == [[1, 2]]
     assert chains_of(drafter, (seq_with(5, [99, 11, 12], []),), 2) == [[1, 2]]
-    no_global = SuffixDrafter(suffix_prompt_tokens=2, suffix_global_tokens=0)
+    no_global = SuffixDrafter(suffix_prompt_tokens=2, suffix_global_tokens=0,
+                              suffix_smoothing=0.0, suffix_min_prob=0.0)
     assert chains_of(no_global, (ahead, other), 3) == [[], []]
 
 
@@ -400,8 +404,11 @@ def test_bad_options_are_refused() -> None:
 
 # ---- the hybrid's choice ---------------------------------------------------------------------
 def test_hybrid_explores_a_few_rows_then_follows_the_calibration() -> None:
+    # estimates 0.97 0.94 0.91 (smoothing 0.25): one calibration cell; a match of 2 may
+    # draft 3 (offset 1)
     hybrid = HybridDrafter(NgramDrafter(), SuffixDrafter(suffix_prompt_tokens=0,
-                                                         suffix_spec_offset=1.0))
+                                                         suffix_spec_offset=1.0,
+                                                         suffix_smoothing=0.25))
     prompt = [7, 1, 2, 9]  # "1 2" occurs in the prompt: the n-gram drafter proposes 9 1 2
     for sid in range(8):  # an earlier epoch: eight completions 1 2 3 4 5 6
         s = seq_with(sid, prompt, [1, 2, 3, 4, 5, 6])
@@ -446,18 +453,28 @@ def test_draft_pairs_through_the_factory() -> None:
 
 
 # ---- through the engine ------------------------------------------------------------------------
+#: suffix options that make the suffix drafter's estimates bolder than the defaults, so that
+#: on these small workloads (a couple of identical greedy siblings) the hybrid verifies both
+#: kinds of rows
+EAGER_SUFFIX = {"suffix_smoothing": 0.25, "suffix_min_prob": 0.1}
+
+
 def hybrid_engine(target: object = DEFAULT_TARGET, head: object = DEFAULT_DRAFT,
-                  **kwargs: object) -> SpecEngine:
+                  suffix: dict | None = None, **kwargs: object) -> SpecEngine:
     """An engine drafting with ``(head, "suffix")``. ``SpecEngine``'s ``draft=`` takes
     a pair once the engine passes it to ``make_drafter`` as given (``engine.py`` casts a
     draft to ``str``); until then the hybrid is put in place of the engine's EAGLE-3 drafter
     (the same drafter object, so the static path it bound stays valid)."""
+    suffix = suffix or {}
+    opts = {**(kwargs.pop("draft_options", None) or {}), **suffix}  # type: ignore[dict-item]
     try:
-        return SpecEngine(target, draft=(str(head), "suffix"), **kwargs)  # type: ignore
+        return SpecEngine(target, draft=(str(head), "suffix"), draft_options=opts,  # type: ignore
+                          **kwargs)
     except ValueError:
         pass
-    engine = SpecEngine(target, draft=head, **kwargs)  # type: ignore
-    hybrid = HybridDrafter(engine.drafter, SuffixDrafter())  # type: ignore[arg-type]
+    rest = {k: v for k, v in opts.items() if not k.startswith("suffix_")}
+    engine = SpecEngine(target, draft=head, draft_options=rest or None, **kwargs)  # type: ignore
+    hybrid = HybridDrafter(engine.drafter, SuffixDrafter(**suffix))  # type: ignore[arg-type]
     engine.drafter = engine.core.drafter = hybrid
     engine.scheduler.on_preempt = hybrid.release
     return engine
@@ -506,7 +523,7 @@ def test_greedy_equals_k0_with_preemption() -> None:
 
 
 def test_hybrid_greedy_equals_k0_on_the_bundled_pair() -> None:
-    engine = hybrid_engine(device="cpu", cuda_graphs=True)
+    engine = hybrid_engine(device="cpu", cuda_graphs=True, suffix=EAGER_SUFFIX)
     prompts, params = sibling_requests()
     assert_greedy_lossless(engine, prompts, params, ks=(3,), trees=("binary2",))
     hybrid = engine.drafter
@@ -532,6 +549,10 @@ def test_second_grpo_epoch_drafts_from_the_first() -> None:
     # The issue's bar: >= 2.5 tokens per step per sequence in the second epoch (n-gram: 1.25)
     assert suffix[1] >= 2.5 and suffix[1] > ngram[1] + 1.0, (suffix, ngram)
     assert suffix[1] > suffix[0] + 1.0  # the gain comes from the first epoch's completions
+    # first epoch (siblings in lockstep): the global trie's completions of other prompts
+    # (shared steps, arithmetic facts) put it ahead of the n-gram drafter (issue 27: 1.33
+    # vs 1.25 here; the per-prompt tries alone were no better than n-gram)
+    assert suffix[0] >= ngram[0] + 0.05, (suffix, ngram)
     # the pair keeps at least what the head alone keeps, in both epochs
     assert min(hybrid[0] - head[0], hybrid[1] - head[1]) >= -0.02, (hybrid, head)
 
@@ -561,7 +582,7 @@ def test_sampled_output_follows_the_policy(models, eagle_dir, case: str) -> None
                   kv_cache_tokens=2048 * 32, seed=7,
                   draft_options={"sample": True} if sample else None)
     engine = (SpecEngine(target, draft="suffix", **kwargs) if kind == "suffix"
-              else hybrid_engine(target, eagle_dir, **kwargs))
+              else hybrid_engine(target, eagle_dir, suffix=EAGER_SUFFIX, **kwargs))
     hybrid = engine.drafter
     counts = run_joint(engine, params, NUM_SEQS, **gen_kwargs)
     assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens

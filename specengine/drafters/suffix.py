@@ -72,6 +72,9 @@ class SuffixDrafter(Drafter):
             continuations + this (a lone observation is less sure than eight that agree).
         suffix_spec_factor, suffix_spec_offset: a match of m tokens drafts at most
             ``int(m * factor + offset)`` (short matches are weak evidence).
+        suffix_open_weight: how much the occurrences of a context not continued yet (the
+            sequence itself, siblings standing at the same place) count against an estimate
+            (0: not at all; 1: as SuffixDecoding counts them).
         suffix_prompt_tokens: how many of the prompt's last tokens start each document (so
             the first tokens of a completion match on the prompt's end too).
     """
@@ -83,16 +86,18 @@ class SuffixDrafter(Drafter):
                  suffix_smoothing: float = SuffixParams.smoothing,
                  suffix_spec_factor: float = SuffixParams.spec_factor,
                  suffix_spec_offset: float = SuffixParams.spec_offset,
+                 suffix_open_weight: float = SuffixParams.open_weight,
                  suffix_prompt_tokens: int = SuffixParams.prompt_tokens) -> None:
         self.params = SuffixParams(
             max_depth=suffix_max_depth, max_tokens=suffix_max_tokens,
             global_tokens=suffix_global_tokens, prompt_tokens=suffix_prompt_tokens,
             min_prob=suffix_min_prob, smoothing=suffix_smoothing,
-            spec_factor=suffix_spec_factor, spec_offset=suffix_spec_offset)
+            spec_factor=suffix_spec_factor, spec_offset=suffix_spec_offset,
+            open_weight=suffix_open_weight)
         p = self.params
         self.cache = _C.SuffixCache(p.max_depth, p.max_tokens, p.global_tokens,
                                     p.prompt_tokens, p.min_prob, p.smoothing, p.spec_factor,
-                                    p.spec_offset)
+                                    p.spec_offset, p.open_weight)
         #: where proposals go (set by ``make_drafter`` to the engine's device)
         self.device = torch.device("cpu")
         self._last: tuple[np.ndarray, ...] | None = None

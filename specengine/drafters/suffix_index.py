@@ -21,7 +21,10 @@ by token. Removal replays a document's walk, decrementing: exact.
 **Proposal** (SuffixDecoding's scoring; arctic-inference's ``speculate``): in each trie, for
 every match length ``m`` (the node of the sequence's last ``m`` tokens), the greedy path below
 it: most frequent child (ties: the smaller token), estimated probability the running product
-of ``child.count / (node.cont + smoothing)``, extended while that product is
+of ``child.count / (node.cont + open_weight * (node.count - node.cont) + smoothing)``
+(``node.count - node.cont``: occurrences not continued yet, the querying sequence itself and
+siblings standing at the same context; ``open_weight`` 1 counts them against the estimate as
+SuffixDecoding does), extended while that product is
 ``>= min_prob`` and while the path has fewer than ``min(limit, int(m * spec_factor +
 spec_offset))`` tokens. A path's score is the sum of its probabilities (expected accepted
 drafts under the estimate); the highest score over both tries and all ``m`` wins (ties: the
@@ -200,14 +203,15 @@ class SuffixParams:
     """The suffix drafter's options (``draft_options`` keys are these names with ``suffix_``
     in front; see :class:`~specengine.drafters.suffix.SuffixDrafter`)."""
 
-    max_depth: int = 24
+    max_depth: int = 16
     max_tokens: int = 1 << 18
     global_tokens: int = 1 << 16
     prompt_tokens: int = 8
-    min_prob: float = 0.1
-    smoothing: float = 0.25
+    min_prob: float = 0.3
+    smoothing: float = 1.0
     spec_factor: float = 1.0
     spec_offset: float = 0.0
+    open_weight: float = 0.0
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> ValueError:
@@ -229,6 +233,8 @@ class SuffixParams:
             raise bad("spec_factor", "in [0, 1000]")
         if not -1e3 <= self.spec_offset <= 1e3:
             raise bad("spec_offset", "in [-1000, 1000]")
+        if not 0.0 <= self.open_weight <= 1e3:
+            raise bad("open_weight", "in [0, 1000]")
 
 
 @dataclass(frozen=True)
@@ -261,7 +267,8 @@ def draft_from(frontier: list[Node], limit: int, p: SuffixParams) -> tuple[Draft
         prob, score = 1.0, 0.0
         while len(tokens) < cap and node.cont:
             token, child = node.best()
-            prob *= child.count / (node.cont + p.smoothing)
+            prob *= child.count / (node.cont + p.open_weight * (node.count - node.cont)
+                                   + p.smoothing)
             if prob < p.min_prob:
                 break
             tokens.append(token)
