@@ -316,6 +316,40 @@ def test_budgets_evict_least_recently_used_prompts_and_oldest_global_documents()
         SuffixParams(max_tokens=0)
 
 
+def test_cache_refuses_bad_batches_and_changes_nothing() -> None:
+    cache = make_cpp(SuffixParams())
+    good = batch_of({0: ([1, 2, 3, 4], 2)}, random.Random(0))
+    cache.sync(*good)
+    before = (cache.num_tokens, cache.num_global_tokens, cache.num_seqs)
+    tokens, rows, lens, num_prompt, ids = good
+    late = np.zeros((1, 3), dtype=np.int64)
+    late[0] = [1, 2, 2**40]  # a new sequence with a token that is no vocabulary id
+    cases = [
+        ((tokens, rows + 9, lens, num_prompt, ids), "outside the token matrix"),
+        ((tokens, rows, lens + 99, num_prompt, ids), "has length"),
+        ((tokens, rows, lens, lens + 1, ids), "has length"),
+        ((tokens, rows, np.append(lens, 1), num_prompt, ids), "one entry per sequence"),
+        ((tokens.astype(np.float64), rows, lens, num_prompt, ids), "must hold integers"),
+        ((late, np.array([0]), np.array([3]), np.array([1]), np.array([7])),
+         "not a vocabulary id"),
+    ]
+    for args, what in cases:
+        with pytest.raises((ValueError, TypeError), match=what):
+            cache.sync(*args)
+        with pytest.raises((ValueError, TypeError), match=what):
+            cache.propose(*args, np.array([3]))
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        cache.propose(*good, np.array([3, 3]))
+    with pytest.raises(ValueError, match="parent not before it"):
+        cache.propose_tree(*good, np.array([-1, 1]), np.array([0, 0]), 1)
+    with pytest.raises(ValueError, match="prompt longer"):
+        cache.release(0, np.array([1, 2]), 5, True)
+    assert (cache.num_tokens, cache.num_global_tokens, cache.num_seqs) == before
+    cache.propose(*good, np.array([3]))  # still usable
+    with pytest.raises(ValueError, match="max_depth"):
+        make_cpp(replace(SuffixParams(), max_depth=1))
+
+
 # ---- the drafter on sequences ------------------------------------------------------------------
 def seq_with(seq_id: int, prompt: list[int], generated: list[int]) -> Sequence:
     seq = Sequence(seq_id, prompt, SamplingParams(), 0, ())
