@@ -34,8 +34,7 @@ from specengine.core.sequence import Sequence
 from specengine.core.transfer import to_device
 from specengine.core.verify import VerifyOutput, VerifyShape
 from specengine.drafters.base import Drafter, DraftProposal
-from specengine.drafters.suffix import SuffixDrafter
-from specengine.drafters.suffix_index import Chain
+from specengine.drafters.suffix import Chain, SuffixDrafter
 from specengine.tree import DraftTree
 
 #: per-step decay of the running counts (an effective memory of ~500 steps)
