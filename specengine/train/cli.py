@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFor
                     "target features its drafter's catch-up pass computes, train an EAGLE-3 "
                     "head with the unrolled loss of online adaptation, write it in the "
                     "published layout to --out and evaluate it on held-out prompts "
-                    "(docs/design.md, Training a draft).")
+                    "(docs/design.md §18, offline training).")
     t.add_argument("--model", type=Path, default=None, metavar="DIR",
                    help="target checkpoint dir, HF layout (default: the bundled arithmetic "
                         "model)")
