@@ -16,7 +16,7 @@ from specengine.core.auto_k import DEFAULT_K_MAX, resolve_k
 from specengine.core.auto_k_calibration import calibrate
 from specengine.core.engine_core import EngineCore
 from specengine.core.graphs import DEFAULT_BUCKETS, build_graph_runner
-from specengine.drafters.adapt_train import AdaptResult
+from specengine.drafters.adapt_train import DEFAULT_ADAPT_LR, DEFAULT_ADAPT_STEPS, AdaptResult
 from specengine.kv_cache import KVCache, num_kv_blocks
 from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
@@ -534,7 +534,8 @@ class SpecEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def adapt_draft(self, steps: int = 50, lr: float = 1e-3) -> AdaptResult:
+    def adapt_draft(self, steps: int = DEFAULT_ADAPT_STEPS,
+                    lr: float = DEFAULT_ADAPT_LR) -> AdaptResult:
         """Train the EAGLE-3 head in place for ``steps`` AdamW steps at ``lr`` on the rollouts
         it kept (target features + the policy's tokens; EAGLE-3's unrolled training loss).
         Needs ``draft_options={"adapt_buffer_tokens": N}`` (keep the last N positions);
