@@ -53,6 +53,7 @@ __all__ = [
     "reward",
     "write_tokenizer_json",
     "CHAT_TEMPLATE",
+    "write_training_prompts",
 ]
 
 PAD = "<pad>"
@@ -300,3 +301,12 @@ def write_tokenizer_json(path: str | Path) -> None:
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": PAD},
     }
     Path(path).write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+
+
+def write_training_prompts(path: str | Path, n: int, seed: int = TRAIN_SEED) -> None:
+    """Write the first ``n`` prompts of :func:`training_problems` to ``path``, one per line
+    (a prompt file for ``specengine train-draft``; none of them is a held-out prompt)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    stream = training_problems(seed)
+    Path(path).write_text("".join(next(stream)[0] + "\n" for _ in range(n)))

@@ -142,6 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-baseline", action="store_true",
                    help="skip the k=0 comparison run (default: run it when --k > 0)")
     _add_serve_parser(sub)
+    from specengine.train.cli import add_parser as add_train_draft_parser
+
+    add_train_draft_parser(sub, _Formatter)
     return p
 
 
@@ -322,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, KVCacheFullError) as e:  # bad options: a message, not a traceback
             print(f"error: {e}", file=sys.stderr)
             return 2
+    if args.command == "train-draft":
+        from specengine.train.cli import main as train_draft_main
+
+        return train_draft_main(args, DEFAULT_TARGET)
     return 1
 
 

@@ -23,7 +23,7 @@ from specengine.core.requests import RequestBatch, load_tokenizer, validate_requ
 from specengine.core.sampler import Sampler
 from specengine.core.scheduler import Scheduler
 from specengine.core.step import num_drafts_for
-from specengine.drafters.adapt_train import AdaptResult
+from specengine.drafters.adapt_train import DEFAULT_ADAPT_LR, DEFAULT_ADAPT_STEPS, AdaptResult
 from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
 from specengine.model.loader import build_model
@@ -533,7 +533,8 @@ class SpecEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def adapt_draft(self, steps: int = 50, lr: float = 1e-3) -> AdaptResult:
+    def adapt_draft(self, steps: int = DEFAULT_ADAPT_STEPS,
+                    lr: float = DEFAULT_ADAPT_LR) -> AdaptResult:
         """Train the EAGLE-3 head in place for ``steps`` AdamW steps at ``lr`` on the rollouts
         it kept (target features + the policy's tokens; EAGLE-3's unrolled training loss).
         Needs ``draft_options={"adapt_buffer_tokens": N}`` (keep the last N positions);
