@@ -32,6 +32,7 @@ from .reference_layer import (
 )
 from .reference_sampling import (
     RNG_GROUP,
+    draft_probs_in_target_vocab,
     exponential_from_bits,
     keep_threshold,
     philox4x32,
@@ -44,6 +45,7 @@ __all__ = [
     "RNG_GROUP",
     "add_rms_norm",
     "compact_kv",
+    "draft_probs_in_target_vocab",
     "exponential_from_bits",
     "gather_kv",
     "keep_threshold",
