@@ -20,8 +20,12 @@ from specengine.core.memory_plan import (
     GIB,
     DrafterFacts,
     MemoryPlan,
+    activation_bytes_with,
+    kv_budget_bytes,
+    largest_shape,
     max_graph_bytes,
     measure_peak_bytes,
+    measured_activation_peak,
     model_params,
     plan_memory,
     verify_k_max,
@@ -296,6 +300,72 @@ def test_cuda_sizing_follows_the_plan(pair: tuple[Path, Path],
     assert half == (left - int(0.9 * total) + int(0.5 * total)) // 151_552 // 16
     # kv_cache_tokens still overrides.
     assert num_kv_blocks(replace(cfg, kv_cache_tokens=4096), target, cuda) == 256
+
+
+# ---- the largest-shape dry run (CUDA) and the sizing around its measurement ----------------
+def test_the_sizing_arithmetic_with_given_numbers(pair: tuple[Path, Path]) -> None:
+    # KV budget = utilisation x card - in use - activations - static buffers, never < 0.
+    assert kv_budget_bytes(80 * GIB, 0.9, 17 * 10**9, 5 * GIB, GIB) == \
+        int(0.9 * 80 * GIB) - 17 * 10**9 - 6 * GIB == 53_866_960_384
+    assert kv_budget_bytes(80 * GIB, 0.5, 30 * GIB, 9 * GIB, 2 * GIB) == 0
+    # The measured peak replaces the plan's eager activations when larger; the plan is the
+    # floor (the drafter's pass over the chunk is planned, not measured); the graphs' pool
+    # stays as planned.
+    plan = plan_8b(*pair)
+    eager = max(plan.prefill_activation_bytes, plan.verify_activation_bytes)
+    pool = plan.activation_bytes - eager
+    assert pool == plan.verify_activation_bytes  # graphs on: one pool at the verify peak
+    assert activation_bytes_with(plan, None) == plan.activation_bytes
+    assert activation_bytes_with(plan, eager + 3 * GIB) == plan.activation_bytes + 3 * GIB
+    assert activation_bytes_with(plan, eager // 2) == plan.activation_bytes
+    # The shape the dry run feeds: the 16,384-token chunk, and the full verify pass's
+    # 256 x 9 logits rows (its tokens are fewer than the chunk's).
+    cfg = config_8b(*pair)
+    assert largest_shape(cfg, True) == (16384, 256 * 9)
+    assert largest_shape(replace(cfg, max_num_batched_tokens=2048), True) == (2304, 2304)
+    assert largest_shape(cfg, False) == (16384, 256)
+
+
+def test_cuda_sizing_uses_the_measured_peak(pair: tuple[Path, Path],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    total, weights = 80 * GIB, 17 * 10**9
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - weights, total))
+    cfg = config_8b(*pair, max_num_batched_tokens=8192)
+    target = ModelConfig.from_dir(pair[0])
+    cuda = torch.device("cuda")
+    plan = plan_memory(target, cfg, total, DrafterFacts.from_draft(cfg.draft, target, 2))
+    planned = num_kv_blocks(cfg, target, cuda)
+    assert num_kv_blocks(cfg, target, cuda, measured_peak=1) == planned  # below the plan
+    peak = max(plan.prefill_activation_bytes, plan.verify_activation_bytes) + 2 * GIB
+    measured = num_kv_blocks(cfg, target, cuda, measured_peak=peak)
+    left = int(0.9 * total) - weights - (plan.activation_bytes + 2 * GIB) - plan.static_bytes
+    target_bpt = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2  # the target's cache alone here
+    assert measured == left // target_bpt // 16 < planned
+    # 2 GiB more activations: 2 GiB less cache, to the block.
+    assert (planned - measured) * 16 * target_bpt == pytest.approx(2 * GIB, abs=16 * target_bpt)
+
+
+def test_the_dry_run_is_cuda_only_and_only_for_utilisation_sizing(
+        tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import specengine.engine as engine_module
+
+    cfg = EngineConfig(model=str(tiny_checkpoint), device="cpu")
+    assert measured_activation_peak(cfg, None, torch.device("cpu")) is None  # type: ignore
+    cuda_cfg = replace(cfg, device="cuda", kv_cache_tokens=4096, kernel_backend="triton")
+    assert measured_activation_peak(cuda_cfg, None, torch.device("cuda")) is None  # type: ignore
+    # The engine hands what it measured to both caches' sizing (on the CPU: nothing).
+    seen = []
+    real = engine_module.num_kv_blocks
+    monkeypatch.setattr(engine_module, "num_kv_blocks",
+                        lambda *a, **kw: seen.append(kw.get("measured_peak")) or real(*a, **kw))
+    engine = SpecEngine(tiny_checkpoint, str(tiny_checkpoint), device="cpu", dtype="float32",
+                        max_model_len=64, max_batch_size=2)
+    assert seen == [None] and engine.draft_context.measured_peak is None
+    monkeypatch.setattr(engine_module, "measured_activation_peak", lambda *a: 12345)
+    seen.clear()
+    engine = SpecEngine(tiny_checkpoint, str(tiny_checkpoint), device="cpu", dtype="float32",
+                        max_model_len=64, max_batch_size=2)
+    assert seen == [12345] and engine.draft_context.measured_peak == 12345
 
 
 def test_cpu_engine_sizes_its_cache_as_before(tiny_checkpoint: Path) -> None:

@@ -25,7 +25,10 @@ The static buffers are those of the code (``core/verify.py``, ``drafters/static_
 - the draft-id buffer, the persistent batch state and a feature drafter's root buffer.
 
 Every figure is an estimate the tests hold to a hand computation; on a card,
-:func:`measure_peak_bytes` measures a pass's peak (``scripts/plan_memory.py --measure``).
+:func:`measure_peak_bytes` measures a pass's peak (``scripts/plan_memory.py --measure``), and
+an engine sizing its cache from ``gpu_memory_utilization`` runs :func:`dry_run_largest_shape`
+first: the KV cache is then sized around the larger of the measured and the planned eager
+activations (:func:`activation_bytes_with`, :func:`kv_budget_bytes`).
 
 The graph budget's default bytes on CUDA (:func:`max_graph_bytes`) are the plan's activations
 plus its graphs and static buffers (:attr:`MemoryPlan.graph_budget_bytes`): a capture's bytes
@@ -397,6 +400,26 @@ def kv_tokens_for(cfg: EngineConfig, budget_bytes: int, bytes_per_token: int) ->
     return tokens // cfg.block_size * cfg.block_size
 
 
+def kv_budget_bytes(total_bytes: int, gpu_memory_utilization: float, in_use_bytes: int,
+                    activation_bytes: int, static_bytes: int) -> int:
+    """Bytes the KV caches get: ``gpu_memory_utilization`` of the card, less what is in use
+    already (weights, CUDA context, a cache sized first), the activations' peak and the
+    graphs' static buffers; never below 0."""
+    return max(0, int(gpu_memory_utilization * total_bytes) - in_use_bytes - activation_bytes
+               - static_bytes)
+
+
+def activation_bytes_with(plan: MemoryPlan, measured_peak: int | None) -> int:
+    """The activations the KV cache is sized around: the plan's, with its eager part (the
+    caching allocator's pool: the largest prefill chunk or verify pass, every shape's first
+    run) raised to ``measured_peak`` (:func:`dry_run_largest_shape`) when that is larger. The
+    plan stays the floor: the dry run feeds the target only (a drafter's pass over the chunk
+    is planned, not measured). The graphs' private pool is kept as planned."""
+    eager = max(plan.prefill_activation_bytes, plan.verify_activation_bytes)
+    graph_pool = plan.activation_bytes - eager
+    return (eager if measured_peak is None else max(eager, measured_peak)) + graph_pool
+
+
 def measure_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
     """Bytes a pass allocates at its peak above what was allocated before it, measured on
     CUDA (the dry run that checks a plan's activation figures; it cannot run on the CPU)."""
@@ -411,16 +434,19 @@ def measure_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
 
 
 def dry_run_prefill(model: torch.nn.Module, cfg: EngineConfig, backend: Any,
-                    aux_layers: tuple[int, ...] = ()) -> int:
+                    aux_layers: tuple[int, ...] = (), num_tokens: int | None = None,
+                    num_logits: int | None = None) -> int:
     """The peak of one largest prefill chunk (``max_num_batched_tokens`` tokens as one
-    sequence) through ``model`` on CUDA, before the KV cache exists: a one-block dummy cache,
-    every slot ``-1`` (nothing written; attention reads block 0, values are not looked at),
-    then the last ``max_batch_size`` tokens' logits. Unrun here (no GPU in the CPU tests)."""
+    sequence, or ``num_tokens``) through ``model`` on CUDA, before the KV cache exists: a
+    one-block dummy cache, every slot ``-1`` (nothing written; attention reads block 0, values
+    are not looked at), then the last ``max_batch_size`` (or ``num_logits``) tokens' logits.
+    Unrun here (no GPU in the CPU tests)."""
     from specengine.model.attention import AttentionMetadata
 
     mc: ModelConfig = model.config  # type: ignore[assignment]
     dev = next(model.parameters()).device
-    t = cfg.max_num_batched_tokens
+    t = num_tokens or cfg.max_num_batched_tokens
+    num_logits = min(num_logits or cfg.max_batch_size, t)
     kv = torch.zeros(2, mc.num_layers, 1, cfg.block_size, mc.num_kv_heads, mc.head_dim,
                      dtype=cfg.torch_dtype, device=dev)
     meta = AttentionMetadata(
@@ -434,6 +460,57 @@ def dry_run_prefill(model: torch.nn.Module, cfg: EngineConfig, backend: Any,
     @torch.inference_mode()
     def run() -> None:
         hidden, _ = model(ids, pos, kv, meta, backend, aux_layers)
-        model.compute_logits(hidden[-min(cfg.max_batch_size, t):]).float()
+        model.compute_logits(hidden[-num_logits:]).float()
 
     return measure_peak_bytes(run, dev)
+
+
+def largest_shape(cfg: EngineConfig, drafting: bool) -> tuple[int, int]:
+    """(tokens, logits rows) of the largest eager pass an engine of ``cfg`` runs: the larger
+    of the prefill chunk (``max_num_batched_tokens``; the last ``max_batch_size`` rows'
+    logits) and the full verify pass (capacity x ``verify_k_max + 1`` tokens, every one's
+    logits; one token a row without a drafter)."""
+    fed = capacity_of(cfg) * (verify_k_max(cfg) + 1 if drafting else 1)
+    chunk = cfg.max_num_batched_tokens
+    return max(chunk, fed), max(min(cfg.max_batch_size, chunk), fed)
+
+
+def dry_run_largest_shape(model: torch.nn.Module, cfg: EngineConfig, backend: Any,
+                          drafter: DrafterFacts | None) -> int:
+    """One forward of the target at :func:`largest_shape` on CUDA before the KV cache is
+    sized (as vLLM profiles a dummy run first), keeping as many hidden states for the drafter
+    as it reads (``drafter.num_aux`` layers); returns the peak bytes it allocated
+    (``torch.cuda.max_memory_allocated``) above what was in use. CUDA only."""
+    tokens, logits = largest_shape(cfg, drafter is not None and drafter.has_model)
+    mc: ModelConfig = model.config  # type: ignore[assignment]
+    num_aux = drafter.num_aux if drafter is not None else 0
+    aux = tuple(range(1, min(num_aux, mc.num_layers) + 1))
+    return dry_run_prefill(model, cfg, backend, aux, tokens, logits)
+
+
+def measured_activation_peak(cfg: EngineConfig, model: torch.nn.Module,
+                             device: torch.device) -> int | None:
+    """At engine start, before any KV cache: on CUDA with the cache sized from
+    ``gpu_memory_utilization`` (no ``kv_cache_tokens``), :func:`dry_run_largest_shape`'s
+    peak; elsewhere None (nothing to measure on the CPU: the plan stands). A dry run that
+    runs out of memory is reported with the settings that size it."""
+    if device.type != "cuda" or cfg.kv_cache_tokens is not None:
+        return None
+    from specengine.model.attention import make_attention_backend
+
+    mc: ModelConfig = model.config  # type: ignore[assignment]
+    drafter = DrafterFacts.from_draft(cfg.draft, mc, _dtype_bytes(cfg.torch_dtype))
+    tokens, logits = largest_shape(cfg, drafter is not None and drafter.has_model)
+    try:
+        peak = dry_run_largest_shape(model, cfg, make_attention_backend(cfg.kernel_backend),
+                                     drafter)
+    except torch.cuda.OutOfMemoryError as e:
+        raise RuntimeError(
+            f"the largest-shape dry run ({tokens} tokens, {logits} logits rows) ran out of "
+            "device memory before the KV cache was sized: lower max_num_batched_tokens or "
+            f"max_batch_size, or use a larger card ({e})") from e
+    finally:
+        torch.cuda.empty_cache()  # the dry run's blocks go back before the caches are made
+    logger.info("dry run at the largest shape (%d tokens, %d logits rows): peak %.2f GiB",
+                tokens, logits, peak / GIB)
+    return peak

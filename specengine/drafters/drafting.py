@@ -115,7 +115,8 @@ def draft_kv_cache(ctx: DraftContext, num_layers: int, num_kv_heads: int,
     runs out first); on CUDA the free memory is split between both caches."""
     cfg = ctx.config
     bpt = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, cfg.torch_dtype)
-    blocks = num_kv_blocks(cfg, ctx.model_config, ctx.device, extra_bytes_per_token=bpt)
+    blocks = num_kv_blocks(cfg, ctx.model_config, ctx.device, extra_bytes_per_token=bpt,
+                           measured_peak=ctx.measured_peak)
     return KVCache(blocks, cfg.block_size, num_layers, num_kv_heads, head_dim, cfg.torch_dtype,
                    ctx.device)
 
