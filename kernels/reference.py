@@ -34,6 +34,7 @@ from .reference_layer import (
 from .reference_moe import expert_mlp, fused_moe, moe_forward, route_topk
 from .reference_sampling import (
     RNG_GROUP,
+    draft_probs_in_target_vocab,
     exponential_from_bits,
     keep_threshold,
     philox4x32,
@@ -47,6 +48,7 @@ __all__ = [
     "add_rms_norm",
     "compact_kv",
     "expert_mlp",
+    "draft_probs_in_target_vocab",
     "exponential_from_bits",
     "fused_moe",
     "gather_kv",

@@ -89,20 +89,36 @@ def _argmax_or(keys: Tensor, floor: float, fallback: Tensor) -> Tensor:
     return torch.where(best.values > floor, keys.argmax(1), fallback)
 
 
+def draft_probs_in_target_vocab(q: Tensor, draft_index: Tensor) -> Tensor:
+    """A drafter's distributions over its own vocabulary ``q [..., Vd]`` as distributions over
+    the target's ``[..., V]``: target token ``t`` has ``q[..., draft_index[t]]`` where
+    ``draft_index[t] >= 0`` and 0 where the drafter has no id for it (an EAGLE-3 head's
+    reduced vocabulary: ``draft_index`` is its ``t2d`` as column numbers)."""
+    idx = draft_index.long()
+    return torch.where(idx >= 0, q[..., idx.clamp(min=0)].float(), 0.0)
+
+
 def rejection_sample(
     target_logits: Tensor,  # [B, N, V] float32 / float16 / bfloat16
     draft_token_ids: Tensor,  # [B, N-1] int: chain: draft j, judged by row j; tree: node j+1
     num_draft_tokens: Tensor,  # [B] int: chain 0..N-1; tree N-1 or 0
-    draft_probs: Tensor | None,  # [B, N-1, V] q_j each draft was sampled from; None: point mass
+    draft_probs: Tensor | None,  # [B, N-1, V] q_j each draft was drawn from ([.., Vd]: below)
     temperature: Tensor,  # [B] float32, 0 = greedy
     top_k: Tensor,  # [B] int, <= 0 = off
     top_p: Tensor,  # [B] float32 in (0, 1]
     seeds: Tensor,  # [B] int64
     offsets: Tensor,  # [B] int64: position of the token emitted at row 0
     tree_parents: Tensor | None,  # [N] int: parents[0] = -1, parents[j] < j; None = chain
+    *,
+    draft_index: Tensor | None = None,  # [V] int: draft_probs column of target token t, or -1
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Lossless speculative sampling: (output_ids [B, N] int64 (-1 pad), num_accepted [B] int32,
-    logprobs [B, N] float32 (0 pad), row_ids [B, N] int32 (-1 pad)). Inputs assumed valid."""
+    logprobs [B, N] float32 (0 pad), row_ids [B, N] int32 (-1 pad)). Inputs assumed valid.
+
+    With ``draft_index`` the drafts were drawn from ``draft_probs [B, N-1, Vd]`` over the
+    drafter's own vocabulary: the distribution judged is exactly that one in target ids
+    (:func:`draft_probs_in_target_vocab`: 0 at target tokens the drafter cannot propose), and
+    a rejection's residual ``max(p - q, 0)`` covers the whole target vocabulary."""
     bsz, n_rows, vocab = target_logits.shape
     dev = target_logits.device
     tree = tree_parents is not None
@@ -160,6 +176,8 @@ def rejection_sample(
                 ok = (p_child[:, c] > 0) & (u <= p_child[:, c])
             else:
                 q = draft_probs[:, c - 1].float()
+                if draft_index is not None:
+                    q = draft_probs_in_target_vocab(q, draft_index)
                 qx = q.gather(1, x)[:, 0]
                 ok = (qx > 0) & (u * qx <= p_child[:, c])
                 r = (w / s - q).clamp(min=0)

@@ -9,7 +9,8 @@ the same inputs and seeds. Two launches, no host sync (CUDA-graph capturable):
      plain and without the row's children's tokens); with top-k / top-p, a threshold search of
      ~4-8 counting passes each (``threshold_search``: bisection over value space, never a sort);
      then one last race pass only if a pass-1 winner fell outside the kept set or the row's
-     sampled draft (``draft_probs``) was rejected (residual max(p - q, 0), reads q too).
+     sampled draft (``draft_probs``) was rejected (residual max(p - q, 0), reads q too; q
+     over a drafter's own vocabulary is read through ``draft_index``, 0 off it).
    It stores per row the token emitted if the walk ends there and, per child, p_row(x_child).
 2. ``_walk_kernel``, one program per request: chain = first rejected draft; tree = the
    child-by-child walk on residuals (tiny: O(N) scalar steps per accepted token).
@@ -46,9 +47,10 @@ _SBLOCK_TREE = 1024 if _INTERPRET else 64
 
 @triton.jit
 def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s_qb, s_qn,
-                temp_ptr, inv_t_ptr, top_k_ptr, top_p_ptr, seed_ptr, offset_ptr, parents_ptr,
-                tok_end_ptr, lp_end_ptr, p_child_ptr, lp_child_ptr, acc_ptr, N, V,
-                HAS_Q: tl.constexpr, IS_TREE: tl.constexpr, P: tl.constexpr,
+                map_ptr, temp_ptr, inv_t_ptr, top_k_ptr, top_p_ptr, seed_ptr, offset_ptr,
+                parents_ptr, tok_end_ptr, lp_end_ptr, p_child_ptr, lp_child_ptr, acc_ptr, N, V,
+                HAS_Q: tl.constexpr, HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr,
+                P: tl.constexpr,
                 SBLOCK: tl.constexpr, GBLOCK: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // N
@@ -120,7 +122,12 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
                 # Accept iff u·q(x) <= p(x): P(accept) = min(1, p/q); a rejection is followed by
                 # a draw of norm(max(p - q, 0)), which together give exactly p (q = 1: point mass).
                 if HAS_Q:
-                    qx = tl.load(q_row_ptr + x).to(tl.float32)
+                    if HAS_MAP:  # q over the drafter's vocabulary: x's column, or q(x) = 0
+                        dx = tl.load(map_ptr + x).to(tl.int64)
+                        qx = tl.load(q_row_ptr + tl.maximum(dx, 0)).to(tl.float32)
+                        qx = tl.where(dx >= 0, qx, 0.0)
+                    else:
+                        qx = tl.load(q_row_ptr + x).to(tl.float32)
                     ok = (qx > 0) & (u * qx <= p)
                 else:
                     ok = (p > 0) & (u <= p)
@@ -137,8 +144,9 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
         z2 = tl.load(row_ptr + tl.maximum(i2, 0)).to(tl.float32) * inv_t
         need = (z1 < tau) | ((i2 >= 0) & (z2 < tau)) | rejected_q
         if need & sampled:
-            i1, i2 = final_pass(row_ptr, q_row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n,
-                                N, V, inv_t, tau, m, s_tau, rejected_q.to(tl.int32), IS_TREE)
+            i1, i2 = final_pass(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0, k1,
+                                pos, j, n, N, V, inv_t, tau, m, s_tau, rejected_q.to(tl.int32),
+                                HAS_MAP, IS_TREE)
         tok = tl.where(i2 >= 0, i2, i1)
         z_t = tl.load(row_ptr + tok).to(tl.float32) * inv_t
         tl.store(tok_end_ptr + at + j, tok)
@@ -221,7 +229,8 @@ def rejection_sample(
     target_logits: Tensor,  # [B, N, V] float32 / float16 / bfloat16
     draft_token_ids: Tensor,  # [B, N-1] int64: chain: draft j judged by row j; tree: node j+1
     num_draft_tokens: Tensor,  # [B] int32: chain 0..N-1; tree N-1 or 0
-    draft_probs: Tensor | None,  # [B, N-1, V] or None (point-mass drafts; always for trees)
+    draft_probs: Tensor | None,  # [B, N-1, V] ([B, N-1, Vd] with draft_index) or None (point
+    # masses; always for trees)
     temperature: Tensor,  # [B] float32, 0 = greedy
     top_k: Tensor,  # [B] int32, <= 0 = off
     top_p: Tensor,  # [B] float32 in (0, 1]
@@ -229,10 +238,15 @@ def rejection_sample(
     offsets: Tensor,  # [B] int64
     tree_parents: Tensor | None,  # [N] int32 or None (chain)
     *,
+    draft_index: Tensor | None = None,  # [V] int32 / int64: draft_probs column of token t, or -1
     check_values: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Same contract and results as ``reference.rejection_sample``; returns (output_ids [B, N]
     int64, num_accepted [B] int32, logprobs [B, N] float32, row_ids [B, N] int32).
+
+    ``draft_index``: the drafts were drawn from ``draft_probs`` over the drafter's own
+    vocabulary (``reference.draft_probs_in_target_vocab`` gives the law judged); the kernels
+    read q(x) through it and the residual max(p - q, 0) over every target token.
 
     ``check_values`` also validates values (draft ids, lengths, parents, ranges), which costs one
     device→host sync. Default (None): on only when ``debug.value_checks_enabled()`` and no CUDA
@@ -241,7 +255,7 @@ def rejection_sample(
     if check_values is None:
         check_values = check_values_now()
     validate_inputs(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temperature,
-                    top_k, top_p, seeds, offsets, tree_parents, check_values)
+                    top_k, top_p, seeds, offsets, tree_parents, check_values, draft_index)
     bsz, n_rows, vocab = target_logits.shape
     dev = target_logits.device
     is_tree = tree_parents is not None
@@ -257,13 +271,14 @@ def rejection_sample(
     row_ids = torch.full((bsz, n_rows), -1, dtype=torch.int32, device=dev)
     q = draft_probs if draft_probs is not None else target_logits  # dummy when unused
     parents = tree_parents if is_tree else num_draft_tokens  # dummy when unused
+    vocab_map = draft_index if draft_index is not None else num_draft_tokens  # dummy too
     s_db = draft_token_ids.stride(0) if n_rows > 1 else 0
     _row_kernel[(bsz * n_rows,)](
         target_logits, target_logits.stride(0), target_logits.stride(1),
-        draft_token_ids, s_db, num_draft_tokens, q, q.stride(0), q.stride(1),
+        draft_token_ids, s_db, num_draft_tokens, q, q.stride(0), q.stride(1), vocab_map,
         temperature, inv_t, top_k, top_p, seeds, offsets, parents,
         tok_end, lp_end, p_child, lp_child, acc, n_rows, vocab,
-        HAS_Q=draft_probs is not None, IS_TREE=is_tree, P=16,
+        HAS_Q=draft_probs is not None, HAS_MAP=draft_index is not None, IS_TREE=is_tree, P=16,
         SBLOCK=_SBLOCK_TREE if is_tree else _SBLOCK, GBLOCK=2048,
         # ptxas otherwise caps this kernel near 128 registers and spills a few bytes on sm_100a
         # (scripts/compile_kernels.py); 255 lets it keep every pass's per-lane state.

@@ -30,7 +30,8 @@ def _check_vec(name: str, t: Tensor, dtypes: tuple, bsz: int, device: torch.devi
 
 def validate_inputs(logits: Tensor, drafts: Tensor, num_draft: Tensor, q: Tensor | None,
                     temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor,
-                    offsets: Tensor, parents: Tensor | None, check_values: bool) -> None:
+                    offsets: Tensor, parents: Tensor | None, check_values: bool,
+                    draft_index: Tensor | None = None) -> None:
     """Raise TypeError / ValueError, naming the argument, unless the inputs of
     ``rejection_sample`` have the shapes, dtypes, devices and strides the kernels assume (and,
     with ``check_values``, values in range: one device→host sync)."""
@@ -58,11 +59,21 @@ def validate_inputs(logits: Tensor, drafts: Tensor, num_draft: Tensor, q: Tensor
         _check(parents is None, "draft_probs must be None for trees (tree drafts are point masses)")
         _check(isinstance(q, Tensor) and q.dtype in _FLOATS,
                f"draft_probs must be a float tensor in {_FLOATS}", TypeError)
-        _check(tuple(q.shape) == (bsz, n_rows - 1, vocab),
-               f"draft_probs must be [B, N-1, V] = ({bsz}, {n_rows - 1}, {vocab}), "
-               f"got {tuple(q.shape)}")
+        # Over the target's vocabulary, or over a drafter's own (draft_index maps to it).
+        q_vocab = vocab if draft_index is None else (q.shape[-1] if q.dim() == 3 else -1)
+        _check(tuple(q.shape) == (bsz, n_rows - 1, q_vocab) and q_vocab > 0,
+               f"draft_probs must be [B, N-1, V] = ({bsz}, {n_rows - 1}, "
+               f"{vocab if draft_index is None else 'Vd'}), got {tuple(q.shape)}")
         _check(q.device == dev, "draft_probs must be on the device of target_logits")
         _check(q.stride(2) == 1, "draft_probs must be contiguous along the vocabulary")
+    if draft_index is not None:
+        _check(q is not None, "draft_index needs draft_probs (it maps target ids to its columns)")
+        _check(isinstance(draft_index, Tensor) and draft_index.dtype in _INTS,
+               "draft_index must be an int32/int64 tensor", TypeError)
+        _check(tuple(draft_index.shape) == (vocab,),
+               f"draft_index must have shape (V,) = ({vocab},), got {tuple(draft_index.shape)}")
+        _check(draft_index.device == dev and draft_index.is_contiguous(),
+               "draft_index must be contiguous on the device of target_logits")
     if parents is not None:
         _check(isinstance(parents, Tensor) and parents.dtype in _INTS,
                "tree_parents must be an int32/int64 tensor", TypeError)
@@ -85,6 +96,9 @@ def validate_inputs(logits: Tensor, drafts: Tensor, num_draft: Tensor, q: Tensor
         (((top_p > 0) & (top_p <= 1)).all(), "top_p must be in (0, 1]"),
         ((offsets >= 0).all(), "offsets must be >= 0"),
     ]
+    if draft_index is not None:
+        conds.append((((draft_index >= -1) & (draft_index < q.shape[-1])).all(),  # type: ignore
+                      f"draft_index must be in [-1, {q.shape[-1]})"))  # type: ignore[union-attr]
     if parents is not None:
         p = parents.long()
         ok_par = (p[0] == -1) & ((p[1:] >= 0) & (p[1:] < c + 1)).all()

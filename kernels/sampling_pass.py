@@ -251,10 +251,12 @@ def threshold_search(row_ptr, V, inv_t, m, lo, hi, lo_mass, need_count, need_mas
 
 
 @triton.jit
-def final_pass(row_ptr, q_row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t,
-               tau, m, s, use_q, IS_TREE: tl.constexpr):
+def final_pass(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N,
+               V, inv_t, tau, m, s, use_q, HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr):
     """Races restricted to the kept set {z >= tau}: p itself, and the residual — p without row
-    j's children's tokens (point mass) or norm(max(p - q, 0)) (use_q). Same E as pass 1."""
+    j's children's tokens (point mass) or norm(max(p - q, 0)) (use_q). Same E as pass 1.
+    ``HAS_MAP``: q is over the drafter's vocabulary, token ``t`` at column ``map[t]`` (q = 0
+    where that is -1), so the residual still covers every target token."""
     G: tl.constexpr = RNG_GROUP
     lane = tl.arange(0, G)
     c0, c1, c2 = _race_counter(pos, j)
@@ -276,7 +278,11 @@ def final_pass(row_ptr, q_row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n
             g1 = tl.maximum(g1, g)
             g = _drop_children(g, at, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, IS_TREE)
             # use_q is 0/1: lanes < V * use_q are the valid lanes exactly when q is needed.
-            q = tl.load(q_row_ptr + at, mask=at < V * use_q, other=0.0).to(tl.float32)
+            if HAS_MAP:
+                col = tl.load(map_ptr + at, mask=at < V * use_q, other=-1).to(tl.int64)
+                q = tl.load(q_row_ptr + col, mask=col >= 0, other=0.0).to(tl.float32)
+            else:
+                q = tl.load(q_row_ptr + at, mask=at < V * use_q, other=0.0).to(tl.float32)
             r = tl.maximum(tl.where(kept, tl.exp(z - m) / s, 0.0) - q, 0.0)  # max(p - q, 0)
             key = tl.where(use_q != 0, tl.where(r > 0, r / e, -1.0), g)
             i2 = tl.where(key > g2, at, i2)

@@ -3,7 +3,8 @@
 Qwen3-8B: 32 query / 8 KV heads, head_dim 128, block_size 16, vocabulary 151,936. Attention:
 decode, chain verification (k+1 = 2, 4, 8), trees of 1-16 nodes, prefill tiles, each with and
 without split-KV (which adds the combine kernel). Rejection sampling: chains of k+1 = 1, 2, 4, 8
-with point-mass and with probability drafts, trees of 1-16 nodes; greedy and sampled rows share
+with point-mass drafts, with probability drafts and with probability drafts over an EAGLE-3
+head's 32,000-id draft vocabulary, trees of 1-16 nodes; greedy and sampled rows share
 one compiled kernel (the temperature is a runtime value). The fused layer kernels (RMSNorm,
 SiLU·mul, rope + KV write) at 64 and 512 tokens. bf16 and fp32 throughout.
 """
@@ -15,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 HQ, HKV, HEAD_DIM, BLOCK_SIZE, VOCAB = 32, 8, 128, 16, 151_936
+DRAFT_VOCAB = 32_000
 MAX_BLOCKS = 2048  # block-table width: 32k-token contexts
 NUM_BLOCKS = 8192
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -48,20 +50,24 @@ def attention_call(dtype: torch.dtype, q_lens: list[int], tree: bool,
 
 def sampling_call(dtype: torch.dtype, n_rows: int, mode: str,
                   batch: int = 64) -> Callable[[], object]:
-    """``rejection_sample`` on meta tensors; ``mode`` is chain, probs (draft_probs) or tree."""
+    """``rejection_sample`` on meta tensors; ``mode`` is chain, probs (draft_probs), vocab
+    (draft_probs over a 32,000-id draft vocabulary, read through ``draft_index``) or tree."""
 
     def call() -> object:
         from specengine.kernels.rejection_sampling import rejection_sample
 
         logits = _meta(batch, n_rows, VOCAB, dtype=dtype)
         drafts = _meta(batch, n_rows - 1, dtype=torch.int64)
-        probs = _meta(batch, n_rows - 1, VOCAB, dtype=torch.float32) if mode == "probs" else None
+        width = DRAFT_VOCAB if mode == "vocab" else VOCAB
+        probs = _meta(batch, n_rows - 1, width, dtype=torch.float32) \
+            if mode in ("probs", "vocab") else None
+        index = _meta(VOCAB, dtype=torch.int32) if mode == "vocab" else None
         parents = _meta(n_rows, dtype=torch.int32) if mode == "tree" else None
         vec = [_meta(batch, dtype=t) for t in (torch.int32, torch.float32, torch.int64,
                                                torch.float32, torch.int64, torch.int64)]
         num_draft, temperature, top_k, top_p, seeds, offsets = vec
         return rejection_sample(logits, drafts, num_draft, probs, temperature, top_k, top_p,
-                                seeds, offsets, parents)
+                                seeds, offsets, parents, draft_index=index)
 
     return call
 
@@ -86,6 +92,8 @@ def sampling_configs() -> list[Config]:
             out.append((f"{name} chain k+1={n}", sampling_call(dtype, n, "chain")))
             if n > 1:
                 out.append((f"{name} chain+probs k+1={n}", sampling_call(dtype, n, "probs")))
+                out.append((f"{name} chain+draft-vocab probs k+1={n}",
+                            sampling_call(dtype, n, "vocab")))
         for n in (1, 2, 5, 8, 16):
             out.append((f"{name} tree {n} nodes", sampling_call(dtype, n, "tree")))
     return out

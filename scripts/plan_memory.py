@@ -3,8 +3,9 @@
     python scripts/plan_memory.py --model DIR [--draft DIR] --gpu-memory-gb 80 --k-max 8 --sample
 
 Only the checkpoints' ``config.json`` files are read: no weights, no GPU. ``--measure`` (CUDA
-only) also loads the target with dummy weights and measures the largest prefill chunk's peak
-in one dry run, to check the plan's activation figure on a real card.
+only) also loads the target with dummy weights and measures the peak of one forward at the
+largest shape (the engine's own dry run at start, ``memory_plan.dry_run_largest_shape``), to
+check the plan's eager activation figure on a real card.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
                         "the largest captured k)")
     p.add_argument("--sample", action="store_true", help="sampled drafts (their distributions)")
     p.add_argument("--measure", action="store_true",
-                   help="CUDA only: measure the largest prefill chunk's peak in a dry run")
+                   help="CUDA only: measure the largest shape's peak in a dry run")
     return p
 
 
@@ -67,21 +68,22 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_memory(target, cfg, int(args.gpu_memory_gb * GIB), drafter, k_max=args.k_max)
     print(plan.format())
     if args.measure:
-        print(f"measured prefill peak {_measure(cfg) / GIB:9.3f} GiB")
+        print(f"measured largest-shape peak {_measure(cfg, drafter) / GIB:9.3f} GiB")
     return 0
 
 
-def _measure(cfg: EngineConfig) -> int:
+def _measure(cfg: EngineConfig, drafter: DrafterFacts | None) -> int:
     import torch
 
-    from specengine.core.memory_plan import dry_run_prefill
+    from specengine.core.memory_plan import dry_run_largest_shape
     from specengine.model.attention import make_attention_backend
     from specengine.model.loader import build_model
 
     if not torch.cuda.is_available():
         raise SystemExit("--measure needs a CUDA device")
     model = build_model(cfg.model, cfg.torch_dtype, torch.device("cuda"), "dummy")
-    return dry_run_prefill(model, cfg, make_attention_backend(cfg.kernel_backend))
+    return dry_run_largest_shape(model, cfg, make_attention_backend(cfg.kernel_backend),
+                                 drafter)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from specengine.core.auto_k_calibration import calibrate
 from specengine.core.engine_core import EngineCore
 from specengine.core.graphs import DEFAULT_BUCKETS, build_graph_runner
 from specengine.core.kv_cache import KVCache, num_kv_blocks
+from specengine.core.memory_plan import measured_activation_peak
 from specengine.core.model_runner import ModelRunner
 from specengine.core.prefix_cache import expand_samples, prefix_caching_on, sample_ids
 from specengine.core.requests import RequestBatch, load_tokenizer, validate_requests
@@ -198,11 +199,16 @@ class SpecEngine:
         self.tokenizer = load_tokenizer(cfg.model, max_model_len=cfg.max_model_len)
         from specengine.drafters import DraftContext, make_drafter
 
-        self.draft_context = DraftContext(cfg, self.model_config, self.model, self.device)
+        # On CUDA, sized from gpu_memory_utilization: one largest-shape forward first, its
+        # measured peak the activations the KV caches are sized around (as vLLM profiles).
+        peak = measured_activation_peak(cfg, self.model, self.device) if self.tp is None \
+            else None
+        self.draft_context = DraftContext(cfg, self.model_config, self.model, self.device,
+                                          measured_peak=peak)
         self.drafter = make_drafter(cfg.draft, self.draft_context)
         aux = self.drafter.aux_layers if self.drafter is not None else ()
         mc = self.model_config
-        num_blocks = num_kv_blocks(cfg, mc, self.device)
+        num_blocks = num_kv_blocks(cfg, mc, self.device, measured_peak=peak)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, cfg.block_size)
         kv_type = self.tp.kv_cache if self.tp else KVCache  # under TP: this rank's heads
         self.kv_cache = kv_type(num_blocks, cfg.block_size, mc.num_layers, mc.num_kv_heads,

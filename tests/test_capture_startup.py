@@ -113,6 +113,38 @@ def test_eagle3_startup_equals_eager(monkeypatch: pytest.MonkeyPatch, tree: list
         assert runner.graph_stats.num_lazy == runner.num_captures - captured > 0
 
 
+def test_verify_graphs_write_their_hidden_outputs_into_one_allocation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every captured verify shape's final hidden and aux hidden states are views of one
+    [1 + aux, capacity * (k_max + 1), H] allocation (not each graph's own), which the drafter's
+    catch-up graphs read; sampled output still equals the eager engine's."""
+    prompts, params = arith_prompts(7), mixed_params(7, 1.0, 5)
+    kw: dict[str, Any] = dict(device="cpu", dtype="float32", graph_buckets=BUCKETS,
+                              max_batch_size=4)
+    want = SpecEngine(DEFAULT_TARGET, DEFAULT_DRAFT, cuda_graphs=False, **kw).generate(
+        prompts, k=3, sampling=params)
+    emulated(monkeypatch)
+    engine = SpecEngine(DEFAULT_TARGET, DEFAULT_DRAFT, cuda_graphs=True, capture="startup",
+                        capture_ks=(0, 2, 3), **kw)
+    verify = {key: entry[1] for key, entry in engine.graphs._graphs.items()
+              if key[0] == "verify"}
+    assert len(verify) == 3 * 3  # buckets 1, 2, 4 x N = 1, 3, 4
+    tensors = [t for out in verify.values() for t in (out.hidden, *out.aux_hidden)]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    mc, verifier = engine.model_config, engine.graphs.verifier
+    one = tensors[0].untyped_storage()
+    assert one.nbytes() == (1 + len(engine.drafter.aux_layers)) * 4 \
+        * (verifier.max_prob_drafts + 1) * mc.hidden_size * 4  # float32
+    for (_, rows, n, *_), out in verify.items():
+        assert out.hidden.shape == (rows * n, mc.hidden_size)
+    got = engine.generate(prompts, k=3, sampling=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(want, got):
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs),
+                                   atol=1e-5, rtol=0)
+    assert engine.stats.num_accepted_tokens > 0 and engine.graphs.num_runs["observe"] > 0
+
+
 def test_startup_capture_freezes_the_garbage_collector(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[bool, int]] = []
 

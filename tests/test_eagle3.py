@@ -24,6 +24,7 @@ from specengine import arith_task as task
 from specengine.core.model_runner import ForwardOutput
 from specengine.core.sequence import Sequence
 from specengine.drafters.eagle3 import Eagle3Drafter, read_head_checkpoint
+from specengine.kernels.reference import draft_probs_in_target_vocab
 from specengine.model.config import CheckpointError
 from specengine.tree import DraftTree
 
@@ -125,11 +126,18 @@ def test_sampled_drafts_carry_their_distributions(engine: SpecEngine, head_dir: 
     assert not drafter.point_mass
     params = SamplingParams(temperature=0.8, top_k=10, seed=3)
     ids, probs = drafts_of(drafter, engine, [4, 8, 15, 16, 23, 42], 3, params)
-    assert probs is not None and probs.shape == (1, 3, 128)
+    # Over the head's draft vocabulary (125 of 128 ids), not the target's: the sampler reads
+    # them through the inverse map, the dropped target ids have no column (probability 0).
+    vocab = drafter.draft_vocab
+    assert vocab is not None and vocab.size == 128 - len(DROPPED)
+    assert probs is not None and probs.shape == (1, 3, vocab.size)
     assert torch.allclose(probs.sum(-1), torch.ones(1, 3))
     assert int((probs > 0).sum(-1).max()) <= 10
-    assert (probs[0, :, list(DROPPED)] == 0).all()  # no draft id: draft probability 0
-    assert all(probs[0, j, t] > 0 for j, t in enumerate(ids))
+    assert (vocab.to_draft[list(DROPPED)] == -1).all()
+    full = draft_probs_in_target_vocab(probs, vocab.to_draft)  # what the sampler judges
+    assert (full[0, :, list(DROPPED)] == 0).all()  # no draft id: draft probability 0
+    assert all(full[0, j, t] > 0 for j, t in enumerate(ids))
+    assert torch.equal(vocab.to_target[vocab.to_draft[ids].long()], torch.tensor(ids))
     assert drafts_of(drafter, engine, [4, 8, 15, 16, 23, 42], 3, params)[0] == ids  # by seed
 
 

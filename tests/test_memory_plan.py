@@ -21,8 +21,12 @@ from specengine.core.memory_plan import (
     GIB,
     DrafterFacts,
     MemoryPlan,
+    activation_bytes_with,
+    kv_budget_bytes,
+    largest_shape,
     max_graph_bytes,
     measure_peak_bytes,
+    measured_activation_peak,
     model_params,
     plan_memory,
     verify_k_max,
@@ -87,20 +91,26 @@ def test_qwen3_8b_eagle3_on_an_80gb_card(pair: tuple[Path, Path]) -> None:
     assert target_params == 8_190_735_360  # Qwen3-8B's 8.19B
     assert plan.target_weight_bytes == e * target_params
     # The head: fc 3H->H, q/k/v from 2H, o, the MLP, three norms (input, hidden, post-attn),
-    # the final norm, an LM head over the draft vocabulary; d2t int64 per draft id.
+    # the final norm, an LM head over the draft vocabulary; d2t int64 per draft id, the inverse
+    # map (t2d as columns) int32 per target id.
     head = 3 * H * H + 2 * H * (HEADS + 2 * KV_HEADS) * HEAD_DIM + HEADS * HEAD_DIM * H \
         + 3 * H * INTER + 3 * H + H + H * VD
-    assert plan.draft_weight_bytes == e * head + 8 * VD
+    assert plan.draft_weight_bytes == e * head + 8 * VD + 4 * V
     # KV per token: 2 (K, V) x layers x kv_heads x head_dim x 2 bytes; the head's one layer.
     assert plan.kv_bytes_per_token == 2 * LAYERS * KV_HEADS * HEAD_DIM * e \
         + 2 * 1 * KV_HEADS * HEAD_DIM * e == 151_552
-    # Static buffers: one [256, 8, V] float32 probability buffer for every sampled shape (8
-    # columns: the largest k the engine verifies, DEFAULT_K_MAX; 16 would be twice that);
-    # per verify graph (bucket b, N = 1 .. 9 fed) hidden + 3 aux [b*N, H] bf16, packed
-    # [b, 3N+1] float64 and the sampler's outputs (as much again).
-    assert plan.draft_probs_bytes == 256 * 8 * V * 4 == 1_244_659_712  # 1.16 GiB
-    assert plan.graph_output_bytes == sum(b * n * H * e * 4 + 2 * 8 * b * (3 * n + 1)
+    # Static buffers: one [256, 8, VD] float32 probability buffer for every sampled shape (8
+    # columns: the largest k the engine verifies, DEFAULT_K_MAX; 16 would be twice that),
+    # over the head's 32,000-id draft vocabulary (the target's 151,936 took 1.16 GiB);
+    # hidden + 3 aux [256 * 9, H] bf16 that every verify graph writes as views; per verify
+    # graph (bucket b, N = 1 .. 9 fed) packed [b, 3N+1] float64 and the sampler's outputs
+    # (as much again).
+    assert plan.draft_probs_bytes == 256 * 8 * VD * 4 == 262_144_000  # 0.244 GiB
+    assert plan.shared_output_bytes == 256 * 9 * H * e * 4 == 75_497_472  # 0.070 GiB
+    assert plan.graph_output_bytes == sum(2 * 8 * b * (3 * n + 1)
                                           for b in BUCKETS for n in range(1, 10))
+    # (Each graph owning its hidden + aux outputs, as before, took 0.70 GiB.)
+    assert sum(b * n * H * e * 4 for b in BUCKETS for n in range(1, 10)) == 753_500_160
     max_blocks = -(-(40960 + 64) // 16)
     assert plan.fixed_buffer_bytes == 256 * 63 * 8 + 256 * (8 * 8 + 4 * max_blocks + 2 * 4) \
         + 257 * H * e
@@ -125,7 +135,7 @@ def test_qwen3_8b_eagle3_on_an_80gb_card(pair: tuple[Path, Path]) -> None:
     # The graph budget's bytes: activations (a capture's warm-up and the graphs' pool) plus
     # the graphs and static buffers.
     assert plan.graph_budget_bytes == prefill + verify + plan.draft_probs_bytes \
-        + plan.graph_output_bytes + plan.fixed_buffer_bytes
+        + plan.shared_output_bytes + plan.graph_output_bytes + plan.fixed_buffer_bytes
 
 
 def test_the_plan_and_the_engine_agree_on_k_max(pair: tuple[Path, Path]) -> None:
@@ -138,7 +148,7 @@ def test_the_plan_and_the_engine_agree_on_k_max(pair: tuple[Path, Path]) -> None
     for ks, width in ((None, 8), ((0, 2), 8), ((3, 12), 12)):
         cfg = config_8b(*pair, capture_ks=ks)
         plan = plan_memory(target, cfg, 80 * GIB, DrafterFacts.from_draft(cfg.draft, target, 2))
-        assert plan.draft_probs_bytes == 256 * width * V * 4
+        assert plan.draft_probs_bytes == 256 * width * VD * 4
         assert plan == plan_memory(target, cfg, 80 * GIB,
                                    DrafterFacts.from_draft(cfg.draft, target, 2), k_max=width)
 
@@ -166,7 +176,7 @@ def test_sharing_is_what_keeps_static_buffers_small(pair: tuple[Path, Path]) -> 
     assert greedy.draft_probs_bytes == 0
     assert greedy.kv_tokens > plan_8b(*pair).kv_tokens
     eager = plan_8b(*pair, cuda_graphs=False)
-    assert eager.num_graphs == eager.graph_output_bytes == 0
+    assert eager.num_graphs == eager.graph_output_bytes == eager.shared_output_bytes == 0
     assert eager.activation_bytes == eager.prefill_activation_bytes
 
 
@@ -212,7 +222,10 @@ def test_model_params_count_the_modules() -> None:
         head = Eagle3Head(head_cfg, 100, torch.nn.Embedding(320, 64))
     facts = DrafterFacts.eagle3(head_cfg, 100, 2)
     assert facts.weight_params == sum(p.numel() for p in head.parameters())
-    assert facts.extra_weight_bytes == head.draft_to_target.numel() * 8
+    assert facts.extra_weight_bytes == head.draft_to_target.numel() * 8 \
+        + head.target_to_draft.numel() * 4
+    assert facts.draft_vocab_size == 100  # its distributions' width
+    assert DrafterFacts.eagle3(head_cfg, 320, 2).draft_vocab_size == 0  # the target's
 
 
 def test_drafter_facts_from_the_draft_argument(pair: tuple[Path, Path],
@@ -287,6 +300,72 @@ def test_cuda_sizing_follows_the_plan(pair: tuple[Path, Path],
     assert half == (left - int(0.9 * total) + int(0.5 * total)) // 151_552 // 16
     # kv_cache_tokens still overrides.
     assert num_kv_blocks(replace(cfg, kv_cache_tokens=4096), target, cuda) == 256
+
+
+# ---- the largest-shape dry run (CUDA) and the sizing around its measurement ----------------
+def test_the_sizing_arithmetic_with_given_numbers(pair: tuple[Path, Path]) -> None:
+    # KV budget = utilisation x card - in use - activations - static buffers, never < 0.
+    assert kv_budget_bytes(80 * GIB, 0.9, 17 * 10**9, 5 * GIB, GIB) == \
+        int(0.9 * 80 * GIB) - 17 * 10**9 - 6 * GIB == 53_866_960_384
+    assert kv_budget_bytes(80 * GIB, 0.5, 30 * GIB, 9 * GIB, 2 * GIB) == 0
+    # The measured peak replaces the plan's eager activations when larger; the plan is the
+    # floor (the drafter's pass over the chunk is planned, not measured); the graphs' pool
+    # stays as planned.
+    plan = plan_8b(*pair)
+    eager = max(plan.prefill_activation_bytes, plan.verify_activation_bytes)
+    pool = plan.activation_bytes - eager
+    assert pool == plan.verify_activation_bytes  # graphs on: one pool at the verify peak
+    assert activation_bytes_with(plan, None) == plan.activation_bytes
+    assert activation_bytes_with(plan, eager + 3 * GIB) == plan.activation_bytes + 3 * GIB
+    assert activation_bytes_with(plan, eager // 2) == plan.activation_bytes
+    # The shape the dry run feeds: the 16,384-token chunk, and the full verify pass's
+    # 256 x 9 logits rows (its tokens are fewer than the chunk's).
+    cfg = config_8b(*pair)
+    assert largest_shape(cfg, True) == (16384, 256 * 9)
+    assert largest_shape(replace(cfg, max_num_batched_tokens=2048), True) == (2304, 2304)
+    assert largest_shape(cfg, False) == (16384, 256)
+
+
+def test_cuda_sizing_uses_the_measured_peak(pair: tuple[Path, Path],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    total, weights = 80 * GIB, 17 * 10**9
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - weights, total))
+    cfg = config_8b(*pair, max_num_batched_tokens=8192)
+    target = ModelConfig.from_dir(pair[0])
+    cuda = torch.device("cuda")
+    plan = plan_memory(target, cfg, total, DrafterFacts.from_draft(cfg.draft, target, 2))
+    planned = num_kv_blocks(cfg, target, cuda)
+    assert num_kv_blocks(cfg, target, cuda, measured_peak=1) == planned  # below the plan
+    peak = max(plan.prefill_activation_bytes, plan.verify_activation_bytes) + 2 * GIB
+    measured = num_kv_blocks(cfg, target, cuda, measured_peak=peak)
+    left = int(0.9 * total) - weights - (plan.activation_bytes + 2 * GIB) - plan.static_bytes
+    target_bpt = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2  # the target's cache alone here
+    assert measured == left // target_bpt // 16 < planned
+    # 2 GiB more activations: 2 GiB less cache, to the block.
+    assert (planned - measured) * 16 * target_bpt == pytest.approx(2 * GIB, abs=16 * target_bpt)
+
+
+def test_the_dry_run_is_cuda_only_and_only_for_utilisation_sizing(
+        tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import specengine.engine as engine_module
+
+    cfg = EngineConfig(model=str(tiny_checkpoint), device="cpu")
+    assert measured_activation_peak(cfg, None, torch.device("cpu")) is None  # type: ignore
+    cuda_cfg = replace(cfg, device="cuda", kv_cache_tokens=4096, kernel_backend="triton")
+    assert measured_activation_peak(cuda_cfg, None, torch.device("cuda")) is None  # type: ignore
+    # The engine hands what it measured to both caches' sizing (on the CPU: nothing).
+    seen = []
+    real = engine_module.num_kv_blocks
+    monkeypatch.setattr(engine_module, "num_kv_blocks",
+                        lambda *a, **kw: seen.append(kw.get("measured_peak")) or real(*a, **kw))
+    engine = SpecEngine(tiny_checkpoint, str(tiny_checkpoint), device="cpu", dtype="float32",
+                        max_model_len=64, max_batch_size=2)
+    assert seen == [None] and engine.draft_context.measured_peak is None
+    monkeypatch.setattr(engine_module, "measured_activation_peak", lambda *a: 12345)
+    seen.clear()
+    engine = SpecEngine(tiny_checkpoint, str(tiny_checkpoint), device="cpu", dtype="float32",
+                        max_model_len=64, max_batch_size=2)
+    assert seen == [12345] and engine.draft_context.measured_peak == 12345
 
 
 def test_cpu_engine_sizes_its_cache_as_before(tiny_checkpoint: Path) -> None:

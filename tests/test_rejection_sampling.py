@@ -188,6 +188,95 @@ def test_kernel_equals_reference_qwen_vocab() -> None:
     assert_same(args)
 
 
+# ------------------------------------------------------------------ draft vocabulary
+
+
+def draft_vocab_case(bsz: int, n_rows: int, vocab: int, draft_vocab: int, seed: int):
+    """A chain case whose drafts come from ``q [B, N-1, Vd]`` over a draft vocabulary that is a
+    scattered subset of the target's (``draft_index``: target id -> column, -1 off it), drawn
+    from exactly that law; the target's favourites are often outside it."""
+    args = list(random_case(bsz, n_rows, vocab, seed))
+    g = torch.Generator().manual_seed(seed + 1)
+    to_target = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    index = torch.full((vocab,), -1, dtype=torch.int32)
+    index[to_target] = torch.arange(draft_vocab, dtype=torch.int32)
+    q = torch.softmax(args[0][:, :-1, to_target] + torch.randn(bsz, n_rows - 1, draft_vocab,
+                                                              generator=g), -1)
+    q[..., 0] = 0.0  # a draft id it never proposes
+    q = q / q.sum(-1, keepdim=True)
+    cols = torch.multinomial(q.reshape(-1, draft_vocab), 1, generator=g).view(bsz, -1)
+    args[1], args[3] = to_target[cols], q
+    return args, index
+
+
+@pytest.mark.parametrize(("vocab", "draft_vocab", "bsz", "n_rows"),
+                         [(100, 37, 16, 4), (2053, 1000, 8, 3), (8193, 4099, 5, 5)])
+def test_kernel_equals_reference_draft_vocab(vocab, draft_vocab, bsz, n_rows) -> None:
+    """q over a draft vocabulary: the kernel reads q(x) through the map and the residual over
+    every target token exactly as the reference does (awkward sizes: no power of two, tails
+    of the 4 x 512 race blocks)."""
+    args, index = draft_vocab_case(bsz, n_rows, vocab, draft_vocab, seed=vocab)
+    want = ref.rejection_sample(*args, draft_index=index)
+    for idx in (index, index.long()):
+        got = kernel(*args, draft_index=idx, check_values=True)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+        assert torch.equal(want[3], got[3])
+        torch.testing.assert_close(want[2], got[2], atol=1e-4, rtol=1e-4)
+    # The same law given over the target vocabulary reads the same: equal results.
+    full = list(args)
+    full[3] = ref.draft_probs_in_target_vocab(args[3], index)
+    assert full[3].shape[-1] == vocab
+    torch.testing.assert_close(full[3].sum(-1), torch.ones(bsz, n_rows - 1))
+    same = ref.rejection_sample(*full)
+    assert all(torch.equal(a, b) for a, b in zip(want, same))
+    # Some rows were rejected and drew from the residual (the q path is exercised).
+    nd = args[2]
+    assert ((want[1] < nd) & (args[4] > 0)).any()
+
+
+def test_draft_vocab_residual_covers_the_target_vocabulary() -> None:
+    """A draft with q mass on a token the target rejects draws the residual from tokens the
+    draft vocabulary does not have: they are never given q = their column's mass."""
+    vocab, draws = 6, 4000
+    logits = torch.zeros(draws, 2, vocab)
+    logits[:, 0, 1] = -30.0  # p(1) ~ 0: a draft of token 1 is always rejected
+    index = torch.tensor([-1, 0, -1, 1, -1, -1], dtype=torch.int32)  # draft vocab {1, 3}
+    q = torch.tensor([1.0, 0.0]).expand(draws, 1, 2).contiguous()  # always draft token 1
+    drafts = torch.ones(draws, 1, dtype=torch.long)
+    for impl in ("reference", "kernel"):
+        t, k, p, s, o = params(draws)
+        fn = IMPLS[impl]
+        d = draws if impl == "reference" else 200
+        out, acc, _, _ = fn(logits[:d], drafts[:d], torch.ones(d, dtype=torch.int32), q[:d],
+                            t[:d], k[:d], p[:d], s[:d], o[:d], None, draft_index=index)
+        assert (acc == 0).all()
+        # residual = p without token 1 (q = 0 elsewhere): every other token, uniformly.
+        counts = np.bincount(out[:, 0].numpy(), minlength=vocab)
+        assert counts[1] == 0 and (counts[[0, 2, 3, 4, 5]] > 0).all(), counts
+
+
+@pytest.mark.parametrize(("temp", "top_k", "top_p"), [(1.0, -1, 1.0), (0.8, 4, 0.9)])
+def test_chain_draft_vocab_distribution(temp: float, top_k: int, top_p: float) -> None:
+    """Chi-square: drafts drawn from q over a draft vocabulary missing the target's mode,
+    judged through the map, give exactly the processed target law at both positions."""
+    g = torch.Generator().manual_seed(15)
+    vocab = 9
+    logits = torch.randn(1, 3, vocab, generator=g) * 1.5
+    keep = [t for t in range(vocab) if t != int(logits[0, 0].argmax()) and t != 4]
+    index = torch.full((vocab,), -1, dtype=torch.int32)
+    index[keep] = torch.arange(len(keep), dtype=torch.int32)
+    q = torch.softmax(torch.randn(1, 2, len(keep), generator=g), -1).expand(DRAWS, -1, -1)
+    cols = torch.multinomial(q.reshape(-1, len(keep)), 1, generator=g).view(DRAWS, 2)
+    drafts = torch.tensor(keep)[cols]
+    logits = logits.expand(DRAWS, -1, -1)
+    t, k, p, s, o = params(DRAWS, temp, top_k, top_p)
+    out, acc, _, _ = ref.rejection_sample(logits, drafts, torch.full((DRAWS,), 2), q, t, k, p,
+                                          s, o, None, draft_index=index)
+    assert 0 < (acc >= 1).float().mean() < 1
+    chi2(out[:, 0], processed(logits[0, 0], temp, top_k, top_p))
+    chi2(out[acc >= 1, 1], processed(logits[0, 1], temp, top_k, top_p))
+
+
 # ------------------------------------------------------------------ distributions
 
 DRAWS = 100_000
@@ -310,6 +399,21 @@ def test_bad_inputs() -> None:
     a[3] = torch.full((2, 2, 10), 0.1)
     with pytest.raises(ValueError, match="None for trees"):
         kernel(*a)
+    # A draft-vocabulary map: its shape, dtype, range, and only with draft_probs.
+    a = list(args)
+    a[3] = torch.full((2, 2, 4), 0.25)
+    index = torch.tensor([0, 1, 2, 3, -1, -1, -1, -1, -1, -1], dtype=torch.int32)
+    kernel(*a, draft_index=index, check_values=True)
+    with pytest.raises(ValueError, match="draft_probs"):
+        kernel(*a)  # [B, N-1, 4] needs the map
+    for bad_index, exc, word in [(index[:9], ValueError, "draft_index"),
+                                 (index.float(), TypeError, "draft_index"),
+                                 (torch.where(index == 3, 4, index), ValueError, "-1, 4")]:
+        with pytest.raises(exc, match=word):
+            kernel(*a, draft_index=bad_index, check_values=True)
+    a[3] = None
+    with pytest.raises(ValueError, match="needs draft_probs"):
+        kernel(*a, draft_index=index)
 
 
 @pytest.mark.gpu

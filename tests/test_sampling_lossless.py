@@ -151,6 +151,47 @@ def test_speculative_sampling_matches_policy(models, eagle_dir: Path, case: str)
     assert p > P_MIN, f"{case}: chi-square p = {p:.2e}"
 
 
+@pytest.fixture(scope="module")
+def reduced_eagle(models, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tuple]:
+    """A fitted head whose draft vocabulary lacks the target's two likeliest first tokens
+    after the prompt and two more: a quarter of the vocabulary, much of the mass."""
+    hf, target, _ = models
+    with torch.no_grad():
+        top = hf(torch.tensor([PROMPT])).logits[0, -1].topk(2).indices.tolist()
+    dropped = tuple(sorted(top + [t for t in (5, 12, 13) if t not in top][:2]))
+    contexts = [[*PROMPT, a, b] for a in range(VOCAB) for b in range(VOCAB)]
+    return fit_head(hf, target, tmp_path_factory.mktemp("eagle-reduced"), contexts,
+                    dropped=dropped), dropped
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "static"])
+def test_sampled_eagle_drafts_over_a_reduced_draft_vocabulary(models, reduced_eagle,
+                                                              cuda_graphs: bool) -> None:
+    """Sampled EAGLE-3 drafts whose distributions stay in the head's draft vocabulary
+    ([rows, k, Vd], read through the inverse map; tokens off it have q = 0 and come only
+    from the residual) follow the policy's exact joint law, on the eager and the static
+    (graph) path, with drafts both accepted and rejected."""
+    hf, target, _ = models
+    head, dropped = reduced_eagle
+    params = SamplingParams(max_tokens=3, temperature=0.9, top_p=0.95)
+    engine = SpecEngine(target, draft=str(head), device="cpu", dtype="float32",
+                        max_model_len=32, max_batch_size=2048, kv_cache_tokens=2048 * 32,
+                        seed=17 + cuda_graphs, draft_options={"sample": True},
+                        cuda_graphs=cuda_graphs)
+    vocab = engine.drafter.draft_vocab
+    assert vocab is not None and vocab.size == VOCAB - len(dropped)
+    verifier = engine.graphs.verifier
+    assert verifier.probs_vocab == vocab.size and verifier.draft_index is vocab.to_draft
+    counts = run_joint(engine, params, NUM_SEQS, k=2)
+    assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
+    # The buffer the drafts' distributions went through is [rows, k, Vd].
+    assert verifier.probs_view(1, 2).shape == (1, 2, vocab.size)
+    # The dropped tokens were emitted at t2 (drawn from the residual, never drafted).
+    assert sum(c for (a, _), c in counts.items() if a in dropped) > 0
+    p = chi_square_p(counts, exact_joint(hf, params), NUM_SEQS)
+    assert p > P_MIN, f"chi-square p = {p:.2e}"
+
+
 def test_chi_square_detects_a_wrong_distribution(models) -> None:
     """The test has power: plain sampling at temperature 1.0 is rejected against the law at
     temperature 0.8 (and accepted against its own)."""

@@ -555,7 +555,8 @@ def build_graph_runner(cfg: EngineConfig, runner: ModelRunner, sampler: Sampler,
     Rows: enough for ``max_batch_size`` padded to its bucket. Block-table columns: a sequence
     of ``max_model_len`` tokens plus the largest lookahead (a 64-node tree). The shared
     draft-probability buffer is as wide as the largest k the engine verifies
-    (``memory_plan.verify_k_max``: the plan counts the same); the budget from ``max_graphs``
+    (``memory_plan.verify_k_max``: the plan counts the same), and so are the verify outputs
+    every graph shares (``StaticVerifier.output_views``); the budget from ``max_graphs``
     and ``max_graph_bytes`` (on CUDA by default the plan's, ``memory_plan.max_graph_bytes``)."""
     device = torch.device(cfg.device)
     larger = [b for b in cfg.graph_buckets if b >= cfg.max_batch_size]
@@ -570,6 +571,7 @@ def build_graph_runner(cfg: EngineConfig, runner: ModelRunner, sampler: Sampler,
         logger.warning("cuda_graphs needs kernel_backend triton/cuda on CUDA; running eagerly")
         static = False
     # (the plan is read only for a runner that may capture)
+    verifier.share_outputs = static  # captured graphs' outputs: views of one allocation
     budget = GraphBudget(cfg.max_graphs, max_graph_bytes(cfg, runner.model.config, device)
                          if static else cfg.max_graph_bytes)
     return GraphRunner(verifier, cfg.graph_buckets, static, device, budget=budget)

@@ -264,7 +264,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
 
 
 def num_kv_blocks(cfg: EngineConfig, target: ModelConfig, device: torch.device,
-                  extra_bytes_per_token: int = 0) -> int:
+                  extra_bytes_per_token: int = 0, measured_peak: int | None = None) -> int:
     """Blocks of a paged cache that holds as many tokens as the target's will.
 
     ``kv_cache_tokens`` when given; otherwise enough for ``max_batch_size`` full sequences,
@@ -275,22 +275,30 @@ def num_kv_blocks(cfg: EngineConfig, target: ModelConfig, device: torch.device,
     between the target's cache and ``extra_bytes_per_token`` (a drafter's own cache). Every
     cache of an engine gets the same token count, so a drafter never runs out of room before
     the target does: the drafter's cache, sized first, takes its share of the rest, and the
-    target's call then finds it in use and gets the same tokens."""
+    target's call then finds it in use and gets the same tokens. ``measured_peak``: the
+    engine's largest-shape dry run (``memory_plan.dry_run_largest_shape``) on CUDA."""
     target_bpt = kv_bytes_per_token(target.num_layers, target.num_kv_heads, target.head_dim,
                                     cfg.torch_dtype)
     wanted = cfg.max_batch_size * (cfg.max_model_len + MAX_K + 1)
     if cfg.kv_cache_tokens is not None:
         tokens = cfg.kv_cache_tokens
     elif device.type == "cuda":
-        tokens = _cuda_kv_tokens(cfg, target, device, target_bpt + extra_bytes_per_token)
+        tokens = _cuda_kv_tokens(cfg, target, device, target_bpt + extra_bytes_per_token,
+                                 measured_peak)
     else:
         tokens = min(wanted, CPU_KV_BUDGET_BYTES // target_bpt)
     return max(1, tokens // cfg.block_size)
 
 
 def _cuda_kv_tokens(cfg: EngineConfig, target: ModelConfig, device: torch.device,
-                    bytes_per_token: int) -> int:
-    from specengine.core.memory_plan import DrafterFacts, kv_tokens_for, plan_memory
+                    bytes_per_token: int, measured_peak: int | None = None) -> int:
+    from specengine.core.memory_plan import (
+        DrafterFacts,
+        activation_bytes_with,
+        kv_budget_bytes,
+        kv_tokens_for,
+        plan_memory,
+    )
 
     free, total = torch.cuda.mem_get_info(device)
     e = torch.empty(0, dtype=cfg.torch_dtype).element_size()
@@ -298,9 +306,9 @@ def _cuda_kv_tokens(cfg: EngineConfig, target: ModelConfig, device: torch.device
     plan = plan_memory(target, cfg, total, drafter)
     # Measured, not planned: the weights are on the card already (and whatever else is).
     in_use = total - free
-    budget = int(cfg.gpu_memory_utilization * total) - in_use - plan.activation_bytes - \
-        plan.static_bytes
-    tokens = kv_tokens_for(cfg, max(budget, 0), bytes_per_token)
+    budget = kv_budget_bytes(total, cfg.gpu_memory_utilization, in_use,
+                             activation_bytes_with(plan, measured_peak), plan.static_bytes)
+    tokens = kv_tokens_for(cfg, budget, bytes_per_token)
     logger.info("memory plan (%.2f GiB in use before the KV cache, planned weights "
                 "%.2f GiB):\n%s", in_use / (1 << 30), plan.weight_bytes / (1 << 30),
                 plan.format())

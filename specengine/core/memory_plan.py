@@ -14,14 +14,21 @@ The static buffers are those of the code (``core/verify.py``, ``drafters/static_
   (bucket, k) shape as a contiguous view (the draft loops write into it, the verify pass reads
   it), allocated at the first sampled step; ``k_max`` is :func:`verify_k_max`, the number
   ``graphs.build_graph_runner`` gives the verifier (a larger k a request asks for runs on a
-  buffer of its own, not planned);
-- per captured verify graph its outputs (they are the graph's own, live while it exists): the
-  final hidden and the drafter's auxiliary hidden states ``[rows * N, H]`` each, the packed
-  result ``[rows, 3N + 1]`` float64 and the sampler's device outputs (counted as that again);
+  buffer of its own, not planned). ``V`` is the drafter's own vocabulary where it has one
+  (an EAGLE-3 head's ``draft_vocab_size``: the distributions stay there, the rejection sampler
+  reads them through the inverse map);
+- one ``[1 + aux, capacity * (k_max + 1), H]`` allocation the captured verify graphs write
+  their final hidden and the drafter's auxiliary hidden states into, as views
+  (``StaticVerifier.output_views``);
+- per captured verify graph its own outputs (live while it exists): the packed result
+  ``[rows, 3N + 1]`` float64 and the sampler's device outputs (counted as that again);
 - the draft-id buffer, the persistent batch state and a feature drafter's root buffer.
 
 Every figure is an estimate the tests hold to a hand computation; on a card,
-:func:`measure_peak_bytes` measures a pass's peak (``scripts/plan_memory.py --measure``).
+:func:`measure_peak_bytes` measures a pass's peak (``scripts/plan_memory.py --measure``), and
+an engine sizing its cache from ``gpu_memory_utilization`` runs :func:`dry_run_largest_shape`
+first: the KV cache is then sized around the larger of the measured and the planned eager
+activations (:func:`activation_bytes_with`, :func:`kv_budget_bytes`).
 
 The graph budget's default bytes on CUDA (:func:`max_graph_bytes`) are the plan's activations
 plus its graphs and static buffers (:attr:`MemoryPlan.graph_budget_bytes`): a capture's bytes
@@ -105,9 +112,9 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
 @dataclass(frozen=True)
 class DrafterFacts:
     """What the plan needs of a drafter: its weights, its own KV per token, the hidden size of
-    its passes, the vocabulary its logits cover (the target's for every drafter here: an
-    EAGLE-3 head scatters its draft vocabulary into the target's) and how many of the
-    target's hidden states a verify pass keeps for it (EAGLE-3: 3)."""
+    its passes, the vocabulary its chains' logits and distributions cover (an EAGLE-3 head's
+    reduced draft vocabulary, else the target's) and how many of the target's hidden states a
+    verify pass keeps for it (EAGLE-3: 3)."""
 
     kind: str  # "eagle3", "lm", "mtp" (model drafters) or "host" (n-gram, suffix)
     weight_params: int
@@ -116,6 +123,9 @@ class DrafterFacts:
     intermediate_size: int
     num_aux: int = 0
     extra_weight_bytes: int = 0  # buffers outside the parameters (EAGLE-3's d2t map)
+    # the vocabulary its sampled distributions cover when smaller than the target's (an
+    # EAGLE-3 head's draft_vocab_size); 0: the target's
+    draft_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("eagle3", "lm", "mtp", "host"):
@@ -134,13 +144,16 @@ class DrafterFacts:
                num_aux: int = 3) -> DrafterFacts:
         """An EAGLE-3 head (``drafters/eagle3.py``): ``fc`` 3H→H, one decoder layer whose q/k/v
         read 2H, the final norm and an LM head over the draft vocabulary (the embeddings are
-        the target's); ``d2t`` is int64 per draft id; its cache is one layer."""
+        the target's); ``d2t`` is int64 per draft id and ``t2d`` int32 per target id; its
+        cache is one layer; sampled chains' distributions over the draft vocabulary."""
         h = head.hidden_size
         params = 3 * h * h + decoder_layer_params(head, 2 * h) + h + h + h * draft_vocab_size
         # (the extra ``h``: the hidden-state norm of the 2H input, next to the layer's two)
         kv = kv_bytes_per_token(1, head.num_kv_heads, head.head_dim, dtype_bytes)
+        reduced = draft_vocab_size if draft_vocab_size < head.vocab_size else 0
         return cls("eagle3", params, kv, h, head.intermediate_size, num_aux,
-                   extra_weight_bytes=8 * draft_vocab_size)
+                   extra_weight_bytes=8 * draft_vocab_size + 4 * head.vocab_size,
+                   draft_vocab_size=reduced)
 
     @classmethod
     def small_lm(cls, lm: ModelConfig, dtype_bytes: int) -> DrafterFacts:
@@ -198,7 +211,8 @@ class MemoryPlan:
     verify_activation_bytes: int  # the largest verify pass (and its draft loop)
     activation_bytes: int  # what the two pools hold at their peaks
     draft_probs_bytes: int  # the one shared draft-probability buffer
-    graph_output_bytes: int  # what every captured verify graph keeps, all graphs
+    shared_output_bytes: int  # the verify graphs' hidden / aux outputs (one allocation)
+    graph_output_bytes: int  # what every captured verify graph keeps of its own, all graphs
     fixed_buffer_bytes: int  # draft ids, batch state, drafter roots
     num_graphs: int  # captured passes: verify, draft loop, catch-up per shape
     kv_bytes_per_token: int  # target + drafter caches
@@ -223,7 +237,8 @@ class MemoryPlan:
     @property
     def static_bytes(self) -> int:
         """Graphs and static buffers: what the captured passes keep between steps."""
-        return self.draft_probs_bytes + self.graph_output_bytes + self.fixed_buffer_bytes
+        return self.draft_probs_bytes + self.shared_output_bytes + self.graph_output_bytes + \
+            self.fixed_buffer_bytes
 
     @property
     def graph_budget_bytes(self) -> int:
@@ -252,6 +267,7 @@ class MemoryPlan:
             ("activations: largest verify pass", _gib(self.verify_activation_bytes)),
             ("activations (both pools at peak)", _gib(self.activation_bytes)),
             ("shared draft-probability buffer", _gib(self.draft_probs_bytes)),
+            ("shared verify outputs (hidden, aux)", _gib(self.shared_output_bytes)),
             (f"graph outputs ({self.num_graphs} graphs)", _gib(self.graph_output_bytes)),
             ("draft ids, batch state, roots", _gib(self.fixed_buffer_bytes)),
             ("graphs and static buffers", _gib(self.static_bytes)),
@@ -344,7 +360,9 @@ def plan_memory(target: ModelConfig, cfg: EngineConfig, total_bytes: int,
     verify = fed * per_token + fed * v * e
     # A sampled draft loop's step on [rows, V] float32: logits, the processed distribution,
     # the one-hot of greedy rows, the uniforms and the race (5 copies).
-    draft_loop = rows * v * 4 * 5 if sampled else rows * v * 4
+    # (Over the drafter's own vocabulary where it has one.)
+    vq = drafter.draft_vocab_size or v
+    draft_loop = rows * vq * 4 * 5 if sampled else rows * vq * 4
     catch_up = fed * draft_per_token
     verify_phase = max(verify, draft_loop if drafter.has_model else 0, catch_up)
     # Eager passes (prefill, every shape's first run) share the caching allocator's pool;
@@ -352,12 +370,13 @@ def plan_memory(target: ModelConfig, cfg: EngineConfig, total_bytes: int,
     # every graph: the largest pass's intermediates), which eager passes cannot use.
     activations = max(prefill, verify_phase) + (verify_phase if buckets else 0)
 
-    probs = cap * k_max * v * 4 if sampled else 0
-    # Per verify graph (bucket b, N fed): hidden + aux [b * N, H], packed [b, 3N + 1] f64
-    # and the sampler's device outputs (at most as large again).
+    probs = cap * k_max * vq * 4 if sampled else 0
+    # The verify graphs' hidden + aux outputs: views of one [1 + aux, cap * (k_max + 1), H]
+    # allocation (the verifier's width, whatever the drafter). Per verify graph (bucket b, N
+    # fed): packed [b, 3N + 1] f64 and the sampler's device outputs (at most as large again).
     ns = range(1, n_max + 1)
-    graph_out = sum(b * n * h * e * (1 + drafter.num_aux) + 2 * 8 * b * (3 * n + 1)
-                    for b in buckets for n in ns)
+    shared_out = cap * (k_max + 1) * h * e * (1 + drafter.num_aux) if buckets else 0
+    graph_out = sum(2 * 8 * b * (3 * n + 1) for b in buckets for n in ns)
     # Captured passes: verify per (bucket, N); a model drafter's loop per (bucket, k >= 1);
     # a feature drafter's catch-up per verify shape.
     feature = drafter.kind in ("eagle3", "mtp")
@@ -371,10 +390,11 @@ def plan_memory(target: ModelConfig, cfg: EngineConfig, total_bytes: int,
     kv_bpt = kv_bytes_per_token(target.num_layers, target.num_kv_heads, target.head_dim, e) + \
         drafter.kv_bytes_per_token
     left = int(cfg.gpu_memory_utilization * total_bytes) - target_w - draft_w - activations - \
-        probs - graph_out - fixed
+        probs - shared_out - graph_out - fixed
     tokens = kv_tokens_for(cfg, max(left, 0), kv_bpt)
     return MemoryPlan(total_bytes, cfg.gpu_memory_utilization, target_w, draft_w, prefill,
-                      verify_phase, activations, probs, graph_out, fixed, num_graphs, kv_bpt,
+                      verify_phase, activations, probs, shared_out, graph_out, fixed, num_graphs,
+                      kv_bpt,
                       tokens, tokens * kv_bpt)
 
 
@@ -401,6 +421,26 @@ def kv_tokens_for(cfg: EngineConfig, budget_bytes: int, bytes_per_token: int) ->
     return tokens // cfg.block_size * cfg.block_size
 
 
+def kv_budget_bytes(total_bytes: int, gpu_memory_utilization: float, in_use_bytes: int,
+                    activation_bytes: int, static_bytes: int) -> int:
+    """Bytes the KV caches get: ``gpu_memory_utilization`` of the card, less what is in use
+    already (weights, CUDA context, a cache sized first), the activations' peak and the
+    graphs' static buffers; never below 0."""
+    return max(0, int(gpu_memory_utilization * total_bytes) - in_use_bytes - activation_bytes
+               - static_bytes)
+
+
+def activation_bytes_with(plan: MemoryPlan, measured_peak: int | None) -> int:
+    """The activations the KV cache is sized around: the plan's, with its eager part (the
+    caching allocator's pool: the largest prefill chunk or verify pass, every shape's first
+    run) raised to ``measured_peak`` (:func:`dry_run_largest_shape`) when that is larger. The
+    plan stays the floor: the dry run feeds the target only (a drafter's pass over the chunk
+    is planned, not measured). The graphs' private pool is kept as planned."""
+    eager = max(plan.prefill_activation_bytes, plan.verify_activation_bytes)
+    graph_pool = plan.activation_bytes - eager
+    return (eager if measured_peak is None else max(eager, measured_peak)) + graph_pool
+
+
 def measure_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
     """Bytes a pass allocates at its peak above what was allocated before it, measured on
     CUDA (the dry run that checks a plan's activation figures; it cannot run on the CPU)."""
@@ -415,16 +455,19 @@ def measure_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
 
 
 def dry_run_prefill(model: torch.nn.Module, cfg: EngineConfig, backend: Any,
-                    aux_layers: tuple[int, ...] = ()) -> int:
+                    aux_layers: tuple[int, ...] = (), num_tokens: int | None = None,
+                    num_logits: int | None = None) -> int:
     """The peak of one largest prefill chunk (``max_num_batched_tokens`` tokens as one
-    sequence) through ``model`` on CUDA, before the KV cache exists: a one-block dummy cache,
-    every slot ``-1`` (nothing written; attention reads block 0, values are not looked at),
-    then the last ``max_batch_size`` tokens' logits. Unrun here (no GPU in the CPU tests)."""
+    sequence, or ``num_tokens``) through ``model`` on CUDA, before the KV cache exists: a
+    one-block dummy cache, every slot ``-1`` (nothing written; attention reads block 0, values
+    are not looked at), then the last ``max_batch_size`` (or ``num_logits``) tokens' logits.
+    Unrun here (no GPU in the CPU tests)."""
     from specengine.model.attention import AttentionMetadata
 
     mc: ModelConfig = model.config  # type: ignore[assignment]
     dev = next(model.parameters()).device
-    t = cfg.max_num_batched_tokens
+    t = num_tokens or cfg.max_num_batched_tokens
+    num_logits = min(num_logits or cfg.max_batch_size, t)
     kv = torch.zeros(2, mc.num_layers, 1, cfg.block_size, mc.num_kv_heads, mc.head_dim,
                      dtype=cfg.torch_dtype, device=dev)
     meta = AttentionMetadata(
@@ -438,6 +481,57 @@ def dry_run_prefill(model: torch.nn.Module, cfg: EngineConfig, backend: Any,
     @torch.inference_mode()
     def run() -> None:
         hidden, _ = model(ids, pos, kv, meta, backend, aux_layers)
-        model.compute_logits(hidden[-min(cfg.max_batch_size, t):]).float()
+        model.compute_logits(hidden[-num_logits:]).float()
 
     return measure_peak_bytes(run, dev)
+
+
+def largest_shape(cfg: EngineConfig, drafting: bool) -> tuple[int, int]:
+    """(tokens, logits rows) of the largest eager pass an engine of ``cfg`` runs: the larger
+    of the prefill chunk (``max_num_batched_tokens``; the last ``max_batch_size`` rows'
+    logits) and the full verify pass (capacity x ``verify_k_max + 1`` tokens, every one's
+    logits; one token a row without a drafter)."""
+    fed = capacity_of(cfg) * (verify_k_max(cfg) + 1 if drafting else 1)
+    chunk = cfg.max_num_batched_tokens
+    return max(chunk, fed), max(min(cfg.max_batch_size, chunk), fed)
+
+
+def dry_run_largest_shape(model: torch.nn.Module, cfg: EngineConfig, backend: Any,
+                          drafter: DrafterFacts | None) -> int:
+    """One forward of the target at :func:`largest_shape` on CUDA before the KV cache is
+    sized (as vLLM profiles a dummy run first), keeping as many hidden states for the drafter
+    as it reads (``drafter.num_aux`` layers); returns the peak bytes it allocated
+    (``torch.cuda.max_memory_allocated``) above what was in use. CUDA only."""
+    tokens, logits = largest_shape(cfg, drafter is not None and drafter.has_model)
+    mc: ModelConfig = model.config  # type: ignore[assignment]
+    num_aux = drafter.num_aux if drafter is not None else 0
+    aux = tuple(range(1, min(num_aux, mc.num_layers) + 1))
+    return dry_run_prefill(model, cfg, backend, aux, tokens, logits)
+
+
+def measured_activation_peak(cfg: EngineConfig, model: torch.nn.Module,
+                             device: torch.device) -> int | None:
+    """At engine start, before any KV cache: on CUDA with the cache sized from
+    ``gpu_memory_utilization`` (no ``kv_cache_tokens``), :func:`dry_run_largest_shape`'s
+    peak; elsewhere None (nothing to measure on the CPU: the plan stands). A dry run that
+    runs out of memory is reported with the settings that size it."""
+    if device.type != "cuda" or cfg.kv_cache_tokens is not None:
+        return None
+    from specengine.model.attention import make_attention_backend
+
+    mc: ModelConfig = model.config  # type: ignore[assignment]
+    drafter = DrafterFacts.from_draft(cfg.draft, mc, _dtype_bytes(cfg.torch_dtype))
+    tokens, logits = largest_shape(cfg, drafter is not None and drafter.has_model)
+    try:
+        peak = dry_run_largest_shape(model, cfg, make_attention_backend(cfg.kernel_backend),
+                                     drafter)
+    except torch.cuda.OutOfMemoryError as e:
+        raise RuntimeError(
+            f"the largest-shape dry run ({tokens} tokens, {logits} logits rows) ran out of "
+            "device memory before the KV cache was sized: lower max_num_batched_tokens or "
+            f"max_batch_size, or use a larger card ({e})") from e
+    finally:
+        torch.cuda.empty_cache()  # the dry run's blocks go back before the caches are made
+    logger.info("dry run at the largest shape (%d tokens, %d logits rows): peak %.2f GiB",
+                tokens, logits, peak / GIB)
+    return peak

@@ -87,6 +87,7 @@ class Sampler:
         draft_probs: Tensor | None,  # [B, N-1, V] or None (point-mass drafts)
         tree_parents: Tensor | None,  # [N] int32 or None (chains)
         params: SamplingTensors,
+        draft_index: Tensor | None = None,  # [V] int32: draft_probs over a draft vocabulary
     ) -> SamplerOutput:
         if self.kernel_backend == "torch":
             from specengine.kernels.reference import rejection_sample
@@ -94,5 +95,5 @@ class Sampler:
             from specengine.kernels.rejection_sampling import rejection_sample
         out = rejection_sample(target_logits, draft_token_ids, num_draft_tokens, draft_probs,
                                params.temperature, params.top_k, params.top_p, params.seeds,
-                               params.offsets, tree_parents)
+                               params.offsets, tree_parents, draft_index=draft_index)
         return SamplerOutput(*out)

@@ -114,6 +114,21 @@ class StaticVerifier:
         # largest k the engine verifies (``memory_plan.verify_k_max``), not MAX_K: each column
         # is capacity x V x 4 bytes the KV cache does not get.
         self.max_prob_drafts = max_prob_drafts
+        # A drafter with a vocabulary of its own (an EAGLE-3 head's d2t) hands its
+        # distributions over that: the buffer is [.., Vd] and the sampler reads q(t) through
+        # ``draft_index`` [V] (-1: q = 0). ``set_draft_vocab`` (at the drafter's bind).
+        self.probs_vocab = vocab_size
+        self.draft_index: Tensor | None = None
+        # Verify outputs (final hidden and the drafter's aux hidden states, [rows * N, H]
+        # each) written into views of one [1 + aux, capacity * (max_prob_drafts + 1), H]
+        # allocation (``share_outputs``: set for a runner that may capture), not each
+        # captured graph's own tensors: every (bucket, k) graph would otherwise keep its own
+        # (0.70 GiB at 8B over buckets 1-256 x k 0-8). They are read only by the same step's
+        # catch-up pass or ``observe`` (copies), before the next verify pass rewrites them.
+        # Larger shapes (trees, k past the buffer) keep their own outputs.
+        self.share_outputs = False
+        self._outputs_all: Tensor | None = None
+        self._outputs: dict[tuple[int, int], Tensor] = {}
         self._probs_all: Tensor | None = None
         self._probs: dict[tuple[int, int], Tensor] = {}
         # Tree passes move the accepted paths' K/V into place themselves (not under tensor
@@ -121,14 +136,25 @@ class StaticVerifier:
         self.compacts_trees = not hasattr(runner.kv_cache, "mirror_compact")
         self._consts: dict[tuple, tuple[Tensor, Tensor, Tensor | None, Tensor | None]] = {}
 
+    def set_draft_vocab(self, draft_index: Tensor, size: int) -> None:
+        """Draft distributions are over a drafter's vocabulary of ``size`` ids; target token
+        ``t`` is its column ``draft_index[t]`` (``[V]`` int32, -1: none). Before the first
+        sampled step (the shared buffer is made at that width)."""
+        if self._probs:
+            raise RuntimeError("set_draft_vocab after draft-probability buffers were made")
+        if tuple(draft_index.shape) != (self.vocab_size,) or not 0 < size <= self.vocab_size:
+            raise ValueError(f"a draft vocabulary maps the {self.vocab_size} target ids to at "
+                             f"most that many columns, got {tuple(draft_index.shape)}, {size}")
+        self.probs_vocab, self.draft_index = size, draft_index
+
     def load_drafts(self, shape: VerifyShape, token_ids: Tensor, probs: Tensor | None) -> None:
-        """Copy the drafter's proposal (``[B, W]`` ids on the device, ``[B, W, V]`` probs)
-        into the static buffers of ``shape``."""
+        """Copy the drafter's proposal (``[B, W]`` ids on the device, ``[B, W, V]`` probs, or
+        ``[B, W, Vd]`` over a draft vocabulary) into the static buffers of ``shape``."""
         b, w = token_ids.shape
         if b > shape.num_rows:
             raise ValueError(f"{b} rows of drafts do not fit a pass of {shape.num_rows} rows")
-        if shape.has_probs and (probs is None or tuple(probs.shape) != (b, w, self.vocab_size)):
-            raise ValueError(f"draft probs must be [{b}, {w}, {self.vocab_size}]")
+        if shape.has_probs and (probs is None or tuple(probs.shape) != (b, w, self.probs_vocab)):
+            raise ValueError(f"draft probs must be [{b}, {w}, {self.probs_vocab}]")
         # Columns past N - 1 are past every row's draft count (the caller sized N from them).
         w = min(w, shape.num_tokens - 1)
         if w and not _same_view(token_ids, self.draft_ids):  # a static drafter wrote in place
@@ -149,22 +175,40 @@ class StaticVerifier:
         return self.probs_view(shape.num_rows, shape.num_tokens - 1)
 
     def probs_view(self, rows: int, drafts: int) -> Tensor:
-        """``[rows, drafts, V]`` float32, a view of the one shared buffer (see ``__init__``),
+        """``[rows, drafts, V or Vd]`` float32, a view of the one shared buffer (``__init__``),
         the same tensor every call for the same arguments; a draft loop writes its
         distributions here and the verify pass of ``(rows, drafts + 1)`` reads them."""
         key = (rows, drafts)
         view = self._probs.get(key)
         if view is None:
             if rows > self.state.capacity or drafts > self.max_prob_drafts:
-                view = torch.zeros(rows, drafts, self.vocab_size, dtype=torch.float32,
+                view = torch.zeros(rows, drafts, self.probs_vocab, dtype=torch.float32,
                                    device=self.state.device)
             else:
                 if self._probs_all is None:
                     self._probs_all = torch.zeros(
-                        self.state.capacity, self.max_prob_drafts, self.vocab_size,
+                        self.state.capacity, self.max_prob_drafts, self.probs_vocab,
                         dtype=torch.float32, device=self.state.device)
                 view = self._probs_all[:rows, :drafts]
             self._probs[key] = view
+        return view
+
+    def output_views(self, rows: int, num_tokens: int, like: Tensor, num_aux: int
+                     ) -> Tensor | None:
+        """``[1 + num_aux, rows * num_tokens, H]`` (dtype and H of ``like``), a view of the
+        one shared output allocation (``__init__``), the same tensor every call; None when
+        the shape is past it or outputs are not shared."""
+        if not self.share_outputs or rows > self.state.capacity or \
+                num_tokens > self.max_prob_drafts + 1:
+            return None
+        key = (rows, num_tokens)
+        view = self._outputs.get(key)
+        if view is None:
+            if self._outputs_all is None:
+                self._outputs_all = torch.zeros(
+                    1 + num_aux, self.state.capacity * (self.max_prob_drafts + 1),
+                    like.shape[-1], dtype=like.dtype, device=like.device)
+            view = self._outputs[key] = self._outputs_all[:, : rows * num_tokens]
         return view
 
     def _constants(self, shape: VerifyShape) -> tuple[Tensor, Tensor, Tensor | None,
@@ -211,12 +255,19 @@ class StaticVerifier:
         hidden, aux = model(input_ids.reshape(-1), positions.reshape(-1), self.runner.kv_cache.kv,
                             meta, self.runner.backend, self.runner.aux_layers)
         logits = model.compute_logits(hidden).view(rows, n, -1)  # [rows, N, V]
+        shared = self.output_views(rows, n, hidden, len(aux))
+        if shared is not None:  # the pass's own outputs become transient (pool memory)
+            shared[0].copy_(hidden)
+            for dst, src in zip(shared[1:], aux):
+                dst.copy_(src)
+            hidden, aux = shared[0], list(shared[1:])
         params = SamplingTensors(
             temperature=st.floats[TEMPERATURE, :rows], top_k=ints[TOP_K],
             top_p=st.floats[TOP_P, :rows], seeds=ints[SEED], offsets=ints[OFFSET],
         )
         probs = self.probs_buffer(shape) if shape.has_probs else None
-        out = self.sampler(logits, drafts, num_draft, probs, parents, params)
+        out = self.sampler(logits, drafts, num_draft, probs, parents, params,
+                           self.draft_index if probs is not None else None)
         if shape.tree is not None and self.compacts_trees:
             self._compact_accepted_paths(shape.tree, rows, ctx, active, out)
         return VerifyOutput(out.pack(), hidden, aux, out)

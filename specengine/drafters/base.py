@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from specengine.core.graphs import GraphRunner
@@ -20,13 +21,36 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class DraftVocab:
+    """A drafter's own (reduced) vocabulary, e.g. an EAGLE-3 head's 32k of a 152k target's:
+    column ``d`` of its distributions is target token ``to_target[d]``; target token ``t`` is
+    column ``to_draft[t]``, or -1 where the drafter has no id for it (draft probability 0).
+    The tensors are the drafter's own buffers, rewritten in place by a weight update (a
+    captured pass keeps reading them)."""
+
+    to_target: Tensor  # [Vd] int64
+    to_draft: Tensor  # [V] int32
+
+    def __post_init__(self) -> None:
+        if self.to_target.dim() != 1 or self.to_draft.dim() != 1 or \
+                self.to_target.dtype != torch.int64 or self.to_draft.dtype != torch.int32:
+            raise ValueError("DraftVocab needs to_target [Vd] int64 and to_draft [V] int32")
+
+    @property
+    def size(self) -> int:
+        return self.to_target.shape[0]
+
+
+@dataclass(frozen=True)
 class DraftProposal:
     """Drafts for one step. Chains: ``token_ids[b, :num_draft_tokens[b]]`` are sequence b's
     drafts. Trees: ``token_ids[b, i-1]`` is the token of tree node i (every node filled)."""
 
     token_ids: Tensor  # [B, N-1] int64, on the engine's device
     num_draft_tokens: np.ndarray  # [B] int: host data (the step plans with it, no sync)
-    probs: Tensor | None  # [B, N-1, V] float32 draft distributions, or None for point masses
+    # [B, N-1, V] float32 draft distributions ([B, N-1, Vd] over the drafter's ``draft_vocab``
+    # when it has one), or None for point masses
+    probs: Tensor | None
     # Every row drafted exactly what ``propose`` asked (the step then skips comparing counts)
     as_asked: bool = False
     # The drafts were written straight into the verify pass's draft buffer (a static draft
@@ -58,6 +82,9 @@ class Drafter(ABC):
     aux_layers: tuple[int, ...] = ()
     #: True when ``propose`` returns point masses (probs None)
     point_mass: bool = True
+    #: the vocabulary ``propose``'s ``probs`` cover when it is not the target's (the verify
+    #: pass then reads them through ``to_draft``); None: the target's
+    draft_vocab: DraftVocab | None = None
 
     @abstractmethod
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int],

@@ -22,6 +22,9 @@ class DraftContext:
     model_config: ModelConfig  # the target's
     model: CausalLM  # the target, on ``device``
     device: torch.device
+    #: the engine's largest-shape dry run on CUDA (bytes), which a drafter's own KV cache is
+    #: sized around as the target's is (``kv_cache.num_kv_blocks``); None: the plan's
+    measured_peak: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):

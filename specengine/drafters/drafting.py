@@ -30,12 +30,15 @@ _K = tuple(_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049
                                  0xD6E8FEB86659FD93))
 
 
-def draft_uniforms(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
+def draft_uniforms(seeds: Tensor, positions: Tensor, vocab: int,
+                   token_ids: Tensor | None = None) -> Tensor:
     """``[B, V]`` uniforms in (0, 1): a counter-based hash (splitmix64 finaliser, int64
     arithmetic wrapping) of (request seed, draft position, token id). This is the drafter's
     own stream, independent of the target sampler's Philox draws; the same (seed, position)
-    always gives the same numbers, and no host sync is needed."""
-    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    always gives the same numbers, and no host sync is needed. ``token_ids [V]``: the target
+    ids of the columns (a draft vocabulary), so a token gets the same number either way."""
+    ids = token_ids if token_ids is not None else torch.arange(vocab, device=seeds.device,
+                                                               dtype=torch.int64)
     x = seeds[:, None] * _K[0] + positions[:, None] * _K[1] + ids[None, :] * _K[3] + _K[2]
     for shift, mul in ((30, _K[1]), (27, _K[2]), (31, 1)):
         x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mul
@@ -55,15 +58,17 @@ def processed_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
 
 
 def choose_tokens(logits: Tensor, seqs: list[Sequence], positions: list[int],
-                  sample: bool) -> tuple[Tensor, Tensor | None]:
+                  sample: bool, vocab_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Draft tokens from ``logits [B, V]``: the argmax (``sample`` False, or greedy requests),
     else a draw from :func:`processed_probs` with the request's temperature / top-k / top-p,
     made with :func:`draft_uniforms` of (request seed, ``positions[b]``) by an exponential race
     (``argmax q / Exp(1)`` is distributed as ``q``). Returns the tokens ``[B]`` and, when
     sampling, the distributions they were drawn from ``[B, V]`` float32 (one-hot for greedy
-    requests)."""
+    requests). ``vocab_ids [Vd]``: ``logits`` are over a draft vocabulary whose column ``d``
+    is target token ``vocab_ids[d]`` (:func:`choose_from`)."""
     if not sample:
-        return logits.float().argmax(-1), None
+        cols = logits.float().argmax(-1)
+        return (cols if vocab_ids is None else vocab_ids[cols]), None
     dev = logits.device
     params = [s.params for s in seqs]
     return choose_from(
@@ -72,22 +77,35 @@ def choose_tokens(logits: Tensor, seqs: list[Sequence], positions: list[int],
         to_device(np.array([p.top_k for p in params], np.int64), dev),
         to_device(np.array([p.top_p for p in params], np.float32), dev),
         to_device(np.array([_signed(s.seed) for s in seqs], np.int64), dev),
-        to_device(np.array(positions, np.int64), dev))
+        to_device(np.array(positions, np.int64), dev), vocab_ids=vocab_ids)
 
 
 def choose_from(logits: Tensor, sample: bool, temperature: Tensor, top_k: Tensor,
-                top_p: Tensor, seeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
+                top_p: Tensor, seeds: Tensor, positions: Tensor,
+                vocab_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """:func:`choose_tokens` on per-row device tensors (all ``[B]``; no host data), as the
-    static draft loop reads them from the persistent batch."""
+    static draft loop reads them from the persistent batch.
+
+    ``vocab_ids [Vd]`` int64: the logits cover a draft vocabulary (an EAGLE-3 head's), column
+    ``d`` being target token ``vocab_ids[d]``. The choice is made over those columns, the
+    tokens returned are target ids, and ``q`` stays over the columns ``[B, Vd]``: the
+    rejection sampler reads it through the inverse map (``draft_index``), so no ``[B, V]``
+    copy with zeros at the tokens the head cannot propose is ever made. The race keys every
+    column by its target id (:func:`draft_uniforms`): the same draw as over the target
+    vocabulary with those tokens at probability 0."""
     logits = logits.float()
-    tokens = logits.argmax(-1)
+    cols = logits.argmax(-1)
+    tokens = cols if vocab_ids is None else vocab_ids[cols]
     if not sample:
         return tokens, None
     greedy = temperature == 0
     q = processed_probs(logits, torch.where(greedy, 1.0, temperature), top_k, top_p)
-    one_hot = torch.zeros_like(logits).scatter_(-1, tokens[:, None], 1.0)
+    one_hot = torch.zeros_like(logits).scatter_(-1, cols[:, None], 1.0)
     q = torch.where(greedy[:, None], one_hot, q)
-    drawn = (q / -torch.log(draft_uniforms(seeds, positions, logits.shape[-1]))).argmax(-1)
+    u = draft_uniforms(seeds, positions, logits.shape[-1], vocab_ids)
+    drawn = (q / -torch.log(u)).argmax(-1)
+    if vocab_ids is not None:
+        drawn = vocab_ids[drawn]
     return torch.where(greedy, tokens, drawn), q
 
 
@@ -97,7 +115,8 @@ def draft_kv_cache(ctx: DraftContext, num_layers: int, num_kv_heads: int,
     runs out first); on CUDA the free memory is split between both caches."""
     cfg = ctx.config
     bpt = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, cfg.torch_dtype)
-    blocks = num_kv_blocks(cfg, ctx.model_config, ctx.device, extra_bytes_per_token=bpt)
+    blocks = num_kv_blocks(cfg, ctx.model_config, ctx.device, extra_bytes_per_token=bpt,
+                           measured_peak=ctx.measured_peak)
     return KVCache(blocks, cfg.block_size, num_layers, num_kv_heads, head_dim, cfg.torch_dtype,
                    ctx.device)
 
@@ -110,14 +129,16 @@ def tree_level_mask(tree: DraftTree, n: int, batch: int, device: torch.device) -
 
 def run_chain(seqs: tuple[Sequence, ...], num_drafts: list[int], logits: Tensor,
               advance: Callable[[list[int], list[int], Tensor, int], Tensor], sample: bool,
-              device: torch.device) -> tuple[Tensor, Tensor | None]:
+              device: torch.device, vocab_ids: Tensor | None = None
+              ) -> tuple[Tensor, Tensor | None]:
     """The chain loop: draft ``j`` of row ``b`` is chosen from the logits after draft ``j - 1``.
 
     ``logits [R, V]`` are those of the rows ``b`` with ``num_drafts[b] > 0`` (in order) for
     draft 0. ``advance(keep, rows, fed, j)`` runs one draft pass for the rows that want a
     draft ``j`` (``keep`` indexes them in the previous ``rows``; ``fed`` are their drafts
     ``j - 1``, on the device: no host sync between draft steps) and returns their logits.
-    Returns ``ids [B, max k]`` and, when sampling, the draft distributions ``[B, max k, V]``."""
+    Returns ``ids [B, max k]`` and, when sampling, the draft distributions ``[B, max k, V]``
+    (``[B, max k, Vd]`` over a draft vocabulary ``vocab_ids``: :func:`choose_from`)."""
     width = max(num_drafts)
     ids = torch.zeros(len(seqs), width, dtype=torch.int64, device=device)
     probs = None
@@ -130,7 +151,7 @@ def run_chain(seqs: tuple[Sequence, ...], num_drafts: list[int], logits: Tensor,
             fed = tokens if len(keep) == len(tokens) else tokens[_index(keep, device)]
             logits = advance(keep, rows, fed, j)
         tokens, q = choose_tokens(logits, [seqs[b] for b in rows],
-                                  [len(seqs[b]) + j for b in rows], sample)
+                                  [len(seqs[b]) + j for b in rows], sample, vocab_ids)
         sel = _index(rows, device)
         ids[sel, j] = tokens
         if q is not None:

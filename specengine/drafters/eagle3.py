@@ -46,7 +46,7 @@ from specengine.drafters.adapt_train import (
     OnlineAdaptation,
     check_adapt_options,
 )
-from specengine.drafters.base import Drafter
+from specengine.drafters.base import Drafter, DraftVocab
 from specengine.drafters.feature_drafter import FeatureDrafter
 from specengine.model.attention import AttentionBackend, AttentionMetadata
 from specengine.model.config import CheckpointError, ModelConfig
@@ -102,7 +102,20 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
         self.vocab_size = cfg.vocab_size
         self.register_buffer("draft_to_target", torch.arange(draft_vocab_size), persistent=False)
+        # The inverse, -1 at target ids without a draft id: the rejection sampler reads the
+        # draft distributions (over the draft vocabulary) through it.
+        to_draft = torch.full((cfg.vocab_size,), -1, dtype=torch.int32)
+        to_draft[:draft_vocab_size] = torch.arange(draft_vocab_size, dtype=torch.int32)
+        self.register_buffer("target_to_draft", to_draft, persistent=False)
         self._shared = (embed,)
+
+    def set_vocab_map(self, ids: Tensor) -> None:
+        """Draft id ``d`` is target id ``ids[d]`` (checked distinct and in range by the
+        caller): both maps rewritten in place (captured passes read them)."""
+        self.draft_to_target.copy_(ids)
+        self.target_to_draft.fill_(-1)
+        self.target_to_draft[self.draft_to_target] = torch.arange(
+            ids.shape[0], dtype=torch.int32, device=self.target_to_draft.device)
 
     def forward(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, kv_cache: Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend,
@@ -234,10 +247,20 @@ class Eagle3Drafter(OnlineAdaptation, FeatureDrafter):
 
         load_named_tensors(module, tensors.items(), strict=True)
         if d2t is not None:
-            module.draft_to_target.copy_(d2t)
+            module.set_vocab_map(d2t)
         super().__init__(ctx, module, hcfg.num_kv_heads, hcfg.head_dim, sample=sample)
+        if self.draft_vocab_size < hcfg.vocab_size:
+            # Chains are chosen over the draft vocabulary and their distributions stay there
+            # ([rows, k, Vd] for the verify pass, not [rows, k, V]: docs/design.md §10).
+            self.draft_vocab = DraftVocab(module.draft_to_target, module.target_to_draft)
         self.init_adaptation(adapt_buffer_tokens, adapt_every, adapt_steps, adapt_lr,
                              adapt_batch_tokens)
+
+    def chain_logits(self, hidden: Tensor) -> Tensor:
+        """Over the draft vocabulary when it is reduced (``draft_vocab``), else the target's."""
+        if self.draft_vocab is not None:
+            return self.module.draft_logits(hidden)
+        return self.module.compute_logits(hidden)
 
     def features(self, target: ForwardOutput, rows: Tensor) -> Tensor:
         if len(target.aux_hidden) != len(self.aux_layers):
@@ -258,7 +281,7 @@ class Eagle3Drafter(OnlineAdaptation, FeatureDrafter):
         d2t = self._staged_vocab_map(tensors, required=False)
         names = load_named_tensors(self.module, tensors.items(), strict=False)
         if d2t is not None:
-            self.module.draft_to_target.copy_(d2t)
+            self.module.set_vocab_map(d2t)
             names.append("d2t")
         self.drop_states()
         return names

@@ -82,7 +82,10 @@ class FeatureDrafter(Drafter):
         self._target_kv: KVCache | None = None
 
     def bind_static(self, graphs: GraphRunner) -> None:
-        """Chains then run as ``StaticFeatureChain`` (one CUDA graph per bucket and k)."""
+        """Chains then run as ``StaticFeatureChain`` (one CUDA graph per bucket and k); the
+        verify pass reads sampled chains' distributions in the draft vocabulary, if any."""
+        if self.draft_vocab is not None:
+            graphs.verifier.set_draft_vocab(self.draft_vocab.to_draft, self.draft_vocab.size)
         if graphs.static:
             from specengine.drafters.static_chain import StaticFeatureChain
 
@@ -135,6 +138,11 @@ class FeatureDrafter(Drafter):
         self.clear_prefix_cache()
         if self._target_kv is not None:
             self._target_kv.invalidate_prefix_cache()
+
+    def chain_logits(self, hidden: Tensor) -> Tensor:
+        """float32 logits a chain's draft is chosen from: over ``draft_vocab`` when the
+        drafter has one (its columns), else ``module.compute_logits`` (the target's)."""
+        return self.module.compute_logits(hidden)
 
     @abstractmethod
     def features(self, target: ForwardOutput, rows: Tensor) -> Tensor:
@@ -279,11 +287,12 @@ class FeatureDrafter(Drafter):
             st = self._states[seqs[b].seq_id]
             self.kv_cache.ensure(st, st.num_cached + num_drafts[b])  # type: ignore[arg-type]
         hidden = torch.stack([self._states[seqs[b].seq_id].hidden for b in rows])  # type: ignore
-        logits = self.module.compute_logits(hidden)
         if tree is not None:
+            logits = self.module.compute_logits(hidden)
             ids = torch.zeros(len(seqs), max(num_drafts), dtype=torch.int64, device=self.device)
             ids[:, : tree.num_nodes - 1] = self._propose_tree(seqs, tree, hidden, logits)
             return DraftProposal(ids, counts, None)
+        logits = self.chain_logits(hidden)
 
         def advance(keep: list[int], rows: list[int], fed: Tensor, j: int) -> Tensor:
             nonlocal hidden  # entry at position len - 2 + j: (g of the previous one, draft j-1)
@@ -291,9 +300,11 @@ class FeatureDrafter(Drafter):
             hidden = self._forward([self._states[seqs[b].seq_id] for b in rows], pos,
                                    fed, hidden[keep],
                                    [np.array([p], dtype=np.int64) for p in pos])
-            return self.module.compute_logits(hidden)
+            return self.chain_logits(hidden)
 
-        ids, probs = run_chain(seqs, num_drafts, logits, advance, self.sample, self.device)
+        vocab = self.draft_vocab
+        ids, probs = run_chain(seqs, num_drafts, logits, advance, self.sample, self.device,
+                               None if vocab is None else vocab.to_target)
         return DraftProposal(ids, counts, probs)
 
     def _propose_tree(self, seqs: tuple[Sequence, ...], tree: DraftTree, root_hidden: Tensor,

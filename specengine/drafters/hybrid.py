@@ -18,7 +18,10 @@ decay, so both follow a drifting policy.
 Both drafters see every step (the neural one must catch up its hidden states whichever
 proposal was verified). Trees are the neural drafter's alone. Lossless like its parts: either
 proposal is verified by the same rejection sampler (a suffix row in a sampled-draft batch
-passes a one-hot distribution, i.e. its point mass).
+passes a one-hot distribution, i.e. its point mass). Over a neural drafter's own vocabulary
+(``draft_vocab``: an EAGLE-3 head's) the one-hot sits at the token's column; a suffix token the
+draft vocabulary lacks gets q = 0 in every column, so that draft is rejected and the token is
+drawn from the policy's p itself (still exact, the row just drafted in vain).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class HybridDrafter(Drafter):
         self.neural, self.suffix = neural, suffix
         self.aux_layers = neural.aux_layers
         self.point_mass = neural.point_mass
+        self.draft_vocab = neural.draft_vocab  # merged probs stay in its columns
         # running counts: neural proposed / accepted per position; suffix drafts verified /
         # accepted per bin of their estimate
         self.proposed = np.zeros(0)
@@ -170,9 +174,11 @@ class HybridDrafter(Drafter):
         ids = torch.where(pick[:, None], padded, ids)
         probs = neural.probs
         if probs is not None:  # a sampled-draft batch: suffix rows pass their point mass
-            vocab = probs.shape[-1]
-            one_hot = torch.nn.functional.one_hot(ids[: probs.shape[0], : probs.shape[1]],
-                                                  vocab).to(probs.dtype)
+            cols = ids[: probs.shape[0], : probs.shape[1]]
+            if self.draft_vocab is not None:  # its column; none (-1): q = 0 (module doc)
+                cols = self.draft_vocab.to_draft[cols].long()
+            one_hot = (cols[..., None] == torch.arange(probs.shape[-1], device=cols.device)
+                       ).to(probs.dtype)
             probs = torch.where(pick[: probs.shape[0], None, None], one_hot, probs)
         return DraftProposal(ids, counts, probs)
 

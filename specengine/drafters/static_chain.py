@@ -172,7 +172,8 @@ class StaticFeatureChain(StaticDrafts):
                                          qo_indptr=indptr, max_q_len=1)
                 hidden, _ = d.module(tokens, hidden, pos, d.kv_cache.kv, meta,
                                      d.runner.backend)
-            tokens, probs = self.choose(d.module.compute_logits(hidden), d.sample, j, ids, probs)
+            tokens, probs = self.choose(d.chain_logits(hidden), d.sample, j, ids, probs,
+                                        None if d.draft_vocab is None else d.draft_vocab.to_target)
         return ids, probs
 
     def propose_tree(self, seqs: tuple[Sequence, ...], num_drafts: list[int],

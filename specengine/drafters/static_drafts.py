@@ -64,16 +64,20 @@ class StaticDrafts:
         return self._indptr[rows, per_row]
 
     def choose(self, logits: Tensor, sample: bool, j: int, ids: Tensor,
-               probs: Tensor | None) -> tuple[Tensor, Tensor | None]:
+               probs: Tensor | None, vocab_ids: Tensor | None = None
+               ) -> tuple[Tensor, Tensor | None]:
         """Draft ``j`` of every row from ``logits [rows, V]`` with the row's own sampling
         parameters and seed (position ``len + j``), written to ``ids[:, j]`` (and its
         distribution to ``probs[:, j]``: the verify pass's shared probability buffer, taken at
-        the first sampled draft). Returns the tokens and ``probs``."""
+        the first sampled draft). ``vocab_ids``: the logits are over a draft vocabulary
+        (``drafting.choose_from``; the buffer is then as wide as it). Returns the tokens and
+        ``probs``."""
         rows, k = ids.shape
         st = self.state
         ints = st.ints[:, :rows]
         tokens, q = choose_from(logits, sample, st.floats[TEMPERATURE, :rows], ints[TOP_K],
-                                st.floats[TOP_P, :rows], ints[SEED], ints[OFFSET] + j)
+                                st.floats[TOP_P, :rows], ints[SEED], ints[OFFSET] + j,
+                                vocab_ids)
         ids[:, j] = tokens
         if q is not None:
             if probs is None:
