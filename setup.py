@@ -60,6 +60,7 @@ setup(
         "specengine.drafters",
         "specengine.model",
         "specengine.server",
+        "specengine.train",
         "specengine.weights",
         "specengine.kernels",
     ],
