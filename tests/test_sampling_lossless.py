@@ -39,9 +39,12 @@ P_MIN = 1e-3
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature → top-k (ties at the k-th value kept) → top-p on the renormalised top-k
+    """Temperature → min-p → top-k (ties at the k-th value kept) → top-p on the renormalised top-k
     probabilities (smallest descending prefix with mass ≥ top_p, ties at its last value kept)."""
     x = logits.double() / params.temperature
+    if params.min_p > 0:  # vLLM's order: min-p right after temperature
+        p = torch.softmax(x, dim=-1)
+        x = x.masked_fill(p < params.min_p * p.amax(-1, keepdim=True), float("-inf"))
     if params.top_k > 0:
         kth = x.topk(min(params.top_k, x.shape[-1]), dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
