@@ -28,6 +28,7 @@ from specengine.kernels.kv_cache import compact_kv_cache
 from specengine.kv_cache import KVCache
 from specengine.sampler import StepResult
 from specengine.sequence import Sequence
+from specengine.stop_strings import cut_at_stop_strings
 from specengine.tree import MAX_TREE_NODES, DraftTree
 
 
@@ -135,7 +136,8 @@ def speculative_step(
         num_tokens = 1
     else:  # graphs keep one shape per k; eagerly, feed no more than the longest chain needs
         num_tokens = k + 1 if graphs.static else int(num_drafts.max()) + 1
-    shape = _shape(rows, num_tokens, tree, proposal is not None and proposal.probs is not None)
+    shape = _shape(rows, num_tokens, tree, proposal is not None and proposal.probs is not None,
+                   state.masks_stops())
     if proposal is not None and not proposal.in_place:
         graphs.verifier.load_drafts(shape, proposal.token_ids, proposal.probs)
     clock.drafted()
@@ -185,6 +187,8 @@ def append_step(arena: SeqArena, seqs: tuple[Sequence, ...], packed: np.ndarray,
                                       version)
     for b, code in ended:  # only the rows that finished this step
         seqs[b].finish("stop" if code == 1 else "length")
+    if arena.has_stop_strings.any():  # some running request has stop strings: check its text
+        kept -= cut_at_stop_strings(arena, seqs, slots, num_rows)
     return kept
 
 
@@ -200,10 +204,10 @@ def _filled(num_rows: int, value: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=1024)
-def _shape(num_rows: int, num_tokens: int, tree: DraftTree | None, has_probs: bool
-           ) -> VerifyShape:
+def _shape(num_rows: int, num_tokens: int, tree: DraftTree | None, has_probs: bool,
+           masks_stops: bool) -> VerifyShape:
     """One ``VerifyShape`` object per shape (its checks run once; trees key by identity)."""
-    return VerifyShape(num_rows, num_tokens, tree, has_probs)
+    return VerifyShape(num_rows, num_tokens, tree, has_probs, masks_stops)
 
 
 def _compact_tree_path(arena: SeqArena, slots: np.ndarray, packed: np.ndarray, num_rows: int,

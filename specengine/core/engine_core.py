@@ -41,6 +41,7 @@ from specengine.sampling import SamplingParams
 from specengine.scheduler import ScheduledBatch, Scheduler
 from specengine.sequence import SeqStatus, Sequence
 from specengine.speculate import StepTimes, append_step
+from specengine.stop_strings import StopStrings
 from specengine.tokenizer import TextTokenizer
 from specengine.tree import DraftTree
 
@@ -142,6 +143,8 @@ class EngineCore:
                              "request")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seq = Sequence(self._next_seq_id, list(prompt), params, seed, self.eos_token_ids)
+        if params.stop:  # (validate_requests checked that there is a tokenizer)
+            seq.stop_strings = StopStrings(params, self.tokenizer)  # type: ignore[arg-type]
         self._next_seq_id += 1
         req = _Request(request_id, seq, k, tree, auto=auto,
                        sample_index=sample[1] if sample else 0)
@@ -326,6 +329,9 @@ class EngineCore:
         """Prompt pass + first token; the drafter catches up only when some request will
         draft (a k=0 baseline on an engine with a drafter costs exactly a plain engine's)."""
         logits, target_out = self.runner.prefill(seqs)  # [B, V]
+        for b, seq in enumerate(seqs):  # min_tokens: no stop id as the next token yet
+            if seq.num_generated < seq.params.min_tokens and seq.stop_token_ids:
+                logits[b, sorted(seq.stop_token_ids)] = float("-inf")
         empty = torch.zeros(len(seqs), 0, dtype=torch.int64, device=self.device)
         zeros = torch.zeros(len(seqs), dtype=torch.int32, device=self.device)
         out = self.sampler(logits[:, None, :], empty, zeros, None, None,
@@ -365,9 +371,17 @@ class EngineCore:
 
     def _output(self, seq: Sequence, reason: str, sample_index: int = 0,
                 error: str | None = None) -> GenerationOutput:
-        text = None
-        if self.tokenizer is not None and self.detokenize:
+        text, stop_reason = None, None
+        match = seq.stop_strings.match if seq.stop_strings is not None else None
+        if match is not None and reason == "stop":  # decoded on the step loop: cut at the stop
+            text, stop_reason = match[2], match[1]
+        elif self.tokenizer is not None and self.detokenize:
             text = self.tokenizer.decode(seq.output_token_ids)
+        if reason == "stop" and stop_reason is None and seq.num_generated:
+            last = seq.last_token  # vLLM: EOS gives None, a stop_token_ids id gives the id
+            if (seq.params.ignore_eos or last not in self.eos_token_ids) and \
+                    last in seq.params.stop_token_ids:
+                stop_reason = last
         return GenerationOutput(
             prompt_token_ids=tuple(seq.token_ids[: seq.num_prompt_tokens]),
             token_ids=tuple(seq.output_token_ids),
@@ -381,6 +395,7 @@ class EngineCore:
             token_weight_versions=tuple(seq.token_weight_versions),
             sample_index=sample_index,
             error=error,
+            stop_reason=stop_reason,
         )
 
     def _end_run_if_idle(self) -> None:

@@ -27,6 +27,7 @@ from specengine.core.batch import (
     ACTIVE,
     CTX,
     LAST,
+    LOG_MIN_P,
     NUM_DRAFT,
     OFFSET,
     SEED,
@@ -52,6 +53,7 @@ class VerifyShape:
     num_tokens: int  # N fed per row
     tree: DraftTree | None
     has_probs: bool  # sampled drafts carry their distributions
+    masks_stops: bool = False  # some row is under its min_tokens (``mask_stop_ids``)
 
     def __post_init__(self) -> None:
         if self.num_rows < 1 or self.num_tokens < 1:
@@ -64,7 +66,8 @@ class VerifyShape:
     def key(self) -> tuple[int, int, tuple | None, bool]:
         """What a pass of this shape is keyed by (graphs, constants); made once per object."""
         return (self.num_rows, self.num_tokens,
-                None if self.tree is None else self.tree.paths, self.has_probs)
+                None if self.tree is None else self.tree.paths, self.has_probs,
+                self.masks_stops)
 
     @functools.cached_property
     def graph_keys(self) -> dict[str, tuple]:
@@ -211,9 +214,12 @@ class StaticVerifier:
         hidden, aux = model(input_ids.reshape(-1), positions.reshape(-1), self.runner.kv_cache.kv,
                             meta, self.runner.backend, self.runner.aux_layers)
         logits = model.compute_logits(hidden).view(rows, n, -1)  # [rows, N, V]
+        if shape.masks_stops:
+            mask_stop_ids(logits, ints[OFFSET][:, None] + depth[None, :], st.mask[:rows])
         params = SamplingTensors(
             temperature=st.floats[TEMPERATURE, :rows], top_k=ints[TOP_K],
             top_p=st.floats[TOP_P, :rows], seeds=ints[SEED], offsets=ints[OFFSET],
+            log_min_p=st.floats[LOG_MIN_P, :rows],
         )
         probs = self.probs_buffer(shape) if shape.has_probs else None
         out = self.sampler(logits, drafts, num_draft, probs, parents, params)
@@ -243,6 +249,19 @@ class StaticVerifier:
         dst = slots_of(table, ctx[:, None] + depth[None, :], moves, self.block_size)
         compact_kv_cache(self.runner.kv_cache.kv, torch.stack([src.reshape(-1),
                                                                dst.reshape(-1)]))
+
+
+def mask_stop_ids(logits: Tensor, positions: Tensor, mask: Tensor) -> None:
+    """``min_tokens``, in place: row ``b``'s logits at node ``j`` (``[rows, N, V]``) get -inf
+    at its stop ids (``mask[b, 1:]``) where the token emitted there, at ``positions[b, j]``,
+    comes before ``mask[b, 0]`` (prompt + min_tokens). The mask depends on each node's
+    position, so every verify position is judged under its own processed law (the rejection
+    sampler then rejects a drafted stop id there and never samples one). One gather and one
+    scatter of ``rows x N x ids`` elements; repeated pad ids write the same value twice."""
+    rows, n, _ = logits.shape
+    ids = mask[:, None, 1:].expand(rows, n, -1)
+    on = (positions < mask[:, :1])[..., None]  # [rows, N, 1]
+    logits.scatter_(2, ids, torch.where(on, float("-inf"), logits.gather(2, ids)))
 
 
 def forward_output(out: VerifyOutput, num_rows: int, num_tokens: int) -> ForwardOutput:
