@@ -60,6 +60,9 @@ class Sequence:
         #: stop-string state (``specengine.stop_strings``; set by the engine when
         #: ``params.stop`` is non-empty)
         self.stop_strings: StopStrings | None = None
+        #: with ``params.logprobs``: per output token, {id: raw logprob} of the top N and of
+        #: the token itself (``specengine.token_logprobs``)
+        self.top_logprobs: list[dict[int, float]] = []
         self.arena: SeqArena | None = None
         self.slot = -1
 

@@ -29,6 +29,7 @@ from specengine.kv_cache import KVCache
 from specengine.sampler import StepResult
 from specengine.sequence import Sequence
 from specengine.stop_strings import cut_at_stop_strings
+from specengine.token_logprobs import record_top_logprobs
 from specengine.tree import MAX_TREE_NODES, DraftTree
 
 
@@ -137,7 +138,7 @@ def speculative_step(
     else:  # graphs keep one shape per k; eagerly, feed no more than the longest chain needs
         num_tokens = k + 1 if graphs.static else int(num_drafts.max()) + 1
     shape = _shape(rows, num_tokens, tree, proposal is not None and proposal.probs is not None,
-                   state.masks_stops())
+                   state.masks_stops(), state.num_logprobs_rows > 0)
     if proposal is not None and not proposal.in_place:
         graphs.verifier.load_drafts(shape, proposal.token_ids, proposal.probs)
     clock.drafted()
@@ -148,6 +149,9 @@ def speculative_step(
     clock.verified()
     packed = to_host(out.packed)
     clock.synced(times)
+    top = None
+    if out.top is not None:  # some row asks for top-N logprobs: their copy, and lengths
+        top, old_lens = to_host(out.top), arena.lens[state.row_slots[:batch]].copy()
 
     # 4. Keep the accepted path: tree nodes move to contiguous slots (the verify pass does it
     #    on the device; under tensor parallelism the step does it on every rank; chains are
@@ -161,6 +165,8 @@ def speculative_step(
     depths = num_drafts if tree is None else _filled(batch, tree.max_depth)
     times.num_step_tokens += append_step(arena, seqs, packed, batch, state.row_slots,
                                          num_drafts, depths, times, version)
+    if top is not None:
+        record_top_logprobs(arena, seqs, state.row_slots, batch, old_lens, top)
     times.num_seq_steps += batch
     # Also after a fallback step; k < 0 (core.auto_k.SYNC): no drafts, the drafter catches up.
     if drafter is not None and k != 0:
@@ -205,9 +211,9 @@ def _filled(num_rows: int, value: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=1024)
 def _shape(num_rows: int, num_tokens: int, tree: DraftTree | None, has_probs: bool,
-           masks_stops: bool) -> VerifyShape:
+           masks_stops: bool, top_logprobs: bool) -> VerifyShape:
     """One ``VerifyShape`` object per shape (its checks run once; trees key by identity)."""
-    return VerifyShape(num_rows, num_tokens, tree, has_probs, masks_stops)
+    return VerifyShape(num_rows, num_tokens, tree, has_probs, masks_stops, top_logprobs)
 
 
 def _compact_tree_path(arena: SeqArena, slots: np.ndarray, packed: np.ndarray, num_rows: int,

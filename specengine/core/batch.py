@@ -84,6 +84,7 @@ class BatchState:
         self.host_mask = self._host_mask_t.numpy()  # column 0: min_pos, then the ids
         self.mask = torch.zeros(capacity, MAX_MASKED_IDS + 1, dtype=torch.int64, device=device)
         self.num_min_tokens_rows = 0  # rows with min_tokens > 0
+        self.num_logprobs_rows = 0  # rows asking for top-N logprobs (SamplingParams.logprobs)
         self._mask_dirty = False
         self._send_views: dict[int, tuple[Tensor, Tensor]] = {}
         self.blocks = BlockRows(capacity, max_blocks, host_table)
@@ -170,6 +171,8 @@ class BatchState:
         self.host_floats[LOG_MIN_P, r] = np.log(np.float32(p.min_p)) if p.min_p > 0 else -np.inf
         self._floats_dirty = True
         self.host_limits[:, r] = (p.max_tokens, seq.num_prompt_tokens)
+        if p.logprobs is not None:
+            self.num_logprobs_rows += 1
         if p.min_tokens > 0 and seq.stop_token_ids:
             ids = sorted(seq.stop_token_ids)
             self.host_mask[r, 0] = seq.num_prompt_tokens + p.min_tokens
@@ -181,6 +184,8 @@ class BatchState:
     def _remove(self, seq_id: int) -> None:
         r = self._rows.pop(seq_id)
         last = len(self.seqs) - 1
+        if self.seqs[r].params.logprobs is not None:
+            self.num_logprobs_rows -= 1
         if self.host_mask[r, 0]:
             self.num_min_tokens_rows -= 1
             self._mask_dirty = True

@@ -30,6 +30,7 @@ from specengine.core.graphs import GraphRunner
 from specengine.core.isolation import Isolation
 from specengine.core.seq_arena import SeqArena
 from specengine.core.transfer import to_host
+from specengine.core.verify import raw_top, top_logprobs
 from specengine.drafters.base import Drafter
 from specengine.kv_cache import KVCache
 from specengine.model_runner import ModelRunner
@@ -42,6 +43,7 @@ from specengine.scheduler import ScheduledBatch, Scheduler
 from specengine.sequence import SeqStatus, Sequence
 from specengine.speculate import StepTimes, append_step
 from specengine.stop_strings import StopStrings
+from specengine.token_logprobs import record_top_logprobs
 from specengine.tokenizer import TextTokenizer
 from specengine.tree import DraftTree
 
@@ -329,9 +331,12 @@ class EngineCore:
         """Prompt pass + first token; the drafter catches up only when some request will
         draft (a k=0 baseline on an engine with a drafter costs exactly a plain engine's)."""
         logits, target_out = self.runner.prefill(seqs)  # [B, V]
-        for b, seq in enumerate(seqs):  # min_tokens: no stop id as the next token yet
-            if seq.num_generated < seq.params.min_tokens and seq.stop_token_ids:
-                logits[b, sorted(seq.stop_token_ids)] = float("-inf")
+        wants_top = any(s.params.logprobs is not None for s in seqs)
+        raw = raw_top(logits[:, None, :]) if wants_top else None  # before masks: raw logits
+        with torch.inference_mode():
+            for b, seq in enumerate(seqs):  # min_tokens: no stop id as the next token yet
+                if seq.num_generated < seq.params.min_tokens and seq.stop_token_ids:
+                    logits[b, sorted(seq.stop_token_ids)] = float("-inf")
         empty = torch.zeros(len(seqs), 0, dtype=torch.int64, device=self.device)
         zeros = torch.zeros(len(seqs), dtype=torch.int32, device=self.device)
         out = self.sampler(logits[:, None, :], empty, zeros, None, None,
@@ -340,7 +345,12 @@ class EngineCore:
         rows = [list(range(len(seq))) for seq in seqs]
         none = np.zeros(len(seqs), dtype=np.int64)  # no drafts: one emitted token per row
         slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
+        if raw is not None:
+            top = to_host(top_logprobs(logits[:, None, :], raw, out.output_ids, out.row_ids))
+            old_lens = self.arena.lens[slots].copy()
         append_step(self.arena, seqs, packed, len(seqs), slots, none, none, None, version)
+        if raw is not None:
+            record_top_logprobs(self.arena, seqs, slots, len(seqs), old_lens, top)
         if observe and self.drafter is not None:
             self.drafter.observe(seqs, target_out, rows)
 
@@ -396,6 +406,8 @@ class EngineCore:
             sample_index=sample_index,
             error=error,
             stop_reason=stop_reason,
+            top_logprobs=(tuple(seq.top_logprobs[: seq.num_generated])
+                          if seq.params.logprobs is not None else ()),
         )
 
     def _end_run_if_idle(self) -> None:
