@@ -33,7 +33,7 @@ from benchlib import DEFAULT_OUT, write_json
 
 def spoilt_tensors(engine, how: str, sigma: float, seed: int) -> dict[str, torch.Tensor]:
     """HF-named head tensors after spoiling (see the module docstring)."""
-    from specengine.model.loader import hf_named_tensors
+    from specengine.model.weight_names import hf_named_tensors
 
     g = torch.Generator().manual_seed(seed)
     out = {}

@@ -100,7 +100,7 @@ def run_pass(engine, prompts: list, k: int, tree, steps: int, counting: bool) ->
     prof = StepProfiler(dispatch=counting, regions=not counting, syncs=counting or cuda)
     records: list[dict] = []
     core = engine.core
-    orig_step, orig_decode = core.step, engine._decode_step
+    orig_step, orig_decode = core.step, core.decode_step
     layers = engine.model.model.layers
     seen: dict = {}  # what the decode step of the current engine step saw
 
@@ -143,7 +143,7 @@ def run_pass(engine, prompts: list, k: int, tree, steps: int, counting: bool) ->
 
     max_new = max(1, engine.config.max_model_len - max(len(p) for p in prompts) - 8)
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
-    engine._decode_step, core.step = decode, step
+    core.decode_step, core.step = decode, step
     try:
         with prof:
             if counting:
@@ -152,7 +152,7 @@ def run_pass(engine, prompts: list, k: int, tree, steps: int, counting: bool) ->
     except _Done:
         pass
     finally:
-        del engine._decode_step, core.step  # back to the classes' methods
+        del core.decode_step, core.step  # back to the class's methods
     return records
 
 

@@ -32,10 +32,10 @@ import time
 import torch
 
 from specengine import SamplingParams
-from specengine.kv_cache import KVCache
-from specengine.prefix_cache import SeqGroup, sample_seed
-from specengine.scheduler import Scheduler
-from specengine.sequence import SeqStatus, Sequence
+from specengine.core.kv_cache import KVCache
+from specengine.core.prefix_cache import SeqGroup, sample_seed
+from specengine.core.scheduler import Scheduler
+from specengine.core.sequence import SeqStatus, Sequence
 
 BS = 16
 N = 8

@@ -146,6 +146,8 @@ PHASES: dict[str, list[Step]] = {
         Step("kv_cache", _bench("bench_kv_cache.py", "--batches", "1", "64", "256",
                                 "--new-tokens", "4", "--accepted", "3", "--iters", "50",
                                 "--warmup", "5"), 120, gr.parse_kv_cache, "kv cache"),
+        Step("moe", _bench("bench_moe.py", "--tokens", "1", "4", "16", "64", "256", "--iters",
+                           "20"), 90, gr.parse_moe, "fused MoE"),
     ],
     "e2e": [
         Step("host", _bench("bench_host_overhead.py", "--steps", "10"), 150, _host_rows,

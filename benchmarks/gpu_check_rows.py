@@ -335,6 +335,38 @@ def parse_peers(run: StepRun) -> list[Row]:
     return out
 
 
+def parse_moe(run: StepRun) -> list[Row]:
+    """``bench_moe.py``: the fused MoE kernel against the per-expert PyTorch loop (PASS when
+    faster at every size), its time over the HBM floor at 1-token decode, and the experts a
+    pass touches (a verify of k+1 tokens per sequence reads more expert weights)."""
+    data = _load(run, "moe")
+    if data is None:
+        return failure_rows(run, "fused MoE")
+    rows = data["rows"]
+    out = []
+    by = {(r["model"], r["tokens"], r["impl"]): r for r in rows}
+    pairs = [(by[(m, t, "loop")]["time_us"] / r["time_us"], m, t) for (m, t, impl), r in
+             by.items() if impl == "fused" and (m, t, "loop") in by]
+    if pairs:
+        worst, m, t = min(pairs)
+        out.append(Row("fused MoE vs per-expert loop", f"{worst:.2f}x faster (worst)",
+                       f"{m} T={t}; median {statistics.median(p[0] for p in pairs):.2f}x",
+                       ">= 1x at every size", "PASS" if worst >= 1.0 else "FAIL"))
+        for r in rows:
+            if r["impl"] == "fused" and r["tokens"] == 1 and r.get("ratio"):
+                out.append(Row(f"fused MoE decode {r['model']}", f"{r['ratio']:.1f}x the floor",
+                               f"{r['time_us']:.1f} us, {r['distinct_experts']} experts",
+                               "report (floor = touched experts' bytes / peak)", "INFO"))
+    else:
+        out.append(Row("fused MoE vs per-expert loop", "not timed", "needs CUDA", "-", "SKIP"))
+    for model in sorted({r["model"] for r in rows}):
+        touched = {r["tokens"]: r["distinct_experts"] for r in rows if r["model"] == model}
+        out.append(Row(f"MoE experts touched {model}", " / ".join(
+            f"T={t}: {n}" for t, n in sorted(touched.items())), "random routing",
+            "report", "INFO"))
+    return out
+
+
 def _log_text(run: StepRun) -> str:
     """The step's whole log (the output tail may have lost its first lines)."""
     log = run.out_dir / "log.txt"

@@ -46,7 +46,7 @@ def write_eagle3_head(root: Path, target_config: dict, seed: int = 0) -> Path:
 
     from specengine.drafters.eagle3 import Eagle3Head
     from specengine.model.config import ModelConfig
-    from specengine.model.loader import hf_named_tensors
+    from specengine.model.weight_names import hf_named_tensors
 
     h, vocab = target_config["hidden_size"], target_config["vocab_size"]
     n = target_config["num_hidden_layers"]

@@ -17,6 +17,7 @@
 
 namespace specengine {
 void bind_host_step(pybind11::module_& m);  // host_step_py.cpp
+void bind_suffix_cache(pybind11::module_& m);  // suffix_cache_py.cpp
 }  // namespace specengine
 
 namespace py = pybind11;
@@ -288,6 +289,7 @@ PYBIND11_MODULE(_C, m) {
   bind_step_metadata(m);
   bind_kv_ops(m);
   specengine::bind_host_step(m);
+  specengine::bind_suffix_cache(m);
 #if defined(SPECENGINE_WITH_CUDA)
   m.attr("has_cuda_kernels") = true;
   m.attr("cuda_archs") = py::tuple(py::str(SPECENGINE_CUDA_ARCH_LIST).attr("split")(","));

@@ -148,10 +148,9 @@ def compact_kv_cache(
     ptrs, table, (num_heads, head_dim, elem, num_slots) = cache
     if on_device:
         dev = slots.contiguous()
-    elif table is not None:
-        from specengine.core.transfer import to_device
-
-        dev = to_device(slots, kv.device)
+    elif table is not None:  # host slots to the device without blocking (page-locked staging)
+        dev = torch.from_numpy(np.ascontiguousarray(slots)).pin_memory().to(
+            kv.device, non_blocking=True)
     else:
         dev = None
         slots = np.ascontiguousarray(slots)

@@ -9,6 +9,7 @@ import X`` is the one import path for all of them:
 * ``reference_kv``: KV-cache writes (slot mapping, ``reshape_and_cache``) and ``compact_kv``;
 * ``reference_layer``: the fused decoder-layer ops (RMSNorm with residual add, SiLU·mul,
   q/k norm + rope + KV write over a merged QKV output);
+* ``reference_moe``: mixture-of-experts routing (softmax top-k) and the expert sum;
 * ``reference_sampling``: Philox randomness, top-k / top-p thresholds, ``rejection_sample``.
 """
 
@@ -30,6 +31,7 @@ from .reference_layer import (
     silu_mul,
     split_qkv_rope,
 )
+from .reference_moe import expert_mlp, fused_moe, moe_forward, route_topk
 from .reference_sampling import (
     RNG_GROUP,
     exponential_from_bits,
@@ -44,9 +46,12 @@ __all__ = [
     "RNG_GROUP",
     "add_rms_norm",
     "compact_kv",
+    "expert_mlp",
     "exponential_from_bits",
+    "fused_moe",
     "gather_kv",
     "keep_threshold",
+    "moe_forward",
     "pack_tree_mask",
     "paged_attention",
     "philox4x32",
@@ -57,6 +62,7 @@ __all__ = [
     "rms_norm",
     "rope_and_cache",
     "rotate",
+    "route_topk",
     "silu_mul",
     "slot_mapping",
     "split_qkv_rope",

@@ -60,10 +60,10 @@ WEIGHTS = ("tests/test_mutants_weights.py",
 ADMISSION = ("tests/test_mutants_admission.py",)
 
 RS = "kernels/reference_sampling.py"
-PC = "specengine/prefix_cache.py"
+PC = "specengine/core/prefix_cache.py"
 PROTO = "specengine/weights/protocol.py"
 RECV = "specengine/weights/receiver.py"
-REQ = "specengine/requests.py"
+REQ = "specengine/core/requests.py"
 
 MUTANTS: list[Mutant] = [
     # ---- rejection sampler reference ----------------------------------------------------------

@@ -109,6 +109,8 @@ OPTIONAL = {
     "flashinfer": "gpu_check's FlashInfer peers",
     "matplotlib": "the benchmarks' plots",
     "schemathesis": "tests/test_server_fuzz.py",
+    "jinja2": "`specengine serve`'s /v1/chat/completions (chat templates)",
+    "openai": "tests/test_openai_api.py (the real OpenAI client)",
 }
 for name, what in OPTIONAL.items():
     print(f"optional: {name} present" if have(name) else f"optional: {name} absent: skips {what}")

@@ -191,6 +191,7 @@ def main() -> None:
         "eos_token": task.EOS,
         "model_max_length": 256,
         "clean_up_tokenization_spaces": False,
+        "chat_template": task.CHAT_TEMPLATE,
     }, indent=2) + "\n")
     size = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file())
     print(f"saved {args.out} ({size / 1e6:.2f} MB, weights {args.dtype})")

@@ -52,6 +52,8 @@ __all__ = [
     "answer_of",
     "reward",
     "write_tokenizer_json",
+    "CHAT_TEMPLATE",
+    "write_training_prompts",
 ]
 
 PAD = "<pad>"
@@ -244,6 +246,24 @@ def reward(prompt: str, completion: str) -> float:
     return 1.0 if got == want else 0.0
 
 
+#: the bundled target's chat template (its tokenizer_config.json): a user turn is a question
+#: "Q:<problem>" (content "472+385=" asks "Q:472+385="), an assistant turn its trace and
+#: answer closed by EOS; the model answers right after a question, so the generation prompt
+#: adds nothing. Other roles are refused (the model knows none).
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}\n"
+    "{%- if message['role'] == 'user' -%}\n"
+    "{{ 'Q:' + message['content'] }}\n"
+    "{%- elif message['role'] == 'assistant' -%}\n"
+    "{{ message['content'] + eos_token }}\n"
+    "{%- else -%}\n"
+    "{{ raise_exception('the arithmetic model takes user and assistant messages only, got "
+    "role ' + message['role']) }}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+)
+
+
 def write_tokenizer_json(path: str | Path) -> None:
     """Write a HF ``tokenizer.json`` equivalent to :func:`encode` / :func:`decode`.
 
@@ -281,3 +301,12 @@ def write_tokenizer_json(path: str | Path) -> None:
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": PAD},
     }
     Path(path).write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+
+
+def write_training_prompts(path: str | Path, n: int, seed: int = TRAIN_SEED) -> None:
+    """Write the first ``n`` prompts of :func:`training_problems` to ``path``, one per line
+    (a prompt file for ``specengine train-draft``; none of them is a held-out prompt)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    stream = training_problems(seed)
+    Path(path).write_text("".join(next(stream)[0] + "\n" for _ in range(n)))

@@ -34,9 +34,9 @@ from typing import Any, TypeVar
 
 from specengine.async_loop import EngineClosedError, EngineLoop, EngineOverloadedError
 from specengine.core.auto_k import DEFAULT_K_MAX
+from specengine.core.requests import prompt_ids
 from specengine.engine import SpecEngine
 from specengine.outputs import GenerationOutput, RequestOutput
-from specengine.requests import prompt_ids
 from specengine.sampling import SamplingParams
 from specengine.tree import DraftTree
 
@@ -94,7 +94,11 @@ class AsyncSpecEngine:
                        request_id: str | None = None, k_max: int = DEFAULT_K_MAX
                        ) -> GenerationOutput:
         """Run one request to the end and return its output (arguments as
-        ``SpecEngine.add_request``). Cancelling the caller aborts the request."""
+        ``SpecEngine.add_request``; one sample: a group's outputs come from
+        :meth:`generate_stream`). Cancelling the caller aborts the request."""
+        if isinstance(params, SamplingParams) and params.n > 1:
+            raise ValueError(f"generate returns one output; got n={params.n}: iterate "
+                             "generate_stream for the samples of a group")
         stream = self.generate_stream(prompt, params, k=k, tree=tree, request_id=request_id,
                                       k_max=k_max)
         async with contextlib.aclosing(stream):
@@ -113,12 +117,21 @@ class AsyncSpecEngine:
         cancellation) aborts the request. Raises ``EngineOverloadedError`` when ``max_waiting``
         requests are unfinished, ``EngineClosedError`` after :meth:`close`, ``ValueError`` for
         bad input (also a ``request_id`` still in use). ``k_max``: the largest k of a
-        ``k="auto"`` request (``SpecEngine.add_request``)."""
-        if isinstance(params, SamplingParams) and params.n > 1:  # one stream is one sequence
-            raise ValueError(f"AsyncSpecEngine streams one sequence per request; got n="
-                             f"{params.n}: add the samples as separate requests")
+        ``k="auto"`` request (``SpecEngine.add_request``).
+
+        ``params.n > 1``: one GRPO group, added as ``SpecEngine.add_request`` adds it (the
+        prompt prefilled once, its KV shared by the samples); the stream yields every
+        sample's outputs as they come (``request_id`` ``f"{request_id}-{i}"`` for sample i;
+        with no ``request_id``, a fresh one stands for it) and ends when all n finished."""
+        n = params.n if isinstance(params, SamplingParams) else 1
         loop = asyncio.get_running_loop()
-        ch = self._loop.register(request_id, loop)
+        if n > 1:
+            chs = self._loop.register_group(request_id, n, loop)
+            request_id = chs[0].request_id.rsplit("-", 1)[0]  # the group's (maybe fresh) id
+        else:
+            chs = [self._loop.register(request_id, loop)]
+            request_id = chs[0].request_id
+        queue = chs[0].queue  # a group's channels share it
         done = False
         try:
             try:
@@ -126,17 +139,20 @@ class AsyncSpecEngine:
                     prompt = await loop.run_in_executor(self._text_pool, self._admit, prompt)
                 else:
                     prompt = self._admit(prompt)
-            except ValueError:  # refused before the engine saw it: its slot is free at once
+            except ValueError:  # refused before the engine saw it: its slots are free at once
                 done = True
-                self._loop.release(ch)
+                for ch in chs:
+                    self._loop.release(ch)
                 raise
-            self._loop.send("add", (ch, prompt, params, k, tree, k_max))
+            self._loop.send("add", (chs, request_id, prompt, params, k, tree, k_max))
+            num_finished = 0
             while True:
-                item = await ch.queue.get()
+                item = await queue.get()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
-                done = item.finished
+                num_finished += item.finished
+                done = num_finished == n
                 if item.output is not None:
                     item = await self._with_text(item)
                 yield item
@@ -144,7 +160,8 @@ class AsyncSpecEngine:
                     return
         finally:
             if not done:  # cancelled or closed early: free its KV blocks now
-                self._loop.send("cancel", ch)
+                for ch in chs:  # (a finished sample's cancel is a no-op)
+                    self._loop.send("cancel", ch)
 
     def _admit(self, prompt: object) -> object:
         """The checks of ``prompt`` that need no engine state, and a text's token ids (run in
@@ -172,6 +189,16 @@ class AsyncSpecEngine:
         except RuntimeError:  # closed meanwhile (the pool takes no work): decode right here
             text = tok.decode(final.token_ids)
         return dataclasses.replace(out, output=dataclasses.replace(final, text=text))
+
+    async def run_in_text_pool(self, fn: Callable[[], T]) -> T:
+        """``fn()`` in the text pool, where prompts are tokenized: text work (tokenizing,
+        rendering a chat template) off the event loop and off the engine thread, at most
+        ``TEXT_WORKERS`` at once. Raises ``EngineClosedError`` after :meth:`close`."""
+        try:
+            fut = self._text_pool.submit(fn)
+        except RuntimeError as exc:  # the pool takes no work once closed
+            raise EngineClosedError("the async engine is closed") from exc
+        return await asyncio.wrap_future(fut)
 
     async def abort(self, request_id: str) -> RequestOutput:
         """Abort an unfinished request (its KV blocks are freed at once); its caller gets the

@@ -95,6 +95,40 @@ class EngineLoop:
             ch = self._live[request_id] = Channel(request_id, loop)
             return ch
 
+    def register_group(self, request_id: str | None, n: int, loop: asyncio.AbstractEventLoop
+                       ) -> list[Channel]:
+        """Reserve the ids of the ``n`` samples of one group (``f"{request_id}-{i}"``, the
+        names ``SpecEngine.add_request`` gives them; default: a fresh ``request_id``) and
+        one channel per sample, all on one queue. Each sample is a sequence: the group takes
+        ``n`` of the ``max_waiting`` slots. Nothing is queued here."""
+        with self._cond:
+            if self._closed:
+                raise EngineClosedError("the async engine is closed")
+            if n > self.max_waiting:  # no retry would ever fit it
+                raise ValueError(f"n={n} samples exceed max_waiting={self.max_waiting} "
+                                 "(the unfinished sequences this engine holds)")
+            if len(self._live) + n > self.max_waiting:
+                raise EngineOverloadedError(
+                    f"{len(self._live)} requests are unfinished and a group of n={n} would "
+                    f"pass max_waiting={self.max_waiting}: retry when some have finished")
+            if request_id is None:
+                while True:
+                    request_id = f"async-{next(self._ids)}"
+                    if not any(f"{request_id}-{i}" in self._live for i in range(n)):
+                        break
+            elif not isinstance(request_id, str) or not request_id:
+                raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+            ids = [f"{request_id}-{i}" for i in range(n)]
+            used = [rid for rid in ids if rid in self._live]
+            if used:
+                raise ValueError(f"request ids {used[:3]} of the {n} samples of {request_id!r} "
+                                 "are already used by unfinished requests")
+            queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+            chs = [Channel(rid, loop, queue) for rid in ids]
+            for ch in chs:
+                self._live[ch.request_id] = ch
+            return chs
+
     def release(self, ch: Channel) -> None:
         """Forget ``ch`` before it was sent to the engine (its prompt was refused by the
         caller's own checks), so its id and ``max_waiting`` slot are free at once."""
@@ -103,7 +137,8 @@ class EngineLoop:
                 del self._live[ch.request_id]
 
     def send(self, kind: str, payload: object) -> None:
-        """Queue ``add`` (channel, prompt, params, k, tree, k_max) or ``cancel`` (channel)."""
+        """Queue ``add`` (channels, request id, prompt, params, k, tree, k_max: one channel,
+        or a group's from :meth:`register_group`) or ``cancel`` (channel)."""
         with self._cond:
             self._commands.append((kind, payload))
             self._cond.notify()
@@ -163,20 +198,23 @@ class EngineLoop:
     def _command(self, kind: str, payload: Any, closed: bool) -> None:
         eng = self.engine
         if kind == "add":
-            ch, prompt, params, k, tree, k_max = payload
+            chs, request_id, prompt, params, k, tree, k_max = payload
             with self._cond:
-                current = self._live.get(ch.request_id) is ch
-            if not current:
-                return  # cancelled, or failed by a step error, before it was added
+                current = [ch for ch in chs if self._live.get(ch.request_id) is ch]
+                if len(current) < len(chs):  # cancelled, or failed by a step error, before
+                    for ch in current:       # it was added: the whole group goes
+                        del self._live[ch.request_id]
+                    return
             try:
                 if closed:
                     raise EngineClosedError("the async engine was closed")
-                eng.add_request(prompt, params, k=k, tree=tree, request_id=ch.request_id,
+                eng.add_request(prompt, params, k=k, tree=tree, request_id=request_id,
                                 k_max=k_max)
-            except Exception as exc:  # bad input: this caller only
+            except Exception as exc:  # bad input: this caller only (a group: one queue)
                 with self._cond:
-                    del self._live[ch.request_id]
-                self._deliver([(ch, exc)])
+                    for ch in chs:
+                        del self._live[ch.request_id]
+                self._deliver([(chs[0], exc)])
         elif kind == "cancel":
             ch = payload
             with self._cond:

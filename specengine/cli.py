@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING
 from specengine.assets import DEFAULT_DRAFT as _DRAFT
 from specengine.assets import DEFAULT_TARGET as _TARGET
 from specengine.config import DTYPES, KERNEL_BACKENDS, MAX_K
-from specengine.run_stats import merge_stats
+from specengine.core.run_stats import merge_stats
 
 if TYPE_CHECKING:
-    from specengine import GenerationOutput, SamplingParams, SpecEngine
+    from specengine.engine import SpecEngine
+    from specengine.outputs import GenerationOutput
+    from specengine.sampling import SamplingParams
 
 # Module attributes (Paths) so tests can point them elsewhere.
 DEFAULT_TARGET = Path(_TARGET)
@@ -96,7 +98,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from specengine import __version__
+    from specengine.version import __version__
 
     p = argparse.ArgumentParser(prog="specengine", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -140,6 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-baseline", action="store_true",
                    help="skip the k=0 comparison run (default: run it when --k > 0)")
     _add_serve_parser(sub)
+    from specengine.train.cli import add_parser as add_train_draft_parser
+
+    add_train_draft_parser(sub, _Formatter)
     return p
 
 
@@ -182,6 +187,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-body-mb", type=float, default=32.0, metavar="MB",
                    help="largest request body accepted (MiB); a larger one gets 413 before "
                         "it is read")
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in /v1/models and OpenAI answers (default: the "
+                        "checkpoint directory's name)")
     s.add_argument("--seed", type=int, default=0,
                    help="engine seed (requests without a seed draw theirs from it)")
     _add_engine_options(s)
@@ -239,7 +247,8 @@ def _baseline_line(outs: list[GenerationOutput], base: list[GenerationOutput],
 
 def generate_main(args: argparse.Namespace) -> int:
     """Run ``specengine generate`` with parsed ``args``; returns the exit status."""
-    from specengine import SamplingParams, SpecEngine
+    from specengine.engine import SpecEngine
+    from specengine.sampling import SamplingParams
 
     model, draft = args.model, args.draft
     bundled = model is None
@@ -295,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     args = _parser().parse_args(argv)
     if args.command == "generate":
-        from specengine.kv_cache import KVCacheFullError
+        from specengine.core.kv_cache import KVCacheFullError
 
         try:
             return generate_main(args)
@@ -303,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     if args.command == "serve":
-        from specengine.kv_cache import KVCacheFullError
+        from specengine.core.kv_cache import KVCacheFullError
 
         try:
             from specengine.server.serve import serve_main
@@ -316,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, KVCacheFullError) as e:  # bad options: a message, not a traceback
             print(f"error: {e}", file=sys.stderr)
             return 2
+    if args.command == "train-draft":
+        from specengine.train.cli import main as train_draft_main
+
+        return train_draft_main(args, DEFAULT_TARGET)
     return 1
 
 

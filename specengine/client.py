@@ -95,7 +95,21 @@ class SpecEngineClient:
         a tokenizer); ``sampling_params`` a ``SamplingParams`` or a dict of its fields;
         ``k`` defaults to the server's ``--k``."""
         body = self._generate_body(prompt, sampling_params, k, request_id, stream=False)
-        return output_from_json(self._call("POST", "/generate", body))
+        answer = self._call("POST", "/generate", body)
+        if "outputs" in answer:  # the server answered a group
+            raise ValueError("sampling_params.n > 1 asks for a group: use generate_group")
+        return output_from_json(answer)
+
+    def generate_group(self, prompt: list[int] | str,
+                       sampling_params: SamplingParams | Mapping[str, Any], *,
+                       k: int | None = None, request_id: str | None = None
+                       ) -> list[GenerationOutput]:
+        """A GRPO group: ``sampling_params.n`` completions of one prompt, sharing its prefill
+        on the server (sample i has request id ``f"{request_id}-{i}"``), in sample order."""
+        body = self._generate_body(prompt, sampling_params, k, request_id, stream=False)
+        answer = self._call("POST", "/generate", body)
+        outs = answer["outputs"] if "outputs" in answer else [answer]
+        return [output_from_json(o) for o in outs]
 
     def generate_stream(self, prompt: list[int] | str,
                         sampling_params: SamplingParams | Mapping[str, Any] | None = None, *,

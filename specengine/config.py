@@ -14,6 +14,8 @@ KV_ON_UPDATE = ("keep", "recompute")
 POLICY_LAG_ACTIONS = ("finish", "restart")
 #: longest draft chain a step verifies (``generate(k=...)``)
 MAX_K = 16
+#: the largest k ``k="auto"`` may choose unless ``k_max`` says otherwise (``core.auto_k``)
+DEFAULT_K_MAX = 8
 #: when the static path's CUDA graphs are captured (core/graphs.py)
 CAPTURE_MODES = ("startup", "lazy")
 
@@ -63,7 +65,7 @@ class EngineConfig:
     #: ranks (one process each) the model is split over (``distributed.tensor_parallel``)
     tensor_parallel_size: int = 1
     #: name full KV blocks computed by prefills by their tokens' hash and reuse them for later
-    #: prompts with that prefix (``specengine.prefix_cache``; cleared on every weight update)
+    #: prompts with that prefix (``specengine.core.prefix_cache``; cleared on every weight update)
     enable_prefix_caching: bool = True
     #: share of the card's total memory the engine plans to use on CUDA (weights,
     #: activations, graphs and static buffers, then the KV cache: ``core.memory_plan``)

@@ -16,21 +16,20 @@ from specengine.core.auto_k import DEFAULT_K_MAX, resolve_k
 from specengine.core.auto_k_calibration import calibrate
 from specengine.core.engine_core import EngineCore
 from specengine.core.graphs import DEFAULT_BUCKETS, build_graph_runner
-from specengine.drafters.adapt_train import AdaptResult
-from specengine.kv_cache import KVCache, num_kv_blocks
+from specengine.core.kv_cache import KVCache, num_kv_blocks
+from specengine.core.model_runner import ModelRunner
+from specengine.core.prefix_cache import expand_samples, prefix_caching_on, sample_ids
+from specengine.core.requests import RequestBatch, load_tokenizer, validate_requests
+from specengine.core.sampler import Sampler
+from specengine.core.scheduler import Scheduler
+from specengine.core.step import num_drafts_for
+from specengine.drafters.adapt_train import DEFAULT_ADAPT_LR, DEFAULT_ADAPT_STEPS, AdaptResult
 from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
 from specengine.model.loader import build_model
-from specengine.model_runner import ModelRunner
 from specengine.native import check_native
 from specengine.outputs import EngineStats, GenerationOutput, RequestOutput
-from specengine.prefix_cache import expand_samples, prefix_caching_on, sample_ids
-from specengine.requests import RequestBatch, load_tokenizer, validate_requests
-from specengine.sampler import Sampler
 from specengine.sampling import SamplingParams
-from specengine.scheduler import Scheduler
-from specengine.sequence import Sequence
-from specengine.speculate import StepTimes, num_drafts_for, speculative_step
 from specengine.threads import apply_thread_policy
 from specengine.tree import DraftTree
 from specengine.weights.receiver import (
@@ -116,7 +115,7 @@ class SpecEngine:
         enable_prefix_caching: reuse the KV of full blocks computed by earlier prefills for
             prompts with the same prefix (cleared by every weight update; LRU eviction);
             the samples of a ``SamplingParams(n=...)`` group share their prompt's KV either
-            way (``specengine.prefix_cache``).
+            way (``specengine.core.prefix_cache``).
         gpu_memory_utilization: on CUDA, the share of the card's total memory the engine
             plans to use: weights, activations, graphs and static buffers first, the KV cache
             gets the rest (``specengine.core.memory_plan``); in (0, 1].
@@ -217,14 +216,14 @@ class SpecEngine:
             self.graphs.capture = False
         if self.drafter is not None:
             self.drafter.bind_static(self.graphs)
+            self.drafter.bind_prefix_cache(self.kv_cache)  # a cached prefix serves it too
         self.weight_version = 0
         self._weight_receiver: WeightReceiver | None = None
         # (which, name) of tensors a failed in-place update may have half-written.
-        self._torn_weights: set[tuple[str, str]] = set()
-        # The step loop; decode steps look up self._decode_step per call (wrappers see all).
+        self.torn_weights: set[tuple[str, str]] = set()
+        # The step loop (schedule → run → postprocess, core/engine_core.py).
         self.core = EngineCore(cfg, self.kv_cache, self.runner, self.sampler, self.graphs,
                                self.drafter, self.tokenizer, mc.eos_token_ids,
-                               lambda *args: self._decode_step(*args),
                                lambda: self.weight_version)
         if cfg.capture == "startup":  # every declared shape now, none inside a step
             self.graphs.capture_startup(cfg.capture_ks, self.drafter is not None)
@@ -246,10 +245,10 @@ class SpecEngine:
             raise ValueError(f"params must be a SamplingParams or None, got "
                              f"{type(params).__name__}")
         k, auto = self._resolve_k(0 if k is None else k, k_max, tree)
-        req = self._validate([prompt], k, params, tree)
+        req = self.validate([prompt], k, params, tree)
         if auto:
             self._prepare_auto_k(k)
-        rids = sample_ids(request_id, req.params[0].n, self.core._requests.__contains__)
+        rids = sample_ids(request_id, req.params[0].n, self.core.requests.__contains__)
         out = [self.core.add(req.prompts[0], sp, req.k, req.tree, rid, auto, sample=sample)
                for rid, (sp, sample) in zip(rids, expand_samples(req.params[0]))]
         return out[0] if len(out) == 1 else out
@@ -277,7 +276,7 @@ class SpecEngine:
     @property
     def stats(self) -> EngineStats:
         """Counters of the last ``generate`` call; with the step API, of the steps since the
-        engine was last idle (``specengine.run_stats``)."""
+        engine was last idle (``specengine.core.run_stats``)."""
         return self.core.stats.snapshot()
 
     def generate(
@@ -302,7 +301,7 @@ class SpecEngine:
         it needs an idle engine (no unfinished :meth:`add_request` requests)."""
         self._check_weights_whole()
         k, auto = self._resolve_k(k, k_max, tree)
-        req = self._validate(batch, k, sampling, tree)
+        req = self.validate(batch, k, sampling, tree)
         if self.core.has_unfinished():
             raise RuntimeError(f"generate needs an idle engine: {self.core.num_unfinished} "
                                "requests added with add_request are unfinished (step them to "
@@ -333,7 +332,7 @@ class SpecEngine:
                 bar.close()
         return [done[i] for i in ids]
 
-    def _validate(self, batch: Seq[object], k: int,
+    def validate(self, batch: Seq[object], k: int,
                   sampling: SamplingParams | Seq[SamplingParams] | None,
                   tree: Seq[Seq[int]] | DraftTree | None) -> RequestBatch:
         return validate_requests(batch, k, sampling, tree, tokenizer=self.tokenizer,
@@ -357,9 +356,9 @@ class SpecEngine:
             calibrate(self.core.auto_k, self.core, self.model_config.vocab_size, k_max)
 
     def _check_weights_whole(self) -> None:
-        if self._torn_weights:
+        if self.torn_weights:
             raise RuntimeError(f"weights are incomplete after a failed in-place update (e.g. "
-                               f"{sorted(self._torn_weights)[0]}): apply a complete update first")
+                               f"{sorted(self.torn_weights)[0]}): apply a complete update first")
 
     # ---- weights (docs/design.md §3-4; the logic lives in specengine.weights) -----
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
@@ -375,7 +374,7 @@ class SpecEngine:
         tensor and changes nothing. The version becomes ``version`` (greater than the
         current one) or the current one + 1, stamped on every later token and output.
         Returns the new version."""
-        with self._weight_lock.held("load_weights"):
+        with self.weight_lock.held("load_weights"):
             return load_in_process(self, named_tensors, which, version, check_finite)
 
     def init_weight_update_group(self, master_address: str, master_port: int, rank: int,
@@ -408,13 +407,13 @@ class SpecEngine:
         through a local ``torch.multiprocessing`` queue) into the parameters: same checks
         (finite values too, unless ``check_finite=False``), atomicity and versioning. Returns
         the new version; the sender may then release it."""
-        with self._weight_lock.held("update_weights_from_shared"):
+        with self.weight_lock.held("update_weights_from_shared"):
             return apply_shared(self, handles, which, check_finite)
 
     def close_weight_update_group(self) -> None:
         """Leave the weight-update group (idempotent). Refused (``RuntimeError``) while a
         staged weight operation is pending: it ends within the group's timeout."""
-        with self._weight_lock.held("close_weight_update_group"):
+        with self.weight_lock.held("close_weight_update_group"):
             self._leave_group()
 
     def _leave_group(self) -> None:
@@ -424,7 +423,7 @@ class SpecEngine:
 
     # ---- weights off the step loop (specengine.weights.staged) ----------------------------
     @property
-    def _weight_lock(self) -> WeightLock:
+    def weight_lock(self) -> WeightLock:
         """One weight operation at a time (made on first use; ``setdefault`` is atomic)."""
         try:
             return self.__dict__["_weight_lock_obj"]
@@ -516,7 +515,7 @@ class SpecEngine:
         wait_s = receiver.group.timeout.total_seconds() + 5.0 if isinstance(
             receiver, WeightReceiver) else 5.0
         try:
-            self._weight_lock.acquire("close", wait_s)
+            self.weight_lock.acquire("close", wait_s)
         except RuntimeError:
             logger.warning("closing the engine while a weight operation is in progress")
             self._leave_group()
@@ -524,7 +523,7 @@ class SpecEngine:
             try:
                 self._leave_group()
             finally:
-                self._weight_lock.release()
+                self.weight_lock.release()
         if self.tp is not None:
             self.tp.close()
 
@@ -534,7 +533,8 @@ class SpecEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def adapt_draft(self, steps: int = 50, lr: float = 1e-3) -> AdaptResult:
+    def adapt_draft(self, steps: int = DEFAULT_ADAPT_STEPS,
+                    lr: float = DEFAULT_ADAPT_LR) -> AdaptResult:
         """Train the EAGLE-3 head in place for ``steps`` AdamW steps at ``lr`` on the rollouts
         it kept (target features + the policy's tokens; EAGLE-3's unrolled training loss).
         Needs ``draft_options={"adapt_buffer_tokens": N}`` (keep the last N positions);
@@ -542,16 +542,10 @@ class SpecEngine:
         policy is never touched and the head's tensors keep their ``data_ptr``; output stays
         lossless. Bad arguments or an empty buffer raise ``ValueError``, changing nothing
         (``specengine.drafters.adapt``)."""
-        from specengine.drafters.adapt_train import eagle3_drafter
+        from specengine.drafters.eagle3 import eagle3_drafter
 
         return eagle3_drafter(self.drafter).adapt(steps, lr)
 
-    def _decode_step(self, seqs: tuple[Sequence, ...], k: int, tree: DraftTree | None,
-                     times: StepTimes, version: int) -> None:
-        """One decode / verify step of the running ``seqs`` (the unit the host-overhead
-        benchmark times)."""
-        speculative_step(seqs, k, tree, self.drafter, self.graphs, self.kv_cache,
-                         self.config.max_model_len, times, self.core.arena, version)
 
 
 __all__ = ["SpecEngine", "num_drafts_for"]

@@ -49,7 +49,7 @@ def check_native(device: torch.device | str, native: ModuleType | object | None 
     dev = torch.device(device)
     if native is None:
         try:
-            from specengine import _C as native
+            import specengine._C as native
         except ImportError as e:
             raise RuntimeError(f"specengine._C is not built ({e}): a source checkout needs an "
                                f"install first; {REBUILD}") from e

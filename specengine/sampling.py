@@ -78,7 +78,7 @@ class SamplingParams:
     uses the engine's. ``n`` (an int in [1, 1024], ``MAX_N``) samples of the prompt form a group
     (GRPO): ``generate`` returns n outputs per prompt, prompt-major, each with its
     ``sample_index``; sample i's seed is derived from ``seed``
-    (``specengine.prefix_cache.sample_seed``) and the group's prompt KV is computed once and
+    (``specengine.core.prefix_cache.sample_seed``) and the group's prompt KV is computed once and
     shared. A value out of range, NaN / inf, or a bool where a number belongs raises
     ``ValueError`` naming the field, the value and the allowed range.
     """

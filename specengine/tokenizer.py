@@ -24,6 +24,8 @@ from typing import Any
 
 from tokenizers import Encoding, Tokenizer
 
+from specengine.chat_template import ChatTemplate, load_chat_template
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["TextTokenizer", "load_tokenizer"]
@@ -52,6 +54,8 @@ class TextTokenizer:
     pad_ids: frozenset[int] = frozenset()
     #: prompts need fewer tokens than this (the engine's); None: :meth:`encode` checks no length
     max_model_len: int | None = None
+    #: the checkpoint's chat template (``tokenizer_config.json``), None when it has none
+    chat_template: ChatTemplate | None = None
     # character -> encoded alone it yields a token (a cache: mutable inside the frozen record)
     _kept_chars: dict[str, bool] = field(default_factory=dict, repr=False, compare=False)
     # "chars": max_chars_per_token, computed on first use (a cache, as above)
@@ -87,12 +91,15 @@ class TextTokenizer:
             return None
         return (self.max_model_len - 1) * per_token
 
-    def encode(self, text: str, what: str = "text") -> list[int]:
+    def encode(self, text: str, what: str = "text", add_special_tokens: bool = True
+               ) -> list[int]:
         """Token ids of ``text``. Raises ``ValueError`` naming the first character the
         tokenizer cannot represent (and its position) unless it has a real unknown token, in
         which case that token is used and a warning is logged. ``what`` names the text in
         messages (e.g. ``"prompt 0"``). With ``max_model_len``, a text too long to fit in it
-        (:meth:`max_prompt_chars`) is refused by its length before it is tokenized."""
+        (:meth:`max_prompt_chars`) is refused by its length before it is tokenized.
+        ``add_special_tokens=False``: no BOS / EOS of the tokenizer's post-processor (a
+        rendered chat template writes its own)."""
         limit = self.max_prompt_chars()
         if limit is not None and len(text) > limit:
             raise ValueError(
@@ -101,7 +108,7 @@ class TextTokenizer:
                 f"characters with this tokenizer (its longest token stands for "
                 f"{self.max_chars_per_token} characters)")
         try:
-            enc = self.tokenizer.encode(text)
+            enc = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except Exception as e:  # tokenizers raises its own type, e.g. WordLevel with no unk
             raise ValueError(f"{what} could not be tokenized: {e}") from None
         ids = list(enc.ids)
@@ -224,7 +231,8 @@ def _is_byte_level(decoder: dict[str, Any] | None) -> bool:
 def load_tokenizer(path: str | Path, max_model_len: int | None = None) -> TextTokenizer | None:
     """The checkpoint's ``tokenizer.json`` as a :class:`TextTokenizer`, or None when the
     directory has none. Padding ids come from ``config.json``'s ``pad_token_id`` and the
-    tokenizer's own padding setting. ``max_model_len``: refuse texts too long to fit."""
+    tokenizer's own padding setting; the chat template from ``tokenizer_config.json``
+    (``specengine.chat_template``). ``max_model_len``: refuse texts too long to fit."""
     path = Path(path)
     file = path / "tokenizer.json"
     if not file.is_file():
@@ -241,4 +249,5 @@ def load_tokenizer(path: str | Path, max_model_len: int | None = None) -> TextTo
         pad_ids.update(pad if isinstance(pad, list) else [pad] if isinstance(pad, int) else [])
     if tok.padding is not None:
         pad_ids.add(tok.padding["pad_id"])
-    return TextTokenizer(tok, unk_id, frozenset(pad_ids), max_model_len)
+    return TextTokenizer(tok, unk_id, frozenset(pad_ids), max_model_len,
+                         load_chat_template(path))

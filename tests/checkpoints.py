@@ -29,6 +29,24 @@ ARCH_KWARGS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# Mixture-of-experts archs: (config class, model class, kwargs); `num_layers` etc. as above.
+MOE_ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # Qwen3-MoE: 5 experts (not a power of two), top-3, renormalised, layer 0 dense.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=5,
+        num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True,
+        mlp_only_layers=[0], tie_word_embeddings=False)),
+    # Qwen2-MoE: shared expert behind a sigmoid gate, q/k/v biases, top-2 not renormalised.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=40, shared_expert_intermediate_size=72, norm_topk_prob=False,
+        tie_word_embeddings=False)),
+    # Mixtral: top-2 of 3 experts, softmax over the chosen two.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=3,
+        num_experts_per_tok=2, tie_word_embeddings=True)),
+}
+
 
 def make_hf_model(arch: str, vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 2,
                   seed: int = 0, init_std: float = 0.08, **overrides: Any) -> torch.nn.Module:
@@ -39,6 +57,9 @@ def make_hf_model(arch: str, vocab_size: int = 128, hidden_size: int = 64, num_l
     """
     transformers = pytest.importorskip("transformers")  # a test extra: absent on a bare GPU box
 
+    if arch in MOE_ARCHS:
+        return _make_moe_model(transformers, arch, vocab_size, hidden_size, num_layers, seed,
+                               init_std, overrides)
     family = arch.split("_")[0]
     cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                "qwen3": transformers.Qwen3Config}[family]
@@ -59,6 +80,30 @@ def make_hf_model(arch: str, vocab_size: int = 128, hidden_size: int = 64, num_l
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, init_std)
+    return model
+
+
+def _make_moe_model(transformers: Any, arch: str, vocab_size: int, hidden_size: int,
+                    num_layers: int, seed: int, init_std: float,
+                    overrides: dict[str, Any]) -> torch.nn.Module:
+    cfg_name, model_name, arch_kwargs = MOE_ARCHS[arch]
+    kwargs = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, max_position_embeddings=512, rms_norm_eps=1e-6,
+        initializer_range=init_std, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    kwargs.update(arch_kwargs)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cfg_name)(**kwargs)
+    model = getattr(transformers, model_name)(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, init_std)
+            elif name.endswith("gate.weight"):
+                # A wide router, so routing is decisive and tokens spread unevenly.
+                p.normal_(0, 4 * init_std)
     return model
 
 

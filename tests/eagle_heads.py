@@ -14,7 +14,7 @@ from torch import nn
 
 from specengine.drafters.eagle3 import Eagle3Head
 from specengine.model.config import ModelConfig
-from specengine.model.loader import hf_named_tensors
+from specengine.model.weight_names import hf_named_tensors
 
 DROPPED = (0, 7, 100)  # target ids without a draft id
 Edit = Callable[[dict, dict], None]

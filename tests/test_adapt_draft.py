@@ -18,7 +18,7 @@ from specengine.arith_task import encode, heldout_prompts
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
 from specengine.drafters.adapt import FeatureBuffer
 from specengine.drafters.feature_drafter import FeatureState
-from specengine.model.loader import hf_named_tensors
+from specengine.model.weight_names import hf_named_tensors
 
 PROMPTS = [encode(p) for p in heldout_prompts(48)]
 
@@ -101,7 +101,7 @@ def test_training_loss_unrolls_the_head_as_drafting_does() -> None:
     d = engine.drafter
     ad = d.adapter
     s = max(ad.trainable(), key=lambda s: len(s.rows))
-    feats, ids, valid, _ = ad._batch([s])
+    feats, ids, valid, _ = ad.trainer.batch(ad.buffer, [s])
     params = dict(d.module.named_parameters())
     with torch.no_grad():
         unrolled = ad.math.unroll(params, feats, ids, valid, 3)

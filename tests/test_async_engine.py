@@ -218,13 +218,13 @@ def test_step_error_reaches_every_caller_and_engine_recovers(engine: SpecEngine)
     def break_decode_steps(e: SpecEngine, once: bool) -> None:
         def boom(*args: object) -> None:
             if once:
-                del e._decode_step  # the class's method is back
+                del e.core.decode_step  # the class's method is back
             raise RuntimeError("injected step failure")
 
-        e._decode_step = boom  # type: ignore[method-assign]
+        e.core.decode_step = boom  # type: ignore[method-assign]
 
     def mend(e: SpecEngine) -> None:
-        del e._decode_step
+        del e.core.decode_step
 
     async def main() -> None:
         async with AsyncSpecEngine(engine) as aeng:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specengine import SamplingParams, SpecEngine
-from specengine.kv_cache import KVCacheFullError
+from specengine.core.kv_cache import KVCacheFullError
 from specengine.model.config import CheckpointError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

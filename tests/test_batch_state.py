@@ -26,9 +26,9 @@ from specengine.core.batch import (
     BatchState,
 )
 from specengine.core.seq_arena import SeqArena
+from specengine.core.sequence import Sequence
+from specengine.core.step import num_drafts_for
 from specengine.sampling import SamplingParams
-from specengine.sequence import Sequence
-from specengine.speculate import num_drafts_for
 
 CAPACITY, MAX_BLOCKS = 8, 6
 

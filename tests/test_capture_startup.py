@@ -313,7 +313,7 @@ class FakeEvent:
 
 def test_phase_times_come_from_events_read_at_the_step_sync(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import specengine.speculate as speculate
+    import specengine.core.step as speculate
 
     to_host = speculate.to_host
 

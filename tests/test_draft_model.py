@@ -101,7 +101,7 @@ def test_sampled_drafts_carry_their_distributions(target_dir: Path, draft_dir: P
     engine = make_engine(target_dir, draft_dir, draft_options={"sample": True})
     drafter = engine.drafter
     assert isinstance(drafter, DraftModelDrafter) and not drafter.point_mass
-    from specengine.sequence import Sequence
+    from specengine.core.sequence import Sequence
 
     def propose(seed: int, params: SamplingParams) -> tuple[list[int], torch.Tensor]:
         seq = Sequence(10**6 + seed, [5, 9, 2, 7], params, seed, ())

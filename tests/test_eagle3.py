@@ -21,10 +21,10 @@ from lossless import (
 
 from specengine import SamplingParams, SpecEngine
 from specengine import arith_task as task
+from specengine.core.model_runner import ForwardOutput
+from specengine.core.sequence import Sequence
 from specengine.drafters.eagle3 import Eagle3Drafter, read_head_checkpoint
 from specengine.model.config import CheckpointError
-from specengine.model_runner import ForwardOutput
-from specengine.sequence import Sequence
 from specengine.tree import DraftTree
 
 STOPS = (3, 17, 64, 99)

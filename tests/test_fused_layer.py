@@ -18,7 +18,8 @@ from specengine.model.attention import (
 )
 from specengine.model.config import ModelConfig
 from specengine.model.llama import CausalLM
-from specengine.model.loader import hf_named_tensors, load_named_tensors
+from specengine.model.loader import load_named_tensors
+from specengine.model.weight_names import hf_named_tensors
 
 MAX_LAUNCHES_PER_LAYER = 12
 BLOCK_SIZE, NUM_BLOCKS = 16, 4

@@ -163,8 +163,8 @@ def test_launch_verdicts_eager_per_layer_and_graphed():
 
 
 def test_run_pass_stops_after_the_steps_and_leaves_the_engine_usable():
-    """The benchmark wraps ``EngineCore.step`` and ``SpecEngine._decode_step`` on the
-    instances, times only steps that decode, and ends ``generate`` from inside it once enough
+    """The benchmark wraps ``EngineCore.step`` and ``EngineCore.decode_step`` on the
+    instance, times only steps that decode, and ends ``generate`` from inside it once enough
     steps were measured: the engine must come back whole."""
     from bench_host_overhead import run_pass
 
@@ -182,7 +182,7 @@ def test_run_pass_stops_after_the_steps_and_leaves_the_engine_usable():
     assert all(r["batch"] == 2 for r in timed + counted)
     assert all(r["counts"].compute_s > 0 and r["counts"].launches == 0 for r in timed)
     assert all(r["counts"].launches > 0 and r["layer_calls"] > 0 for r in counted)
-    assert "_decode_step" not in vars(engine)  # the class's method again
+    assert "decode_step" not in vars(engine.core)  # the class's methods again
     assert "step" not in vars(engine.core)
     assert engine.scheduler.has_unfinished() is False
     again = [o.token_ids for o in engine.generate(prompts, k=3, sampling=params)]

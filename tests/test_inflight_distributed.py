@@ -66,7 +66,7 @@ def no_leak(engine: SpecEngine) -> bool:
 
 def tokens_now(engine: SpecEngine, ids: list[str]) -> dict[str, int]:
     """Tokens each request has at this point between two steps."""
-    return {rid: engine.core._requests[rid].seq.num_generated for rid in ids}
+    return {rid: engine.core.requests[rid].seq.num_generated for rid in ids}
 
 
 def run_steps(engine: SpecEngine, k: int, conn: Connection) -> dict[str, Result]:

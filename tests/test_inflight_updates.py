@@ -18,7 +18,7 @@ from specengine import AsyncSpecEngine, SamplingParams, SpecEngine
 from specengine.arith_task import heldout_prompts
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
 from specengine.model.config import CheckpointError
-from specengine.model.loader import hf_named_tensors
+from specengine.model.weight_names import hf_named_tensors
 from specengine.outputs import GenerationOutput, RequestOutput
 from specengine.weights import WeightSender
 
@@ -214,9 +214,9 @@ def test_max_policy_lag_ends_lagging_requests(tiny_checkpoint: Path,
     step_n(engine, 2, seen, done)
     assert not done
     engine.load_weights(new_weights[0])  # lag 2 for `old`: it ends now, its KV freed at once
-    held = sum(len(r.seq.block_table) for r in engine.core._requests.values())
+    held = sum(len(r.seq.block_table) for r in engine.core.requests.values())
     assert engine.kv_cache.num_free_blocks + held == engine.kv_cache.num_blocks
-    assert len(engine.core._requests[old].seq.block_table) == 0
+    assert len(engine.core.requests[old].seq.block_table) == 0
     outs = engine.step()  # reports it; `young` steps on
     ended = [o for o in outs if o.request_id == old]
     assert len(ended) == 1 and ended[0].finished and ended[0].new_token_ids == ()

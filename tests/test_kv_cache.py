@@ -1,4 +1,4 @@
-"""The paged KV cache (``specengine.kv_cache.KVCache``) on the C++ block allocator: layout,
+"""The paged KV cache (``specengine.core.kv_cache.KVCache``) on the C++ block allocator: layout,
 all-or-nothing growth, freeing (double frees through stale tables refused), capacity checks."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from specengine import _C
+from specengine.core.kv_cache import KVCache, KVCacheFullError
 from specengine.core.seq_arena import SeqArena
-from specengine.kv_cache import KVCache, KVCacheFullError
+from specengine.core.sequence import Sequence
 from specengine.sampling import SamplingParams
-from specengine.sequence import Sequence
 
 
 def make_seq(seq_id: int, num_tokens: int = 3) -> Sequence:

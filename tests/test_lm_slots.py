@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from specengine.core.kv_cache import KVCache
 from specengine.drafters.draft_model import _State
 from specengine.drafters.lm_slots import LMSlots
-from specengine.kv_cache import KVCache
 
 
 def tiny_cache(num_blocks: int) -> KVCache:

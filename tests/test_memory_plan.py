@@ -16,6 +16,7 @@ import torch
 
 from specengine import SpecEngine
 from specengine.config import EngineConfig
+from specengine.core.kv_cache import CPU_KV_BUDGET_BYTES, num_kv_blocks
 from specengine.core.memory_plan import (
     GIB,
     DrafterFacts,
@@ -26,7 +27,6 @@ from specengine.core.memory_plan import (
     plan_memory,
     verify_k_max,
 )
-from specengine.kv_cache import CPU_KV_BUDGET_BYTES, num_kv_blocks
 from specengine.model.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]

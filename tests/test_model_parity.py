@@ -7,7 +7,7 @@ import torch
 from checkpoints import make_hf_model, save_checkpoint
 
 from specengine import SamplingParams, SpecEngine
-from specengine.sequence import Sequence
+from specengine.core.sequence import Sequence
 
 PROMPT_LENS = (1, 15, 16, 17, 40)
 NUM_NEW = 32

@@ -60,8 +60,8 @@ def test_target_matches_transformers_with_mtp_keys(mtp_target, engine: SpecEngin
     with torch.no_grad():
         ref = hf_loaded(ids).logits[0]
     seq_ids = ids[0].tolist()
+    from specengine.core.sequence import Sequence
     from specengine.sampling import SamplingParams
-    from specengine.sequence import Sequence
 
     seq = Sequence(-1, seq_ids, SamplingParams(), 0, ())
     engine.kv_cache.ensure(seq, len(seq_ids))
@@ -119,9 +119,9 @@ def test_mtp_needs_declared_layers(tmp_path: Path) -> None:
 def test_observe_reads_the_accepted_tree_rows(mtp_target, engine: SpecEngine) -> None:
     """After a verify step whose accepted path is tree rows (0, 3, 4), the MTP entries are
     rebuilt from exactly those rows of the target's hidden states."""
-    from specengine.model_runner import ForwardOutput
+    from specengine.core.model_runner import ForwardOutput
+    from specengine.core.sequence import Sequence
     from specengine.sampling import SamplingParams
-    from specengine.sequence import Sequence
 
     hf, drafter = mtp_target[0], engine.drafter
     tokens = torch.randint(0, 128, (10,), generator=torch.Generator().manual_seed(9)).tolist()
@@ -144,9 +144,9 @@ def test_observe_reads_the_accepted_tree_rows(mtp_target, engine: SpecEngine) ->
 
 
 def test_sampled_mtp_drafts_carry_their_distributions(engine: SpecEngine) -> None:
-    from specengine.model_runner import ForwardOutput
+    from specengine.core.model_runner import ForwardOutput
+    from specengine.core.sequence import Sequence
     from specengine.sampling import SamplingParams
-    from specengine.sequence import Sequence
 
     drafter = MTPDrafter(engine.draft_context, sample=True)
     assert not drafter.point_mass

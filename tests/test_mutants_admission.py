@@ -1,4 +1,4 @@
-"""Issue 29: the exact edges of request admission (``specengine.requests.validate_requests``).
+"""Issue 29: the exact edges of request admission (``specengine.core.requests.validate_requests``).
 
 A request is admitted only if, alone, it fits the KV cache with its draft slots: ``prompt +
 max_tokens`` (capped by ``max_model_len``) tokens, plus ``k`` draft tokens and the bonus token
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from specengine.config import MAX_K
-from specengine.kv_cache import KVCache, KVCacheFullError
-from specengine.requests import validate_requests
+from specengine.core.kv_cache import KVCache, KVCacheFullError
+from specengine.core.requests import validate_requests
 from specengine.sampling import SamplingParams
 from specengine.tree import DraftTree
 

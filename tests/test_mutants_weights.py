@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specengine import SpecEngine
-from specengine.model.loader import hf_named_tensors
+from specengine.model.weight_names import hf_named_tensors
 from specengine.weights import SharedWeights, WeightSender, WeightSyncError
 from specengine.weights.protocol import ALIGN, MIN_BUCKET_BYTES, Manifest, manifest_for
 from specengine.weights.receiver import _Plan, plan_update

@@ -9,8 +9,8 @@ import pytest
 from lossless import assert_greedy_lossless, ragged_requests
 
 from specengine import SpecEngine
+from specengine.core.sequence import Sequence
 from specengine.drafters.ngram import NgramDrafter, continuations
-from specengine.sequence import Sequence
 from specengine.tree import DraftTree
 
 

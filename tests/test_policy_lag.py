@@ -109,7 +109,7 @@ def test_request_lag_overrides_the_engines(tiny_checkpoint: Path,
     default = engine.add_request(PROMPTS[2], greedy())  # the engine's limit, 1
     client.steps(engine, 2)
     engine.load_weights(new_policy[0])  # lag 1 for all
-    assert len(engine.core._requests[strict].seq.block_table) == 0  # ended, freed at once
+    assert len(engine.core.requests[strict].seq.block_table) == 0  # ended, freed at once
     client.steps(engine, 2)
     assert client.done[strict].finish_reason == "policy_lag"
     assert default not in client.done and lax not in client.done

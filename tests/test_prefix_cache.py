@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from specengine import SamplingParams, SpecEngine
-from specengine.kv_cache import KVCache
-from specengine.prefix_cache import SeqGroup, block_hashes
-from specengine.scheduler import Scheduler
-from specengine.sequence import SeqStatus, Sequence
+from specengine.core.kv_cache import KVCache
+from specengine.core.prefix_cache import SeqGroup, block_hashes
+from specengine.core.scheduler import Scheduler
+from specengine.core.sequence import SeqStatus, Sequence
 
 BS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -92,7 +92,7 @@ def test_random_events_with_shared_blocks_leak_nothing() -> None:
                 cache.free(seq)
             live.remove(seq)
         elif ev < 0.84 and sched.running:  # preempt (e.g. kv_on_update="recompute")
-            sched._preempt(rng.choice(sched.running))
+            sched.preempt(rng.choice(sched.running))
             preempted += 1
         elif ev < 0.93:  # a weight update
             cache.invalidate_prefix_cache()

@@ -25,11 +25,11 @@ from specengine.arith_task import encode, heldout_prompts
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
 from specengine.client import ServerError
 from specengine.core.isolation import ENGINE_WIDE_AFTER
+from specengine.core.kv_cache import KVCache
+from specengine.core.scheduler import Scheduler
 from specengine.core.seq_arena import SeqArena
-from specengine.kv_cache import KVCache
+from specengine.core.sequence import SeqStatus, Sequence
 from specengine.outputs import GenerationOutput
-from specengine.scheduler import Scheduler
-from specengine.sequence import SeqStatus, Sequence
 
 SENTINEL = 18  # in no arith prompt (vocab 20): the culprit's prompt starts with it
 MESSAGE = "row data the kernel cannot take"

@@ -25,7 +25,7 @@ from specengine.arith_task import heldout_prompts  # noqa: E402
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
 from specengine.distributed import RolloutPool, WorkerDiedError, assign  # noqa: E402
 from specengine.distributed.placement import worker_resources  # noqa: E402
-from specengine.model.loader import hf_named_tensors  # noqa: E402
+from specengine.model.weight_names import hf_named_tensors  # noqa: E402
 from specengine.weights import WeightSender, WeightSyncError  # noqa: E402
 
 TIMEOUT_S = 120.0  # bound on every wait for a worker (start-up included)

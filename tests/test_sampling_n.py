@@ -26,7 +26,7 @@ except ImportError:  # scipy is optional: the chi-square tests skip without it, 
 from test_sampling_lossless import processed_probs
 
 from specengine import SamplingParams, SpecEngine
-from specengine.prefix_cache import sample_seed
+from specengine.core.prefix_cache import sample_seed
 
 KW = dict(device="cpu", dtype="float32", max_model_len=128, kv_cache_tokens=4096)
 PROMPTS = [list(range(2, 39)), list(range(40, 72)), [5, 9, 7]]  # 37, 32 (full), 3 tokens
@@ -141,13 +141,12 @@ def test_one_sample_of_a_group_follows_the_policy(tmp_path: Path) -> None:
 
 def test_eagle3_group_drafts_from_the_siblings_features() -> None:
     """The bundled EAGLE-3 head reads the target's features of every prompt position: the
-    borrowing samples get the sibling's (the prefix cache is off with such a drafter), so each
-    sample's drafts, acceptances and tokens equal a lone request's."""
+    borrowing samples get the sibling's, so each sample's drafts, acceptances and tokens equal
+    a lone request's."""
     from specengine.arith_task import heldout_prompts
     from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
 
     eng = SpecEngine(DEFAULT_TARGET, draft=DEFAULT_DRAFT, device="cpu", max_model_len=256)
-    assert eng.kv_cache.prefix is None
     prompts = heldout_prompts(3)
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
     lone = eng.generate(prompts, k=3, sampling=greedy)

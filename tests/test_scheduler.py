@@ -11,10 +11,10 @@ import pytest
 from arena_reference import pack
 
 from specengine import SamplingParams, SpecEngine
+from specengine.core.kv_cache import KVCache
+from specengine.core.scheduler import Scheduler
 from specengine.core.seq_arena import SeqArena
-from specengine.kv_cache import KVCache
-from specengine.scheduler import Scheduler
-from specengine.sequence import SeqStatus, Sequence
+from specengine.core.sequence import SeqStatus, Sequence
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 

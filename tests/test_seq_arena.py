@@ -11,8 +11,8 @@ from arena_reference import append_reference, pack
 from tree_path_reference import tree_path_moves_reference
 
 from specengine.core.seq_arena import SeqArena
+from specengine.core.sequence import Sequence
 from specengine.sampling import SamplingParams
-from specengine.sequence import Sequence
 
 
 def _arena(rng: np.random.Generator, capacity: int, width: int) -> tuple[SeqArena, list[int]]:

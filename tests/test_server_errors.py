@@ -75,8 +75,6 @@ BAD_GENERATE = [
      "top_p must be"),
     ("bad max_tokens", b'{"prompt_token_ids": [1], "sampling_params": {"max_tokens": 0}}',
      400, "max_tokens must be"),
-    ("group of samples", b'{"prompt_token_ids": [1], "sampling_params": {"n": 4}}', 400,
-     "sampling_params.n must be 1 here"),
     ("bad n", b'{"prompt_token_ids": [1], "sampling_params": {"n": 0}}', 400,
      "n (samples per prompt) must be"),
     ("bad seed", b'{"prompt_token_ids": [1], "sampling_params": {"seed": %d}}' % 2**63, 400,

@@ -14,7 +14,7 @@ from readme_blocks import run_readme_blocks
 from specengine import SamplingParams, SpecEngine
 from specengine.arith_task import heldout_prompts
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
-from specengine.model.loader import hf_named_tensors
+from specengine.model.weight_names import hf_named_tensors
 from specengine.outputs import GenerationOutput, RequestOutput
 
 
@@ -148,7 +148,7 @@ def test_abort_mid_generation_frees_at_once(engine: SpecEngine) -> None:
     for _ in range(3):  # prefill + two verify steps
         for out in engine.step():
             seen[out.request_id].extend(out.new_token_ids)
-    held = len(engine.core._requests[ids[1]].seq.block_table)
+    held = len(engine.core.requests[ids[1]].seq.block_table)
     assert held > 0
     free_before = engine.kv_cache.num_free_blocks
     aborted = engine.abort(ids[1])
@@ -220,7 +220,7 @@ def test_weight_update_applies_between_steps_of_unfinished_requests(pair: SpecEn
 def kv_accounting(engine: SpecEngine) -> None:
     """Free blocks + blocks held by live sequences == all blocks, none held twice; the same for
     a drafter with its own cache."""
-    live = [r.seq for r in engine.core._requests.values()]
+    live = [r.seq for r in engine.core.requests.values()]
     held = Counter(b for s in live for b in s.block_table)  # shared prompt blocks (§17)
     named = set(engine.kv_cache.prefix.hash_of) if engine.kv_cache.prefix is not None else set()
     refs = engine.kv_cache.allocator.ref_counts().tolist()

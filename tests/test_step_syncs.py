@@ -21,14 +21,14 @@ def count_step_transfers(engine: SpecEngine, prompts: list, k: int, tree: list |
                          params: SamplingParams) -> list[tuple[Counter, Counter]]:
     """Run ``generate`` and count each decode step's transfers (prefill steps excluded)."""
     steps: list[tuple[Counter, Counter]] = []
-    decode_step = engine._decode_step
+    decode_step = engine.core.decode_step
 
     def counted(*args: object) -> None:
         with HostTransfers() as t:
             decode_step(*args)  # type: ignore[arg-type]
         steps.append((t.d2h, t.h2d_blocking))
 
-    engine._decode_step = counted  # type: ignore[method-assign]
+    engine.core.decode_step = counted  # type: ignore[method-assign]
     with value_checks(False):
         engine.generate(prompts, k=k, sampling=params, tree=tree)
     return steps

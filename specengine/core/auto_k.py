@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specengine.config import MAX_K
+from specengine.config import DEFAULT_K_MAX, MAX_K
 from specengine.core.cost_model import (
     AcceptanceTracker,
     CostModel,
@@ -44,15 +44,14 @@ from specengine.core.cost_model import (
     best_k,
     expected_by_k,
 )
-from specengine.speculate import StepTimes
+from specengine.core.run_stats import StepTimes
 
 logger = logging.getLogger(__name__)
 
-#: the k a step runs with when the drafter only catches up (no drafts; speculate.py)
+#: the k a step runs with when the drafter only catches up (no drafts; core/step.py)
 SYNC = -1
 #: ``generate(k="auto")``
 AUTO = "auto"
-DEFAULT_K_MAX = 8
 
 
 def resolve_k(k: object, k_max: object = DEFAULT_K_MAX) -> tuple[int, bool]:

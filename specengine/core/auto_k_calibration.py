@@ -56,7 +56,7 @@ def calibrate(auto: AutoK, core: EngineCore, vocab_size: int, k_max: int) -> int
     rng = random.Random(0)
     eos = set(core.eos_token_ids)
     tokens = [t for t in range(vocab_size) if t not in eos] or list(range(vocab_size))
-    saved = core._last_run  # the sweep's busy span must not replace the user's stats
+    saved = core.last_run  # the sweep's busy span must not replace the user's stats
     t0 = time.perf_counter()
     samples: list[StepMeasure] = []
     grid = [(b, k) for k in ks for b in batches]
@@ -66,7 +66,7 @@ def calibrate(auto: AutoK, core: EngineCore, vocab_size: int, k_max: int) -> int
             samples += _sweep_point(core, b, k, steps, max_tokens,
                                     [[rng.choice(tokens) for _ in range(prompt_len)]
                                      for _ in range(b)])
-    core._last_run = saved
+    core.last_run = saved
     auto.costs.calibrate(samples)
     logger.info("k='auto' calibration: %d steps at batches %s x k %s in %.2f s", len(samples),
                 batches, ks, time.perf_counter() - t0)
@@ -96,7 +96,7 @@ def _sweep_point(core: EngineCore, batch: int, k: int, steps: int, max_tokens: i
                                    times.verify + times.bookkeeping - before.verify))
     finally:
         for i in ids:
-            if i in core._requests:
+            if i in core.requests:
                 core.abort(i)
     return out
 

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specengine import _C
+import specengine._C as _C
 from specengine.core.block_rows import BlockRows
 from specengine.core.seq_arena import SeqArena
+from specengine.core.sequence import Sequence
 from specengine.sampling import MAX_STOP_TOKEN_IDS
-from specengine.sequence import Sequence
 
 # Rows of the int64 step-field array (one copy per step; csrc/stage_rows.h numbers its first
 # four and the limits' rows the same).
@@ -228,7 +228,7 @@ class BatchState:
         return np.fromiter((len(s) for s in self.seqs), dtype=np.int64, count=len(self.seqs))
 
     def chain_drafts(self, k: int, lens: np.ndarray, max_model_len: int) -> np.ndarray:
-        """``speculate.num_drafts_for`` of every row at once: ``k``, cut so a step emits
+        """``core.step.num_drafts_for`` of every row at once: ``k``, cut so a step emits
         nothing past ``max_tokens`` (it emits drafts + 1) nor feeds past ``max_model_len``."""
         n = len(lens)
         remaining = self.host_limits[MAX_TOKENS, :n] - (lens - self.host_limits[PROMPT_LEN, :n])
@@ -247,7 +247,7 @@ class BatchState:
     def stage_step(self, k: int, tree_drafts: int, max_model_len: int
                    ) -> tuple[np.ndarray, int]:
         """:meth:`stage` with the step's draft plan made here: a chain of ``k`` drafts cut per
-        row as ``speculate.num_drafts_for``, or (``tree_drafts >= 0``) a tree's for every
+        row as ``core.step.num_drafts_for``, or (``tree_drafts >= 0``) a tree's for every
         row, none for all when a row would feed past ``max_model_len``. Returns the counts
         and the largest."""
         max_drafts = self._stage(None, k, tree_drafts, max_model_len, None)

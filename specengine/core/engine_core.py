@@ -28,22 +28,22 @@ from specengine.config import EngineConfig
 from specengine.core.auto_k import AutoK
 from specengine.core.graphs import GraphRunner
 from specengine.core.isolation import Isolation
+from specengine.core.kv_cache import KVCache
+from specengine.core.model_runner import ModelRunner
+from specengine.core.prefix_cache import SeqGroup
+from specengine.core.run_stats import RunStats, StepTimes
+from specengine.core.sampler import Sampler, SamplingTensors
+from specengine.core.scheduler import ScheduledBatch, Scheduler
 from specengine.core.seq_arena import SeqArena
+from specengine.core.sequence import SeqStatus, Sequence
+from specengine.core.step import append_step, speculative_step
+from specengine.core.stop_strings import StopStrings
+from specengine.core.token_logprobs import record_top_logprobs
 from specengine.core.transfer import to_host
 from specengine.core.verify import raw_top, top_logprobs
 from specengine.drafters.base import Drafter
-from specengine.kv_cache import KVCache
-from specengine.model_runner import ModelRunner
 from specengine.outputs import GenerationOutput, RequestOutput
-from specengine.prefix_cache import SeqGroup
-from specengine.run_stats import RunStats
-from specengine.sampler import Sampler, SamplingTensors
 from specengine.sampling import SamplingParams
-from specengine.scheduler import ScheduledBatch, Scheduler
-from specengine.sequence import SeqStatus, Sequence
-from specengine.speculate import StepTimes, append_step
-from specengine.stop_strings import StopStrings
-from specengine.token_logprobs import record_top_logprobs
 from specengine.tokenizer import TextTokenizer
 from specengine.tree import DraftTree
 
@@ -53,11 +53,10 @@ logger = logging.getLogger(__name__)
 MAX_REMEMBERED_FINISHED = 1 << 16
 
 # (seqs, k, tree, times, weight version): one verify step of one (k, tree) group
-DecodeStep = Callable[[tuple[Sequence, ...], int, "DraftTree | None", StepTimes, int], None]
 
 
 @dataclass
-class _Request:
+class RequestState:
     request_id: str
     seq: Sequence
     k: int
@@ -77,16 +76,15 @@ class _Request:
 class EngineCore:
     """Request bookkeeping (request_id → Sequence, its k / tree) and the step.
 
-    ``decode_step(seqs, k, tree, times)`` runs one verify step of one (k, tree) group; the
-    facade passes its own ``SpecEngine._decode_step`` (looked up at each call, so wrapping it
-    on the instance, as the host-overhead benchmark does, takes effect).
+    :meth:`decode_step` runs one verify step of one (k, tree) group (``core.step``); the
+    host-overhead benchmark wraps it on the instance.
     ``weight_version()`` is stamped on every output and, taken before each step, on every
     token the step made. Weights may change between steps (``core.inflight``)."""
 
     def __init__(self, config: EngineConfig, kv_cache: KVCache, runner: ModelRunner,
                  sampler: Sampler, graphs: GraphRunner, drafter: Drafter | None,
                  tokenizer: TextTokenizer | None, eos_token_ids: tuple[int, ...],
-                 decode_step: DecodeStep, weight_version: Callable[[], int]) -> None:
+                 weight_version: Callable[[], int]) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.runner = runner
@@ -98,7 +96,6 @@ class EngineCore:
         self.detokenize = True
         self.eos_token_ids = eos_token_ids
         self.device = torch.device(config.device)
-        self._decode_step = decode_step
         self._weight_version = weight_version
         # Running sequences' tokens and counters: a step appends all rows at once.
         self.arena = SeqArena(config.max_batch_size, config.max_model_len)
@@ -112,21 +109,21 @@ class EngineCore:
         self.auto_k = AutoK()  # k="auto": the cost model, acceptance, calibrated on first use
         self._rng = random.Random(config.seed)
         self._next_seq_id = 0
-        self._requests: dict[str, _Request] = {}
-        self._by_seq: dict[int, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
+        self._by_seq: dict[int, RequestState] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()  # request_id -> finish_reason
         # Finished between steps (``finish_between_steps``), released, reported by next step.
-        self._ended: list[_Request] = []
+        self._ended: list[RequestState] = []
         self._run: RunStats | None = None  # the current busy span
-        self._last_run = RunStats(end=time.perf_counter())
+        self.last_run = RunStats(end=time.perf_counter())
 
     # ---- requests ----------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self.requests)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self._requests)
+        return len(self.requests)
 
     def add(self, prompt: tuple[int, ...], params: SamplingParams, k: int,
             tree: DraftTree | None, request_id: str | None = None, auto: bool = False,
@@ -136,11 +133,11 @@ class EngineCore:
         prompt's n samples (``prefix_cache.expand_samples``). Returns its id."""
         if request_id is None:
             request_id = f"req-{self._next_seq_id}"
-            while request_id in self._requests:  # a caller chose this name: pick another
+            while request_id in self.requests:  # a caller chose this name: pick another
                 request_id += "'"
         elif not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        elif request_id in self._requests:
+        elif request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already used by an unfinished "
                              "request")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
@@ -148,9 +145,9 @@ class EngineCore:
         if params.stop:  # (validate_requests checked that there is a tokenizer)
             seq.stop_strings = StopStrings(params, self.tokenizer)  # type: ignore[arg-type]
         self._next_seq_id += 1
-        req = _Request(request_id, seq, k, tree, auto=auto,
+        req = RequestState(request_id, seq, k, tree, auto=auto,
                        sample_index=sample[1] if sample else 0)
-        self._requests[request_id] = req
+        self.requests[request_id] = req
         self._by_seq[seq.seq_id] = req
         self._finished.pop(request_id, None)  # a reused id is live again
         self.scheduler.add(seq, sample[0] if sample else None)
@@ -159,7 +156,7 @@ class EngineCore:
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request now: its KV blocks and drafter state are freed at once; returns its
         final output (``finish_reason="abort"``, with the tokens made so far)."""
-        req = self._requests.get(request_id) if isinstance(request_id, str) else None
+        req = self.requests.get(request_id) if isinstance(request_id, str) else None
         if req is None:
             if isinstance(request_id, str) and request_id in self._finished:
                 raise ValueError(f"request {request_id!r} already finished (finish_reason "
@@ -169,7 +166,7 @@ class EngineCore:
         if req in self._ended:  # finished between steps, not reported yet: report it now
             self._ended.remove(req)
         else:
-            self._release(req.seq)
+            self.release(req.seq)
             req.seq.status, req.seq.finish_reason = SeqStatus.FINISHED, "abort"
         out = self._report(req, released=True)
         self._end_run_if_idle()
@@ -178,14 +175,14 @@ class EngineCore:
     def finish_between_steps(self, request_id: str, reason: str) -> None:
         """End an unfinished request now (KV blocks and drafter state freed at once) with
         ``reason``; the next :meth:`step` reports it (used after a weight update)."""
-        req = self._requests[request_id]
+        req = self.requests[request_id]
         if req in self._ended:
             return
-        self._release(req.seq)
+        self.release(req.seq)
         req.seq.status, req.seq.finish_reason = SeqStatus.FINISHED, reason
         self._ended.append(req)
 
-    def _release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.RUNNING:
             self.scheduler.finish(seq)  # frees its blocks, leaves the running list
         else:  # waiting (never admitted, or preempted): it holds no blocks
@@ -199,7 +196,7 @@ class EngineCore:
         for seq in self.scheduler.abort_all():
             if self.drafter is not None:
                 self.drafter.release(seq)
-        self._requests.clear()
+        self.requests.clear()
         self._by_seq.clear()
         self._ended.clear()
         self._isolation.lone_failures = 0
@@ -216,11 +213,11 @@ class EngineCore:
         ``finish_reason="error"``, the others go on as if it had never been there. An
         engine-wide fault (sequences in a row failing alone), or an error anywhere else in the
         step, aborts every request (blocks freed) and is raised."""
-        if not self._requests:
+        if not self.requests:
             return []
+        if self._run is None:
+            self._run = RunStats()
         run = self._run
-        if run is None:
-            run = self._run = RunStats()
         outputs = [self._report(req, released=True) for req in self._ended]
         self._ended.clear()
         if not self.scheduler.has_unfinished():  # all that was left ended between steps
@@ -228,24 +225,35 @@ class EngineCore:
             return outputs
         version = self._weight_version()  # weights change only between steps
         try:
-            scheduled = self.scheduler.schedule(self.lookahead)
-            seqs, isolated = scheduled.seqs, False
-            self._isolation.checkpoint()
-            try:
-                self.run_batch(scheduled, run, version)
-            except Exception as exc:  # one request's data, or the engine's fault: find which
-                seqs, isolated = self._isolation.isolate(scheduled, exc, run, version), True
-            if report_unfinished:
-                outputs += [self._report(self._by_seq[s.seq_id], released=False) for s in seqs]
-            else:
-                outputs += [self._report(self._by_seq[s.seq_id], released=False) for s in
-                            self._ended_in_step(seqs, scheduled.is_prefill or isolated)]
+            scheduled = self.scheduler.schedule(self.lookahead)  # 1. schedule
+            seqs, isolated = self._run_isolated(scheduled, run, version)  # 2. run
+            outputs += self._postprocess(seqs, scheduled.is_prefill or isolated,  # 3. report
+                                         report_unfinished)
         except BaseException:
             self.abort_all()
             raise
         run.end = time.perf_counter()
         self._end_run_if_idle()
         return outputs
+
+    def _run_isolated(self, scheduled: ScheduledBatch, run: RunStats, version: int
+                      ) -> tuple[tuple[Sequence, ...], bool]:
+        """Run the batch; when that raises, find the failing request (``core.isolation``).
+        Returns the sequences that ran and whether isolation redid the run."""
+        self._isolation.checkpoint()
+        try:
+            self.run_batch(scheduled, run, version)
+        except Exception as exc:  # one request's data, or the engine's fault: find which
+            return self._isolation.isolate(scheduled, exc, run, version), True
+        return scheduled.seqs, False
+
+    def _postprocess(self, seqs: tuple[Sequence, ...], scan: bool, report_unfinished: bool
+                     ) -> list[RequestOutput]:
+        """An output per request that advanced, or (``report_unfinished=False``) per request
+        that finished in this step."""
+        if not report_unfinished:
+            seqs = tuple(self._ended_in_step(seqs, scan))
+        return [self._report(self._by_seq[s.seq_id], released=False) for s in seqs]
 
     def run_batch(self, scheduled: ScheduledBatch, run: RunStats, version: int) -> None:
         """Run a scheduled batch: its prefill, or one verify step per (k, tree) group."""
@@ -261,11 +269,18 @@ class EngineCore:
             if self._by_seq[group[0].seq_id].auto:  # this step's k from the cost model
                 run.count_auto_k(self.auto_k.run(
                     len(group), k, run.times,
-                    lambda k, g=group: self._decode_step(g, k, None, run.times, version)))
+                    lambda k, g=group: self.decode_step(g, k, None, run.times, version)))
             else:
-                self._decode_step(group, k, tree, run.times, version)
+                self.decode_step(group, k, tree, run.times, version)
             run.num_forwards += 1
         self._isolation.lone_failures = 0  # a verify step went through: the engine works
+
+    def decode_step(self, seqs: tuple[Sequence, ...], k: int, tree: DraftTree | None,
+                    times: StepTimes, version: int) -> None:
+        """One draft → verify → keep step of the running ``seqs`` (``core.step``; the unit
+        the host-overhead benchmark times)."""
+        speculative_step(seqs, k, tree, self.drafter, self.graphs, self.kv_cache,
+                         self.config.max_model_len, times, self.arena, version)
 
     def _ended_in_step(self, seqs: tuple[Sequence, ...], scan: bool) -> list[Sequence]:
         """The sequences of this step that finished: ``scan`` visits them all (a prefill, or
@@ -284,7 +299,7 @@ class EngineCore:
     @property
     def stats(self) -> RunStats:
         """The current busy span, else the last one."""
-        return self._run if self._run is not None else self._last_run
+        return self._run if self._run is not None else self.last_run
 
     def lookahead(self, seq: Sequence) -> int:
         """Draft slots ``seq``'s next verify step needs (its k or tree, within the context)."""
@@ -330,7 +345,7 @@ class EngineCore:
     def _prefill(self, seqs: tuple[Sequence, ...], observe: bool, version: int) -> None:
         """Prompt pass + first token; the drafter catches up only when some request will
         draft (a k=0 baseline on an engine with a drafter costs exactly a plain engine's)."""
-        logits, target_out = self.runner.prefill(seqs)  # [B, V]
+        logits, target_out = self.runner.prefill(seqs, observe)  # [B, V]
         wants_top = any(s.params.logprobs is not None for s in seqs)
         raw = raw_top(logits[:, None, :]) if wants_top else None  # before masks: raw logits
         with torch.inference_mode():
@@ -342,7 +357,9 @@ class EngineCore:
         out = self.sampler(logits[:, None, :], empty, zeros, None, None,
                            SamplingTensors.from_seqs(seqs, self.device))
         packed = to_host(out.pack())  # one host sync
-        rows = [list(range(len(seq))) for seq in seqs]
+        # The fed rows: a reused prefix is not fed, and the drafter's KV of it is reused too
+        # (drafters.draft_prefix); a borrower's rows are its sibling's.
+        rows = target_out.fed_rows
         none = np.zeros(len(seqs), dtype=np.int64)  # no drafts: one emitted token per row
         slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
         if raw is not None:
@@ -355,7 +372,7 @@ class EngineCore:
             self.drafter.observe(seqs, target_out, rows)
 
     # ---- postprocess -------------------------------------------------------------------------
-    def _report(self, req: _Request, released: bool) -> RequestOutput:
+    def _report(self, req: RequestState, released: bool) -> RequestOutput:
         """This step's new tokens of ``req``; a finished request is released (blocks, drafter
         state) and forgotten, and its output made."""
         seq = req.seq
@@ -368,7 +385,7 @@ class EngineCore:
             self.scheduler.finish(seq)
         if self.drafter is not None:
             self.drafter.release(seq)
-        del self._requests[req.request_id]
+        del self.requests[req.request_id]
         del self._by_seq[seq.seq_id]
         reason = seq.finish_reason or "length"
         self._finished[req.request_id] = reason
@@ -413,12 +430,12 @@ class EngineCore:
     def _end_run_if_idle(self) -> None:
         """Once nothing is left: the span's stats are final, the persistent batch's rows are
         dropped (they hold nothing of use)."""
-        if self._requests:
+        if self.requests:
             return
         self.graphs.verifier.state.clear()
         if self._run is not None:
             self._run.end = self._run.end or time.perf_counter()
-            self._last_run, self._run = self._run, None
+            self.last_run, self._run = self._run, None
 
 
 __all__ = ["EngineCore"]

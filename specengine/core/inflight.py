@@ -35,10 +35,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from specengine.sequence import SeqStatus, Sequence
+from specengine.core.sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
-    from specengine.core.engine_core import EngineCore, _Request
+    from specengine.core.engine_core import EngineCore, RequestState
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 def after_update(core: EngineCore, which: str, version: int) -> None:
     """Apply the engine's in-flight policy once an update of ``which`` committed ``version``."""
     core.kv_cache.invalidate_prefix_cache()  # no later prefill may reuse older weights' KV
+    if core.drafter is not None:  # nor the drafter's own cached KV (drafters.draft_prefix)
+        core.drafter.clear_prefix_cache()
     if not core.has_unfinished():
         return
     if which == "policy" and core.config.kv_on_update == "recompute":
@@ -70,13 +72,13 @@ def recompute_running(core: EngineCore) -> int:
     scheduler = core.scheduler
     running = [s for s in reversed(scheduler.running) if s.status is SeqStatus.RUNNING]
     for seq in running:
-        scheduler._preempt(seq)
+        scheduler.preempt(seq)
     if running:
         logger.info("weight update: %d running sequences will be re-prefilled", len(running))
     return len(running)
 
 
-def max_lag_of(core: EngineCore, req: _Request) -> int | None:
+def max_lag_of(core: EngineCore, req: RequestState) -> int | None:
     """The request's own ``max_policy_lag``, else the engine's (None: no limit)."""
     own = req.seq.params.max_policy_lag
     return own if own is not None else core.config.max_policy_lag
@@ -86,7 +88,7 @@ def lagging_requests(core: EngineCore, version: int) -> list[str]:
     """Ids of the unfinished requests whose oldest output token is more than their
     ``max_policy_lag`` versions behind ``version``, in the order they were added."""
     lagging = []
-    for rid, req in core._requests.items():
+    for rid, req in core.requests.items():
         versions = req.seq.token_weight_versions
         if req.seq.status is SeqStatus.FINISHED or not versions:
             continue
@@ -100,9 +102,9 @@ def restart_requests(core: EngineCore, request_ids: list[str]) -> None:
     """Start each request again from its prompt (see the module docstring). The KV blocks
     and drafter state are freed at once; the requests go to the front of the waiting queue
     in the given order (they are the oldest work in the engine)."""
-    reqs = [core._requests[rid] for rid in request_ids]
+    reqs = [core.requests[rid] for rid in request_ids]
     for req in reqs:
-        core._release(req.seq)  # frees blocks and drafter state, leaves running / waiting
+        core.release(req.seq)  # frees blocks and drafter state, leaves running / waiting
         reset_sequence(req.seq, core.eos_token_ids)
         req.num_reported = 0
         req.restarted = True

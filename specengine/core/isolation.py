@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specengine.run_stats import RunStats
-from specengine.scheduler import ScheduledBatch
-from specengine.sequence import SeqStatus, Sequence
+from specengine.core.run_stats import RunStats
+from specengine.core.scheduler import ScheduledBatch
+from specengine.core.sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
     from specengine.core.engine_core import EngineCore

@@ -78,7 +78,22 @@ def model_params(cfg: ModelConfig) -> int:
     (none of its own when tied)."""
     embed = cfg.vocab_size * cfg.hidden_size
     head = 0 if cfg.tie_word_embeddings else embed
-    return embed + cfg.num_layers * decoder_layer_params(cfg) + cfg.hidden_size + head
+    return embed + cfg.num_layers * decoder_layer_params(cfg) + cfg.hidden_size + head \
+        + len(cfg.moe_layers) * (moe_block_params(cfg) - dense_mlp_params(cfg))
+
+
+def dense_mlp_params(cfg: ModelConfig) -> int:
+    """Gate, up and down of a dense layer (and their biases)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return 3 * h * i + (2 * i + h if cfg.mlp_bias else 0)
+
+
+def moe_block_params(cfg: ModelConfig) -> int:
+    """A sparse layer's MLP (``model/moe.py``): router, ``E`` experts and Qwen2-MoE's shared
+    expert with its gate."""
+    h, s = cfg.hidden_size, cfg.shared_expert_intermediate_size
+    shared = 3 * h * s + h if s else 0
+    return cfg.num_experts * (h + 3 * h * cfg.moe_intermediate_size) + shared
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
@@ -266,7 +281,7 @@ def verify_k_max(cfg: EngineConfig) -> int:
     shapes up to it: a wider buffer than the k the engine runs costs ``capacity x V x 4``
     bytes a column (0.145 GiB of KV cache at 256 rows and a 152k vocabulary)."""
     # (imported here: auto_k imports the decode step, which imports the verifier and this)
-    from specengine.core.auto_k import DEFAULT_K_MAX
+    from specengine.config import DEFAULT_K_MAX
 
     return max((DEFAULT_K_MAX, *(cfg.capture_ks or ())))
 
@@ -306,6 +321,12 @@ def plan_memory(target: ModelConfig, cfg: EngineConfig, total_bytes: int,
     # hidden and the drafter's auxiliary states ((1 + aux) H). Attention's q/k/v (< 2H
     # here) are freed before the MLP runs.
     per_token = e * (2 * h + 3 * target.intermediate_size + (1 + drafter.num_aux) * h)
+    if target.is_moe:
+        # A sparse layer instead: router logits (E), each of the k pairs' SiLU·mul output (I)
+        # and its float32 weighted output (H) before the combine (kernels/fused_moe.py).
+        k = target.num_experts_per_tok
+        moe = e * (target.num_experts + k * target.moe_intermediate_size) + 4 * k * h
+        per_token = max(per_token, e * (2 + 1 + drafter.num_aux) * h + moe)
     dh, di = drafter.hidden_size, drafter.intermediate_size
     # A drafter pass over the same tokens: its 3H feature input (EAGLE-3) or input, the
     # 2H layer input, the MLP's 3I.

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specengine import _C
+import specengine._C as _C
 
 # Counter rows of ``SeqArena.counters``.
 NUM_STEPS, NUM_DRAFT, NUM_ACCEPTED = range(3)

@@ -37,11 +37,11 @@ from specengine.core.batch import (
     BatchState,
 )
 from specengine.core.block_rows import slots_of
+from specengine.core.model_runner import ForwardOutput, ModelRunner
+from specengine.core.sampler import Sampler, SamplerOutput, SamplingTensors
 from specengine.core.transfer import to_device
 from specengine.kernels.kv_cache import compact_kv_cache
 from specengine.model.attention import AttentionMetadata
-from specengine.model_runner import ForwardOutput, ModelRunner
-from specengine.sampler import Sampler, SamplerOutput, SamplingTensors
 from specengine.sampling import MAX_TOP_LOGPROBS
 from specengine.tree import DraftTree
 

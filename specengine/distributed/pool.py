@@ -20,6 +20,8 @@ from typing import Any
 
 import ray
 
+from specengine.core.requests import RequestBatch
+from specengine.core.run_stats import merge_stats
 from specengine.distributed.calls import (
     RESTART_HINT,
     PoolCall,
@@ -30,8 +32,6 @@ from specengine.distributed.pool_weights import PoolWeights
 from specengine.distributed.sharding import assign
 from specengine.distributed.worker import RolloutWorker
 from specengine.outputs import EngineStats, GenerationOutput
-from specengine.requests import RequestBatch
-from specengine.run_stats import merge_stats
 from specengine.sampling import SamplingParams
 from specengine.tree import DraftTree
 

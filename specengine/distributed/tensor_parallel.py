@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 from specengine.config import EngineConfig
+from specengine.core.kv_cache import KVCache
 from specengine.distributed.tp_group import TensorParallelError, TPGroup
-from specengine.distributed.tp_layers import check_tensor_parallel
 from specengine.distributed.tp_worker import worker_main
-from specengine.kv_cache import KVCache
 from specengine.model.config import ModelConfig
 from specengine.model.llama import CausalLM
+from specengine.model.tp_layers import check_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,15 @@ class TensorParallel:
                                             reply=("ok", None)))
         return ShardedKVCache(self, num_blocks, block_size, num_layers, attn.num_kv_heads,
                               head_dim, dtype, device, **kwargs)
+
+    def load_policy(self, model: CausalLM, named_tensors: Any,
+                    mark_torn: Any, check_finite: bool) -> list[str]:
+        """``load_weights`` on a tensor-parallel engine: every rank checks, then copies its
+        slice (``tp_weights.load_policy``); the weight receiver calls this without importing
+        the distributed package."""
+        from specengine.distributed.tp_weights import load_policy
+
+        return load_policy(self, model, named_tensors, mark_torn, check_finite)
 
     def check_replies(self, replies: list[tuple[str, Any]]) -> list[Any]:
         """The workers' reply values; raises naming every rank that failed."""

@@ -91,11 +91,11 @@ class TPGroup:
                                           world_size, self.timeout)
         compute_store = dist.PrefixStore("compute", self._store)
         if device.type == "cuda":
-            from specengine.weights.group import _nccl_group
+            from specengine.weights.group import nccl_group
 
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
-            self._pg = _nccl_group(compute_store, rank, world_size, opts)
+            self._pg = nccl_group(compute_store, rank, world_size, opts)
         else:
             self._pg = dist.ProcessGroupGloo(compute_store, rank, world_size, self.timeout)
 

@@ -179,8 +179,8 @@ class TPWeightReceiver:
 def full_named_tensors(tp: TensorParallel, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every policy tensor by HF name, whole (CPU copies): each rank's slices put together
     (a KV head replicated on several ranks is written once per rank, the same values)."""
-    from specengine.distributed.tp_layers import shard_specs
-    from specengine.model.loader import full_shape, hf_named_tensors
+    from specengine.model.tp_layers import shard_specs
+    from specengine.model.weight_names import full_shape, hf_named_tensors
 
     params = hf_named_tensors(model)
     replies = tp.check_replies(tp.group.call("shards", reply=("ok", None)))
@@ -202,7 +202,7 @@ def full_named_tensors(tp: TensorParallel, model: torch.nn.Module) -> dict[str, 
 
 # ---- the workers' side (``tp_worker`` dispatches these) -----------------------------------
 def worker_shards(st: WorkerState) -> dict[str, torch.Tensor]:
-    from specengine.model.loader import hf_named_tensors
+    from specengine.model.weight_names import hf_named_tensors
 
     return {n: t.detach().cpu() for n, t in hf_named_tensors(st.model).items()
             if n in st.model.tp_shards}  # type: ignore[operator]

@@ -60,7 +60,7 @@ def _watch_engine(engine_pid: int) -> None:
 
 class WorkerState:
     """What a worker holds; also the ``engine`` the weight receiver updates (``model``,
-    ``weight_version``, ``_torn_weights``; no drafter and no scheduler: ``core`` None)."""
+    ``weight_version``, ``torn_weights``; no drafter and no scheduler: ``core`` None)."""
 
     is_tp_worker = True
 
@@ -74,7 +74,7 @@ class WorkerState:
         self.drafter = None
         self.core = None
         self.weight_version = 0
-        self._torn_weights: set[tuple[str, str]] = set()
+        self.torn_weights: set[tuple[str, str]] = set()
         self.receiver: Any = None
         self.staged_load: Any = None
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from specengine.core.requests import RequestBatch
 from specengine.outputs import EngineStats, GenerationOutput
-from specengine.requests import RequestBatch
 from specengine.sampling import SamplingParams
 from specengine.tree import DraftTree
 
@@ -40,7 +40,7 @@ class RolloutWorker:
                  tree: Sequence[Sequence[int]] | DraftTree | None) -> RequestBatch:
         """The engine's own checks of a whole ``generate`` call (token ids, sampling per
         prompt, the tree, KV fit), with the caller's prompt indices in any error."""
-        return self.engine._validate(batch, k, sampling, tree)
+        return self.engine.validate(batch, k, sampling, tree)
 
     def generate(self, prompts: Sequence[Sequence[int]], k: int,
                  params: Sequence[SamplingParams], tree: DraftTree | None
@@ -72,7 +72,7 @@ class RolloutWorker:
     def named_weights(self, which: str) -> dict[str, torch.Tensor]:
         """Every tensor an update of ``which`` can write, by HF name, as compact CPU copies
         (what a restarted worker loads to hold exactly these weights)."""
-        from specengine.model.loader import hf_named_tensors
+        from specengine.model.weight_names import hf_named_tensors
         from specengine.weights.receiver import update_target
 
         module, _ = update_target(self.engine, which)

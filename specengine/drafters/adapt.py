@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specengine.core.model_runner import ForwardOutput
+from specengine.core.sequence import Sequence
 from specengine.core.transfer import to_device
-from specengine.model_runner import ForwardOutput
-from specengine.sequence import Sequence
 
 if TYPE_CHECKING:
     from specengine.core.verify import VerifyOutput, VerifyShape

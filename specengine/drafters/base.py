@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from torch import Tensor
 
 from specengine.core.graphs import GraphRunner
+from specengine.core.model_runner import ForwardOutput
+from specengine.core.sequence import Sequence
 from specengine.core.verify import VerifyOutput, VerifyShape
-from specengine.model_runner import ForwardOutput
-from specengine.sequence import Sequence
 from specengine.tree import DraftTree
+
+if TYPE_CHECKING:
+    from specengine.core.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -78,3 +82,12 @@ class Drafter(ABC):
         a drafter may then run its proposal loop on static buffers (row-aligned with
         ``graphs.verifier.state``, seqs given in that row order) through
         ``graphs.run_graph``. Default: the drafter proposes eagerly."""
+
+    def bind_prefix_cache(self, kv_cache: KVCache) -> None:
+        """Called once by the engine, after :meth:`bind_static`, with the target's cache:
+        when it names blocks (prefix caching), a drafter with KV of its own makes a cached
+        prefix serve it too (``drafters.draft_prefix``). Default: no KV to cache."""
+
+    def clear_prefix_cache(self) -> None:
+        """After every weight update (policy or draft): forget the names of the drafter's
+        own cached blocks. Default: none."""

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specengine.core.model_runner import ForwardOutput, ModelRunner
+from specengine.core.sequence import SeqStatus, Sequence
 from specengine.core.transfer import to_device
 from specengine.drafters.base import Drafter, DraftProposal
 from specengine.drafters.drafting import (
@@ -35,15 +37,15 @@ from specengine.drafters.drafting import (
 from specengine.drafters.lm_slots import LMSlots, SlotState
 from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
-from specengine.model_runner import ForwardOutput, ModelRunner
-from specengine.sequence import SeqStatus, Sequence
 from specengine.tree import DraftTree
 
 if TYPE_CHECKING:
     from specengine.core.graphs import GraphRunner
+    from specengine.core.kv_cache import KVCache
     from specengine.core.seq_arena import SeqArena
     from specengine.core.verify import VerifyOutput, VerifyShape
     from specengine.drafters.context import DraftContext
+    from specengine.drafters.draft_prefix import DraftPrefix
     from specengine.drafters.static_lm_chain import StaticLMChain
 
 logger = logging.getLogger(__name__)
@@ -93,6 +95,20 @@ class DraftModelDrafter(Drafter):
         self._detached: dict[int, _State] = {}  # seq_id -> state, sequences outside an arena
         self.slots: LMSlots | None = None  # running sequences' states by arena slot
         self._static: StaticLMChain | None = None
+        self.prefix: DraftPrefix | None = None  # names of its cached blocks (prefix caching)
+
+    def bind_prefix_cache(self, kv_cache: KVCache) -> None:
+        """Name the draft cache's full blocks like the target's (its KV depends on the tokens
+        only): a new sequence's prompt pass starts after the draft's own longest cached
+        prefix (``drafters.draft_prefix``)."""
+        if kv_cache.prefix is not None:
+            from specengine.drafters.draft_prefix import DraftPrefix
+
+            self.prefix = DraftPrefix(self.kv_cache, next_token=False)
+
+    def clear_prefix_cache(self) -> None:
+        if self.prefix is not None:
+            self.prefix.clear()
 
     def bind_static(self, graphs: GraphRunner) -> None:
         """Chains then run as ``StaticLMChain`` (catch-up + k steps, one graph)."""
@@ -161,7 +177,16 @@ class DraftModelDrafter(Drafter):
             st.num_cached += min(st.num_pending, len(acc) - 1)
             st.num_pending = 0
         if new:
-            self._catch_up(new, [self._state(s) for s in new], upto_last=False)
+            states = [self._state(s) for s in new]
+            if self.prefix is not None:  # every cached prefix taken before any allocation
+                for seq, st in zip(new, states):  # (the catch-up feeds at least one token)
+                    self._adopt(st, self.prefix.take(seq.token_ids, len(seq) - 2))
+            self._catch_up(new, states, upto_last=False)
+            if self.prefix is not None:  # K/V of every token but the newest is written
+                for seq, st in zip(new, states):
+                    n = len(seq) - 1
+                    self.prefix.register(st.block_table, seq.token_ids[:n],
+                                         n // self.kv_cache.block_size)
 
     # ---------------------------------------------------------------------------------------
     def slots_for(self, arena: SeqArena) -> LMSlots:
@@ -192,6 +217,16 @@ class DraftModelDrafter(Drafter):
             return None
         return SlotState(rows, s)
 
+    def _adopt(self, st: _AnyState, blocks: list[int]) -> None:
+        """Start the empty ``st`` with ``blocks`` holding the K/V of its first tokens."""
+        if not blocks:
+            return
+        if isinstance(st, SlotState):
+            st.rows.adopt(st.slot, blocks)
+        else:
+            st.block_table = list(blocks)
+        st.num_cached = len(blocks) * self.kv_cache.block_size
+
     def _ensure(self, st: _AnyState, num_tokens: int) -> None:
         """Grow ``st``'s table to hold ``num_tokens`` tokens."""
         if isinstance(st, SlotState):
@@ -208,7 +243,7 @@ class DraftModelDrafter(Drafter):
         final hidden states ``[T, H]``."""
         q_lens = [len(p) for p in positions]
         slots = [c + np.arange(n, dtype=np.int64) for c, n in zip(ctx, q_lens)]
-        meta = self.runner._metadata(states, ctx, q_lens, slots, tree_mask)  # type: ignore
+        meta = self.runner.metadata(states, ctx, q_lens, slots, tree_mask)  # type: ignore
         pos = to_device(np.concatenate(positions), self.device)
         hidden, _ = self.module(ids, pos, self.kv_cache.kv, meta, self.runner.backend)
         return hidden

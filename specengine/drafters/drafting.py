@@ -12,9 +12,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specengine.core.kv_cache import KVCache, kv_bytes_per_token, num_kv_blocks
+from specengine.core.sequence import Sequence
 from specengine.core.transfer import to_device
-from specengine.kv_cache import KVCache, kv_bytes_per_token, num_kv_blocks
-from specengine.sequence import Sequence
 from specengine.tree import DraftTree
 
 if TYPE_CHECKING:

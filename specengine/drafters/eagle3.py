@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from specengine.core.model_runner import ForwardOutput
 from specengine.drafters.adapt_train import (
     DEFAULT_ADAPT_BATCH_TOKENS,
     DEFAULT_ADAPT_LR,
@@ -45,12 +46,12 @@ from specengine.drafters.adapt_train import (
     OnlineAdaptation,
     check_adapt_options,
 )
+from specengine.drafters.base import Drafter
 from specengine.drafters.feature_drafter import FeatureDrafter
 from specengine.model.attention import AttentionBackend, AttentionMetadata
 from specengine.model.config import CheckpointError, ModelConfig
 from specengine.model.llama import MLP, Attention, RMSNorm
 from specengine.model.rope import RotaryEmbedding
-from specengine.model_runner import ForwardOutput
 
 if TYPE_CHECKING:
     from specengine.drafters.context import DraftContext
@@ -218,12 +219,12 @@ class Eagle3Drafter(OnlineAdaptation, FeatureDrafter):
         inputs = aux_layer_inputs(raw, target.num_layers)
         self.aux_layers = tuple(sorted(set(inputs)))
         self._aux_index = [self.aux_layers.index(i) for i in inputs]
-        self._embed = ctx.model.model.embed_tokens
+        self.embed = ctx.model.model.embed_tokens
         prev = torch.get_default_dtype()
         torch.set_default_dtype(ecfg.torch_dtype)
         try:
             with torch.device(ctx.device):
-                module = Eagle3Head(hcfg, self.draft_vocab_size, self._embed,
+                module = Eagle3Head(hcfg, self.draft_vocab_size, self.embed,
                                     norm_before_residual)
         finally:
             torch.set_default_dtype(prev)
@@ -265,10 +266,10 @@ class Eagle3Drafter(OnlineAdaptation, FeatureDrafter):
     def _staged_vocab_map(self, tensors: dict[str, Tensor], required: bool) -> Tensor | None:
         """Pop and check ``d2t`` / ``t2d`` / ``embed_tokens.weight`` from ``tensors``; returns
         the target id of every draft id (None when no ``d2t`` was given)."""
-        vocab, dv = self._embed.num_embeddings, self.draft_vocab_size
+        vocab, dv = self.embed.num_embeddings, self.draft_vocab_size
         embed = tensors.pop(EMBED_KEY, None)
         if embed is not None:
-            own = self._embed.weight.detach().float().cpu()
+            own = self.embed.weight.detach().float().cpu()
             if tuple(embed.shape) != tuple(own.shape) or not torch.allclose(
                     embed.float(), own, rtol=1e-2, atol=1e-3):
                 raise CheckpointError(
@@ -296,3 +297,13 @@ class Eagle3Drafter(OnlineAdaptation, FeatureDrafter):
                 raise CheckpointError("t2d disagrees with d2t (it must mark exactly the target "
                                       "ids that have a draft id)")
         return ids
+
+
+def eagle3_drafter(drafter: Drafter | None) -> Eagle3Drafter:
+    """The engine's EAGLE-3 drafter (alone or in a ``(HEAD_DIR, "suffix")`` pair)."""
+    neural = getattr(drafter, "neural", drafter)  # HybridDrafter keeps it as .neural
+    if not isinstance(neural, Eagle3Drafter):
+        what = "no drafter" if drafter is None else f"a {type(drafter).__name__}"
+        raise ValueError(f"adapt_draft trains an EAGLE-3 head, but this engine has {what} "
+                         "(create it with draft=HEAD_DIR or (HEAD_DIR, 'suffix'))")
+    return neural

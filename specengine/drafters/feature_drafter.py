@@ -23,13 +23,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from specengine.core.kv_cache import KVCache
+from specengine.core.model_runner import ForwardOutput, ModelRunner
+from specengine.core.sequence import SeqStatus, Sequence
 from specengine.core.transfer import to_device
 from specengine.drafters.base import Drafter, DraftProposal
 from specengine.drafters.drafting import draft_kv_cache, expand_tree, run_chain, tree_level_mask
-from specengine.kv_cache import KVCache
 from specengine.model.attention import make_attention_backend
-from specengine.model_runner import ForwardOutput, ModelRunner
-from specengine.sequence import SeqStatus, Sequence
 from specengine.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from specengine.core.verify import VerifyOutput, VerifyShape
     from specengine.drafters.adapt import FeatureBuffer
     from specengine.drafters.context import DraftContext
+    from specengine.drafters.draft_prefix import DraftPrefix
     from specengine.drafters.static_chain import StaticFeatureChain
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,10 @@ class FeatureDrafter(Drafter):
         # Online adaptation (drafters/adapt.py): when set, every catch-up pass also copies its
         # entries (features, fed tokens) into this ring on the device. None: nothing is kept.
         self.capture: FeatureBuffer | None = None
+        # Prefix caching (drafters.draft_prefix): the names of this drafter's own blocks
+        # (eager path), and the target cache whose named blocks must serve it.
+        self.prefix: DraftPrefix | None = None
+        self._target_kv: KVCache | None = None
 
     def bind_static(self, graphs: GraphRunner) -> None:
         """Chains then run as ``StaticFeatureChain`` (one CUDA graph per bucket and k)."""
@@ -92,6 +97,44 @@ class FeatureDrafter(Drafter):
                                     kv.shape[4], kv.shape[5], kv.dtype, kv.device)
             self.runner.kv_cache = self.kv_cache
         self.shared_tables = True
+
+    def bind_prefix_cache(self, kv_cache: KVCache) -> None:
+        """The target cache names blocks: make them serve this drafter too (called after
+        :meth:`bind_static`; ``drafters.draft_prefix``). Blocks are named with their next
+        token (an entry reads it). On the static path the entries live in the target's blocks,
+        named only after a prefill the drafter caught up on; eagerly the drafter's own blocks
+        get the same names and a target hit is cut to the blocks both hold. With a rollout
+        buffer for online adaptation, hits are refused: adaptation trains on sequences from
+        position 0, whose features a hit would skip."""
+        if kv_cache.prefix is None:
+            return
+        self._target_kv = kv_cache
+        if self.capture is not None:
+            logger.info("prefix cache hits are off: the %s drafter keeps a rollout buffer for "
+                        "online adaptation, which needs the target's features of every prompt "
+                        "position (GRPO groups still share prompt KV)", type(self).__name__)
+            kv_cache.follow_drafter(name_next_token=True, names_need_draft=True,
+                                    draft_hits=lambda names: 0)
+        elif self.shared_tables:
+            kv_cache.follow_drafter(name_next_token=True, names_need_draft=True,
+                                    draft_hits=None)
+        else:
+            from specengine.drafters.draft_prefix import DraftPrefix
+
+            self.prefix = DraftPrefix(self.kv_cache, next_token=True)
+            kv_cache.follow_drafter(name_next_token=True, names_need_draft=False,
+                                    draft_hits=self.prefix.num_hits)
+
+    def clear_prefix_cache(self) -> None:
+        if self.prefix is not None:
+            self.prefix.clear()
+
+    def draft_weights_changed(self) -> None:
+        """The head changed in place outside a weight update (online adaptation): no cached
+        block, the drafter's own or a target block holding its entries, may be reused."""
+        self.clear_prefix_cache()
+        if self._target_kv is not None:
+            self._target_kv.invalidate_prefix_cache()
 
     @abstractmethod
     def features(self, target: ForwardOutput, rows: Tensor) -> Tensor:
@@ -129,7 +172,7 @@ class FeatureDrafter(Drafter):
         ``hidden``; returns the output hidden states ``g [T, H]``."""
         q_lens = [len(p) for p in positions]
         slots = [c + np.arange(n, dtype=np.int64) for c, n in zip(ctx, q_lens)]
-        meta = self.runner._metadata(states, ctx, q_lens, slots, tree_mask)  # type: ignore
+        meta = self.runner.metadata(states, ctx, q_lens, slots, tree_mask)  # type: ignore
         pos = to_device(np.concatenate(positions), self.device)
         out, _ = self.module(ids, hidden, pos, self.kv_cache.kv, meta, self.runner.backend)
         return out
@@ -156,6 +199,10 @@ class FeatureDrafter(Drafter):
         if not live:
             return
         shared = self.shared_tables
+        # A sequence new to the drafter whose prefill reused a cached prefix (its first fed
+        # row is past 0) takes the drafter's blocks of that prefix first, for every sequence
+        # before any allocation (which could evict one); its blocks are named after the pass.
+        fresh = [] if shared else self._start_states(seqs, live, accepted_rows)
         states, ctx, tokens, positions, rows = [], [], [], [], []
         for b in live:
             seq, acc = seqs[b], accepted_rows[b]
@@ -163,7 +210,7 @@ class FeatureDrafter(Drafter):
             if shared:  # entries go where the target's tokens are
                 states.append(seq)
             else:
-                st = self._states.setdefault(seq.seq_id, FeatureState())
+                st = self._states[seq.seq_id]
                 if st.num_cached < start:
                     logger.debug("%s: seq %d misses entries %d..%d", type(self).__name__,
                                  seq.seq_id, st.num_cached, start)
@@ -188,6 +235,30 @@ class FeatureDrafter(Drafter):
         for i, (st, b) in enumerate(zip(states, live)):
             st.num_cached = len(seqs[b]) - 1
             st.hidden = last[i]
+        for b in fresh:  # entries 0..len-2 written: name the blocks followed by a prompt token
+            seq = seqs[b]
+            n = len(seq) - 1  # tokens before the one the prefill sampled
+            self.prefix.register(self._states[seq.seq_id].block_table,  # type: ignore
+                                 seq.token_ids[:n], (n - 1) // self.kv_cache.block_size)
+
+    def _start_states(self, seqs: tuple[Sequence, ...], live: list[int],
+                      accepted_rows: list[list[int]]) -> list[int]:
+        """Make a state for each of ``live`` that has none; one whose first accepted row is
+        past position 0 (a reused prefix) starts with the drafter's named blocks of it.
+        Returns the new ones that hold every entry before their first row (named later)."""
+        fresh = []
+        for b in live:
+            seq = seqs[b]
+            if seq.seq_id in self._states:
+                continue
+            st = self._states[seq.seq_id] = FeatureState()
+            start = len(seq) - len(accepted_rows[b]) - 1
+            if start > 0 and self.prefix is not None:
+                st.block_table = self.prefix.take(seq.token_ids, start)
+                st.num_cached = len(st.block_table) * self.kv_cache.block_size
+            if self.prefix is not None and st.num_cached == start:
+                fresh.append(b)
+        return fresh
 
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int],
                 tree: DraftTree | None) -> DraftProposal:

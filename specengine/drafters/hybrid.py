@@ -28,13 +28,13 @@ import torch
 from torch import nn
 
 from specengine.core.graphs import GraphRunner
+from specengine.core.kv_cache import KVCache
+from specengine.core.model_runner import ForwardOutput
+from specengine.core.sequence import Sequence
 from specengine.core.transfer import to_device
 from specengine.core.verify import VerifyOutput, VerifyShape
 from specengine.drafters.base import Drafter, DraftProposal
-from specengine.drafters.suffix import SuffixDrafter
-from specengine.drafters.suffix_index import Chain
-from specengine.model_runner import ForwardOutput
-from specengine.sequence import Sequence
+from specengine.drafters.suffix import Chain, SuffixDrafter
 from specengine.tree import DraftTree
 
 #: per-step decay of the running counts (an effective memory of ~500 steps)
@@ -219,6 +219,12 @@ class HybridDrafter(Drafter):
     def release(self, seq: Sequence) -> None:
         self.suffix.release(seq)
         self.neural.release(seq)
+
+    def bind_prefix_cache(self, kv_cache: KVCache) -> None:
+        self.neural.bind_prefix_cache(kv_cache)  # the suffix index is built from token ids
+
+    def clear_prefix_cache(self) -> None:
+        self.neural.clear_prefix_cache()
 
 
 __all__ = ["HybridDrafter"]

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specengine import _C
-from specengine.kv_cache import KVCache
+import specengine._C as _C
+from specengine.core.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from specengine.core.seq_arena import SeqArena
@@ -79,6 +79,8 @@ class LMSlots:
             cols = np.arange(self.block_ids.shape[1])
             held = self.block_ids[rows][cols[None, :] < counts[:, None]]
             self.kv_cache.allocator.free(np.ascontiguousarray(held, dtype=np.int32))
+            if self.kv_cache.prefix is not None:  # named blocks only the cache holds now
+                self.kv_cache.prefix.released(held.tolist())
         self.block_ids[rows] = 0
         self.num_blocks[rows] = self.num_cached[rows] = self.num_pending[rows] = 0
         self.owner[rows] = -1
@@ -94,6 +96,16 @@ class LMSlots:
 
     def blocks_of(self, slot: int) -> list[int]:
         return self.block_ids[slot, : self.num_blocks[slot]].tolist()
+
+    def adopt(self, slot: int, blocks: list[int]) -> None:
+        """Start the empty row ``slot`` with ``blocks`` (cached draft KV of the sequence's
+        first tokens, referenced for it: ``drafters.draft_prefix``)."""
+        assert self.num_blocks[slot] == 0, "a row adopts cached blocks only when empty"
+        if len(blocks) > self.block_ids.shape[1]:
+            self._widen(len(blocks))
+        self.block_ids[slot, : len(blocks)] = blocks
+        self.num_blocks[slot] = len(blocks)
+        self._mark(np.array([slot], dtype=np.int64))
 
     # ---- the step --------------------------------------------------------------------------
     def grow(self, slots: np.ndarray, need: np.ndarray) -> None:
@@ -114,7 +126,7 @@ class LMSlots:
             if status == 2:  # a table outgrew the columns: widen by doubling, then grow
                 self._widen(value)
                 continue
-            self._out_of_blocks(value)
+            self._make_room(value)
         if value:
             self._mark(slots[self.num_blocks[slots] != before])
 
@@ -146,7 +158,7 @@ class LMSlots:
             elif status == 3:
                 self._widen(value)
             elif status == 4:
-                self._out_of_blocks(value)
+                self._make_room(value)
             else:  # 2: too wide a catch-up, 5: too wide a table
                 return None
 
@@ -171,6 +183,15 @@ class LMSlots:
         the blocks stay with their holders."""
         self.num_cached[:] = 0
         self.num_pending[:] = 0
+
+    def _make_room(self, need: int) -> None:
+        """Free ``need`` blocks by evicting cached ones nobody holds (prefix caching), else
+        raise: nothing was allocated."""
+        prefix = self.kv_cache.prefix
+        short = need - int(self.kv_cache.allocator.num_free)
+        if prefix is None or short > len(prefix.evictable):
+            self._out_of_blocks(need)
+        prefix.evict(short)  # type: ignore[union-attr]
 
     def _out_of_blocks(self, need: int) -> None:
         raise RuntimeError(f"the draft model's KV cache is out of blocks: the step needs {need} "

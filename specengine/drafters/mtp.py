@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from specengine.core.model_runner import ForwardOutput
 from specengine.drafters.feature_drafter import FeatureDrafter
 from specengine.model.attention import AttentionBackend, AttentionMetadata
 from specengine.model.config import ModelConfig
 from specengine.model.llama import DecoderLayer, RMSNorm, run_layers
-from specengine.model_runner import ForwardOutput
 
 if TYPE_CHECKING:
     from specengine.drafters.context import DraftContext

@@ -8,9 +8,9 @@ from collections import Counter
 import numpy as np
 import torch
 
+from specengine.core.sequence import Sequence
 from specengine.core.transfer import to_device
 from specengine.drafters.base import Drafter, DraftProposal
-from specengine.sequence import Sequence
 from specengine.tree import DraftTree
 
 

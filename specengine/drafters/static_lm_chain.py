@@ -21,10 +21,10 @@ from torch import Tensor
 from specengine.core.batch import SLOT
 from specengine.core.block_rows import slots_of
 from specengine.core.graphs import GraphRunner, Pass
+from specengine.core.sequence import Sequence
 from specengine.drafters.base import DraftProposal
 from specengine.drafters.static_drafts import StaticDrafts
 from specengine.model.attention import AttentionMetadata
-from specengine.sequence import Sequence
 
 if TYPE_CHECKING:
     from specengine.drafters.draft_model import DraftModelDrafter

@@ -76,6 +76,15 @@ class AttentionBackend(ABC):
 
         return reference.silu_mul(x)
 
+    def fused_moe(self, x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor,
+                  top_k: int, renormalize: bool) -> Tensor:
+        """A sparse MoE block after its router matmul: softmax top-k routing of
+        ``router_logits [T, E]`` and the weighted sum of the chosen experts' SwiGLU MLPs
+        (``w13 [E, 2I, H]``, ``w2 [E, H, I]``) of ``x [T, H]`` (``reference_moe``)."""
+        from specengine.kernels import reference
+
+        return reference.moe_forward(x, router_logits, w13, w2, top_k, renormalize)
+
     def rope_and_write_kv(self, qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
                           v_cache: Tensor, meta: AttentionMetadata, num_heads: int,
                           num_kv_heads: int, q_norm_weight: Tensor | None = None,
@@ -145,6 +154,12 @@ class KernelAttentionBackend(AttentionBackend):
         from specengine.kernels import activation
 
         return activation.silu_mul(x)
+
+    def fused_moe(self, x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor,
+                  top_k: int, renormalize: bool) -> Tensor:
+        from specengine.kernels import fused_moe
+
+        return fused_moe.moe_forward(x, router_logits, w13, w2, top_k, renormalize)
 
     def rope_and_write_kv(self, qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
                           v_cache: Tensor, meta: AttentionMetadata, num_heads: int,

@@ -1,4 +1,6 @@
-"""One decoder for Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm) causal LMs.
+"""One decoder for Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm) causal LMs, and their
+mixture-of-experts variants (Qwen3-MoE, Qwen2-MoE, Mixtral: ``model/moe.py`` replaces the MLP of
+the sparse layers).
 
 A decoder layer is a handful of launches (docs/design.md §6): a fused residual-add + RMSNorm, one
 merged QKV matmul, one q/k-norm + rope + KV-write kernel, attention, ``o_proj``, a second
@@ -24,11 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specengine.distributed.tp_layers import embedding, lm_head, row_linear, shard_specs
 from specengine.kernels import reference
 from specengine.model.attention import AttentionBackend, AttentionMetadata
 from specengine.model.config import ModelConfig
+from specengine.model.moe import MIXTRAL_EXPERT_NAMES, QWEN_EXPERT_NAMES, SparseMoeBlock
 from specengine.model.rope import RotaryEmbedding
+from specengine.model.tp_layers import embedding, lm_head, row_linear, shard_specs
 
 if TYPE_CHECKING:
     from specengine.distributed.tp_group import TPGroup
@@ -123,7 +126,7 @@ def _load_hf_names(module: nn.Module, state_dict: dict[str, Any], prefix: str,
 class Attention(nn.Module):
     """Self-attention over the paged cache. ``in_features`` is the width q/k/v read (default
     ``hidden_size``; an EAGLE-3 layer reads ``2 * hidden_size``). With ``tp`` this rank's
-    heads only (``specengine.distributed.tp_layers``): QKV column-, ``o_proj`` row-parallel."""
+    heads only (``specengine.model.tp_layers``): QKV column-, ``o_proj`` row-parallel."""
 
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding,
                  in_features: int | None = None, tp: TPGroup | None = None) -> None:
@@ -161,10 +164,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """Gate-up (column-parallel with ``tp``: this rank's slice of each) and down (row-parallel)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
         h = cfg.hidden_size
-        i = cfg.intermediate_size // (tp.world_size if tp is not None else 1)
+        n = tp.world_size if tp is not None else 1
+        i = (intermediate_size or cfg.intermediate_size) // n
         self.gate_up_proj = MergedLinear(h, (("gate_proj", i), ("up_proj", i)),
                                          bias=cfg.mlp_bias)
         self.down_proj = row_linear(i, h, cfg.mlp_bias, tp)
@@ -176,12 +181,28 @@ class MLP(nn.Module):
         return self.down_proj(act)
 
 
+def sparse_moe_block(cfg: ModelConfig, tp: TPGroup | None = None) -> SparseMoeBlock:
+    """The sparse MLP of an MoE layer (Qwen2-MoE's with its shared expert); with ``tp`` this
+    rank's slice of every expert's inner dimension (and of the shared expert's)."""
+    shared = (MLP(cfg, tp, intermediate_size=cfg.shared_expert_intermediate_size)
+              if cfg.shared_expert_intermediate_size else None)
+    names = MIXTRAL_EXPERT_NAMES if cfg.model_type == "mixtral" else QWEN_EXPERT_NAMES
+    inner = cfg.moe_intermediate_size // (tp.world_size if tp is not None else 1)
+    return SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, inner,
+                          cfg.norm_topk_prob, names, shared, tp)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding,
-                 tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None, layer_idx: int | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, rope, tp=tp)
-        self.mlp = MLP(cfg, tp)
+        # The MLP under its checkpoint name: Mixtral calls its sparse block `block_sparse_moe`.
+        self.mlp_name = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
+        if layer_idx is not None and layer_idx in cfg.moe_layers:
+            setattr(self, self.mlp_name, sparse_moe_block(cfg, tp))
+        else:
+            setattr(self, self.mlp_name, MLP(cfg, tp))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -193,7 +214,7 @@ class DecoderLayer(nn.Module):
         output is their sum, left to the next fused add + norm."""
         attn = self.self_attn(x, cos, sin, k_cache, v_cache, meta, backend)
         x, residual = self.post_attention_layernorm.add_forward(attn, residual, backend)
-        return self.mlp(x, backend), residual
+        return getattr(self, self.mlp_name)(x, backend), residual
 
 
 def run_layers(layers: nn.ModuleList, final_norm: RMSNorm, h: Tensor, cos: Tensor,
@@ -230,7 +251,7 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rotary_emb, tp) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, self.rotary_emb, tp, i) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -253,7 +274,7 @@ class CausalLM(nn.Module):
         #: HF name -> this rank's slice of that tensor, for the tensors that are split
         self.tp_shards: dict[str, Any] = {}
         if tp is not None:
-            from specengine.model.loader import hf_named_tensors
+            from specengine.model.weight_names import hf_named_tensors
 
             names = list(hf_named_tensors(self, remove_duplicate=False))
             self.tp_shards = shard_specs(names, cfg, tp.rank, tp.world_size)

@@ -19,7 +19,8 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from specengine.model.config import CheckpointError, ModelConfig
-from specengine.model.llama import CausalLM, MergedLinear
+from specengine.model.llama import CausalLM
+from specengine.model.weight_names import full_shape, hf_named_tensors
 
 if TYPE_CHECKING:
     from specengine.distributed.tp_group import TPGroup
@@ -66,38 +67,6 @@ def iter_checkpoint(path: str | Path,
                     yield name, f.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from e
-
-
-def hf_named_tensors(module: nn.Module, remove_duplicate: bool = True) -> dict[str, Tensor]:
-    """Every parameter of ``module`` under its Hugging Face checkpoint name, in module order.
-
-    A merged projection (``qkv_proj``, ``gate_up_proj``) appears as its HF parts
-    (``q_proj.weight`` ...), row slices sharing its storage: copying into them writes the
-    merged parameter in place. Every path that updates weights by name (checkpoint load,
-    ``load_weights``, weight sync) goes through this. With ``remove_duplicate`` a tied
-    parameter is listed once, under its first name (as ``named_parameters()``).
-    """
-    out: dict[str, Tensor] = {}
-    seen: set[int] = set()
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
-        prefix = f"{mod_name}." if mod_name else ""
-        if isinstance(mod, MergedLinear):
-            parent = prefix[: prefix.rstrip(".").rfind(".") + 1]
-            out.update((parent + n, t) for n, t in mod.hf_tensors().items())
-            continue
-        for name, p in mod.named_parameters(prefix=mod_name, recurse=False):
-            if remove_duplicate and id(p) in seen:
-                continue
-            seen.add(id(p))
-            out[name] = p
-    return out
-
-
-def full_shape(module: nn.Module, name: str, param: Tensor) -> tuple[int, ...]:
-    """The shape an update of ``name`` carries: the parameter's, or for a tensor-parallel
-    shard (``module.tp_shards``, ``distributed.tp_layers``) the whole tensor's."""
-    spec = getattr(module, "tp_shards", {}).get(name)
-    return tuple(param.shape) if spec is None else spec.full_shape(tuple(param.shape))
 
 
 def copy_param(module: nn.Module, name: str, param: Tensor, src: Tensor) -> None:

@@ -1,10 +1,11 @@
 """The HTTP rollout server (docs/design.md "Server"): ``app`` (the FastAPI app over an
 ``AsyncSpecEngine``), ``schemas`` (request bodies), ``errors`` (error responses, auth),
-``metrics`` (Prometheus) and ``serve`` (uvicorn with a clean shutdown; ``specengine serve``).
-The client is ``specengine.client``.
+``metrics`` (Prometheus), ``openai_api`` / ``openai_schemas`` (the OpenAI-compatible ``/v1/``
+endpoints) and ``serve`` (uvicorn with a clean shutdown; ``specengine serve``). The client is
+``specengine.client`` (or the ``openai`` package, against ``/v1``).
 
-Needs the ``server`` extra (fastapi, uvicorn, prometheus_client); this module itself imports
-none of them, so the CLI can name its defaults without them.
+Needs the ``server`` extra (fastapi, uvicorn, prometheus_client; jinja2 for chat templates);
+this module itself imports none of them, so the CLI can name its defaults without them.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from specengine.outputs import GenerationOutput, RequestOutput
 from specengine.server.errors import BearerAuth, install_error_handlers, status_for
 from specengine.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, check_max_body_bytes
 from specengine.server.metrics import CONTENT_TYPE, ServerMetrics, read_engine
+from specengine.server.openai_api import register_openai_api
 from specengine.server.schemas import (
     AbortRequest,
     GenerateRequest,
@@ -42,6 +43,7 @@ from specengine.server.schemas import (
     LoadWeightsRequest,
     UpdateWeightsFromDistributedRequest,
 )
+from specengine.server.sglang_api import mount as mount_sglang
 from specengine.weights.staged import StagedUpdate
 
 logger = logging.getLogger(__name__)
@@ -174,11 +176,14 @@ async def _events(state: ServerState, rid: str, stream: AsyncIterator[RequestOut
 
 def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
               default_k: int | str = 0, default_k_max: int = DEFAULT_K_MAX,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              served_model_name: str | None = None) -> FastAPI:
     """The server's app over ``engine`` (which it does not close: ``specengine.server.serve``
     does at shutdown). ``api_key``: every endpoint then needs ``Authorization: Bearer
     <api_key>``. ``default_k``: the draft length of requests that give no ``k`` (an int, or
-    ``"auto"``: each step's k in 0..``default_k_max``, as a request's ``"k": "auto"``)."""
+    ``"auto"``: each step's k in 0..``default_k_max``, as a request's ``"k": "auto"``).
+    ``served_model_name``: the model's name on the OpenAI-compatible routes (default: the
+    checkpoint directory's name)."""
     if not isinstance(engine, AsyncSpecEngine):
         raise ValueError(f"engine must be an AsyncSpecEngine, got {type(engine).__name__}")
     try:
@@ -219,10 +224,6 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
         if state.draining:
             raise HTTPException(503, "the server is shutting down: no new requests")
         params = body.sampling_params.to_params() if body.sampling_params else None
-        if params is not None and params.n != 1:
-            raise ValueError(f"sampling_params.n must be 1 here, got {params.n}: /generate "
-                             "answers one completion; send n requests (each its own seed) or "
-                             "use SpecEngine.generate for a GRPO group")
         k = state.default_k if body.k is None else body.k
         k_max = state.default_k_max if body.k_max is None else body.k_max
         rid = body.request_id or f"http-{uuid.uuid4().hex}"
@@ -330,6 +331,11 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
         return Response(state.metrics.render(snap, engine.num_unfinished),
                         media_type=CONTENT_TYPE)
 
+    # /v1/models, /v1/completions, /v1/chat/completions
+    register_openai_api(app, state, served_model_name)
+    # SGLang's native API and n > 1 on /generate (GRPO groups); it takes over /generate and
+    # /update_weights_from_distributed, serving our bodies through the routes above.
+    mount_sglang(app)
     return app
 
 

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specengine.async_loop import EngineClosedError, EngineOverloadedError
-from specengine.kv_cache import KVCacheFullError
+from specengine.core.kv_cache import KVCacheFullError
 from specengine.weights.protocol import WeightSyncError
 
 logger = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ class SamplingParamsBody(BaseModel):
     ignore_eos: bool | None = None
     seed: int | None = None
     max_policy_lag: int | None = None
-    n: int | None = None  # only 1: /generate answers one completion (send n requests)
+    n: int | None = None  # > 1: one group sharing its prefill (server.sglang_api)
     stop: str | list[str] | None = None  # stop strings (a str is one)
     include_stop_str_in_output: bool | None = None
     min_tokens: int | None = None

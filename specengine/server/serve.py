@@ -18,6 +18,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -96,11 +97,12 @@ class RolloutServer(uvicorn.Server):
 def make_server(engine: AsyncSpecEngine, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                 api_key: str | None = None, default_k: int | str = 0,
                 default_k_max: int = DEFAULT_K_MAX, shutdown_timeout_s: float = 10.0,
-                log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-                ) -> RolloutServer:
+                log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                served_model_name: str | None = None) -> RolloutServer:
     """A :class:`RolloutServer` for ``engine`` (not started: ``await server.serve()``, or
     ``server.run()`` in a thread). ``api_key`` None reads ``$SPECENGINE_API_KEY``;
-    ``default_k`` / ``default_k_max`` / ``max_body_bytes``: ``build_app``'s."""
+    ``default_k`` / ``default_k_max`` / ``max_body_bytes`` / ``served_model_name``:
+    ``build_app``'s."""
     if api_key is None:
         api_key = os.environ.get(API_KEY_ENV) or None
     if not shutdown_timeout_s >= 0:
@@ -109,7 +111,7 @@ def make_server(engine: AsyncSpecEngine, *, host: str = DEFAULT_HOST, port: int 
         logger.warning("serving on %s without an API key: anyone who can reach it can "
                        "generate and replace the weights (set --api-key)", host)
     app = build_app(engine, api_key=api_key, default_k=default_k, default_k_max=default_k_max,
-                    max_body_bytes=max_body_bytes)
+                    max_body_bytes=max_body_bytes, served_model_name=served_model_name)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
                             access_log=False)
     return RolloutServer(config, shutdown_timeout_s=shutdown_timeout_s)
@@ -124,14 +126,14 @@ def serve(engine: AsyncSpecEngine, **options: Any) -> None:
 def serve_main(args: Any) -> int:
     """``specengine serve`` with parsed ``args`` (``specengine.cli``); returns the exit
     status once the server has shut down."""
-    from specengine.cli import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
     from specengine.engine import SpecEngine
 
     logging.getLogger("specengine").setLevel(args.log_level.upper())
     model, draft = args.model, args.draft
     if model is None:  # the bundled pair, as `specengine generate`
-        model = DEFAULT_TARGET
-        if draft is None and (DEFAULT_DRAFT / "config.json").is_file():
+        model = Path(DEFAULT_TARGET)
+        if draft is None and (Path(DEFAULT_DRAFT) / "config.json").is_file():
             draft = str(DEFAULT_DRAFT)
     if not model.is_dir():
         raise ValueError(f"--model {model}: no such directory")
@@ -150,7 +152,8 @@ def serve_main(args: Any) -> int:
                              default_k=args.k, default_k_max=args.k_max,
                              shutdown_timeout_s=args.shutdown_timeout,
                              log_level=args.log_level,
-                             max_body_bytes=int(args.max_body_mb * 1024 * 1024))
+                             max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+                             served_model_name=args.served_model_name)
     except BaseException:
         asyncio.run(aeng.close())
         raise

@@ -80,7 +80,7 @@ class WeightGroup:
             else:
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = self.timeout
-                self._pg = _nccl_group(store, rank, world_size, opts)
+                self._pg = nccl_group(store, rank, world_size, opts)
             # One collective so that every rank has joined when the constructor returns.
             self.allreduce(torch.zeros(1, dtype=torch.int32, device=self.device),
                            timeout=_left(deadline))
@@ -168,7 +168,7 @@ def _wait_listening(address: str, port: int, deadline: float) -> None:
             time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
 
 
-def _nccl_group(store: dist.Store, rank: int, world_size: int,
+def nccl_group(store: dist.Store, rank: int, world_size: int,
                 opts: dist.ProcessGroupNCCL.Options) -> dist.ProcessGroup:
     """A ``ProcessGroupNCCL`` whose watchdog, on a timed-out or failed collective, aborts the
     communicator but does not take the process down (its default, 3, does): the dead peer

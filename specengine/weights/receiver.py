@@ -105,7 +105,7 @@ def commit(engine: SpecEngine, which: str, names: Iterable[str], version: int | 
     """Bump the version; tensors now whole again are no longer torn. Then the running
     requests follow the engine's in-flight policy (``kv_on_update``, ``max_policy_lag``),
     only after a complete update: a refused one changes nothing."""
-    engine._torn_weights.difference_update((which, n) for n in names)
+    engine.torn_weights.difference_update((which, n) for n in names)
     engine.weight_version = version if version is not None else engine.weight_version + 1
     if engine.core is not None:  # None on a tensor-parallel worker (no requests there)
         after_update(engine.core, which, engine.weight_version)
@@ -138,21 +138,19 @@ def load_in_process(engine: SpecEngine, named_tensors: Iterable[tuple[str, torch
     check_allowed(engine, version)
     tp = getattr(engine, "tp", None)
     if which == "policy" and tp is not None:  # every rank checks, then copies its slice
-        from specengine.distributed.tp_weights import load_policy
-
         def mark_torn_tp(names: list[str]) -> None:  # commit clears them once all are in
-            engine._torn_weights.update((which, n) for n in names)
+            engine.torn_weights.update((which, n) for n in names)
 
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
-        names = load_policy(tp, engine.model, named_tensors, mark_torn_tp, check_finite)
+        names = tp.load_policy(engine.model, named_tensors, mark_torn_tp, check_finite)
         return commit(engine, which, names, version)
     items = read_update(named_tensors, check_finite)
     if which == "policy":
         from specengine.model.loader import load_named_tensors
 
         def mark_torn(names: list[str]) -> None:  # commit clears them once all are in
-            engine._torn_weights.update((which, n) for n in names)
+            engine.torn_weights.update((which, n) for n in names)
 
         names = load_named_tensors(engine.model, items, strict=False,
                                    tied=tied_names(engine.model), before_write=mark_torn)
@@ -165,7 +163,7 @@ def load_in_process(engine: SpecEngine, named_tensors: Iterable[tuple[str, torch
             # Which draft tensors were written before the failure is the drafter's business:
             # all are torn until a complete draft update.
             module, _ = update_target(engine, which)
-            engine._torn_weights.update((which, n) for n in hf_named_tensors(module))
+            engine.torn_weights.update((which, n) for n in hf_named_tensors(module))
             raise
     return commit(engine, which, names, version)
 
@@ -348,7 +346,7 @@ class WeightReceiver:
             raise WeightSyncError("weight update refused, nothing changed: " + " | ".join(errors))
         chunks = plan.manifest.chunks()
         if chunks and plan.staged is None:  # in place from the first byte on: torn until done
-            engine._torn_weights.update((which, n) for n in plan.accepted)
+            engine.torn_weights.update((which, n) for n in plan.accepted)
         for lo, hi in chunks:
             direct = plan.direct(lo, hi, g.device) if error is None else None
             g.broadcast(buf[: hi - lo] if direct is None else direct, src_rank)
@@ -381,7 +379,7 @@ class WeightReceiver:
         which = plan.which
         # Torn while the staged copy is written in (commit clears it): should a copy fail
         # midway, generate refuses instead of running on a mix.
-        engine._torn_weights.update((which, n) for n in plan.accepted)
+        engine.torn_weights.update((which, n) for n in plan.accepted)
         plan.apply_staged()
         version = commit(engine, which, plan.accepted, plan.manifest.version)
         logger.info("applied weight update v%d (%s): %d tensors; received and checked in "
@@ -423,7 +421,7 @@ def apply_shared(engine: SpecEngine, handles: SharedWeights, which: str,
         check.raise_if_bad()
     # Torn until the last bucket is in (commit clears it): a copy that fails midway (storage
     # the sender freed, a device error) leaves generate refusing, not running on a mix.
-    engine._torn_weights.update((which, n) for n in plan.accepted)
+    engine.torn_weights.update((which, n) for n in plan.accepted)
     for (lo, hi), bucket in zip(chunks, handles.buckets):
         plan.scatter(bucket, lo, hi)
     for device in {b.device for b in handles.buckets if b.device.type == "cuda"}:

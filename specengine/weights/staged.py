@@ -128,7 +128,7 @@ def staged(engine: SpecEngine, what: str, stage: Callable[[], tuple[
         Callable[[SpecEngine], Any], Callable[[], None] | None]]) -> StagedUpdate:
     """Take the engine's weight lock for ``what``, run ``stage()`` (which returns the commit
     and the clean-up) and wrap the result; the lock is released if the stage raises."""
-    lock: WeightLock = engine._weight_lock
+    lock: WeightLock = engine.weight_lock
     lock.acquire(what)
     try:
         apply, drop = stage()

@@ -1,11 +1,12 @@
 """The paged KV cache: one tensor for all layers plus the C++ block allocator that hands out
 its blocks to sequences, which may share them (reference counts): a GRPO group's prompt
-blocks, and full blocks found in the prefix cache (``specengine.prefix_cache``)."""
+blocks, and full blocks found in the prefix cache (``specengine.core.prefix_cache``)."""
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,9 +14,9 @@ import numpy as np
 import torch
 
 from specengine.config import MAX_K, EngineConfig
+from specengine.core.prefix_cache import PrefixCache, block_hashes
+from specengine.core.sequence import Sequence
 from specengine.model.config import ModelConfig
-from specengine.prefix_cache import PrefixCache, block_hashes
-from specengine.sequence import Sequence
 
 if TYPE_CHECKING:
     from specengine.core.seq_arena import SeqArena
@@ -67,7 +68,7 @@ class KVCache:
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
                  prefix_caching: bool = False) -> None:
-        from specengine import _C
+        import specengine._C as _C
 
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
@@ -78,6 +79,21 @@ class KVCache:
         self.allocator = _C.BlockAllocator(num_blocks)
         self.prefix = PrefixCache(self.allocator, block_size) if prefix_caching else None
         self.pending: dict[int, PrefillPlan] = {}  # seq_id -> plan of this step's prefill
+        # How the drafter's KV follows the named blocks (:meth:`follow_drafter`).
+        self.name_next_token = False
+        self.names_need_draft = False
+        self.draft_hits: Callable[[list[bytes]], int] | None = None
+
+    def follow_drafter(self, *, name_next_token: bool, names_need_draft: bool,
+                       draft_hits: Callable[[list[bytes]], int] | None) -> None:
+        """Make the named blocks serve the drafter too (``drafters.draft_prefix``): blocks are
+        named with their next token (``name_next_token``: a feature drafter's entry of
+        position p reads token p + 1), named only after a prefill the drafter caught up on
+        (``names_need_draft``: its entries live in these very blocks), and a hit is cut to
+        the leading blocks ``draft_hits(names)`` says the drafter's own cache also holds."""
+        self.name_next_token = name_next_token
+        self.names_need_draft = names_need_draft
+        self.draft_hits = draft_hits
 
     @property
     def num_free_blocks(self) -> int:
@@ -113,7 +129,7 @@ class KVCache:
         allocation written straight into the arena's rows (one C++ pass, ``_C.grow_tables``),
         all or nothing: False, with nothing allocated, when the free blocks (cached ones
         nobody holds included) do not cover them all."""
-        from specengine import _C
+        import specengine._C as _C
 
         while True:
             status, value = _C.grow_tables(self.allocator, slots, len(slots), arena.lens,
@@ -155,8 +171,14 @@ class KVCache:
         if self.prefix is None:
             return PrefillPlan(seq)
         n = len(seq)
-        hashes = block_hashes(seq.token_ids, self.block_size, n // self.block_size)
-        hits = self.prefix.match(hashes[: (n - 1) // self.block_size])
+        reusable = (n - 1) // self.block_size
+        if self.name_next_token:  # a block is named once the token after it is known
+            hashes = block_hashes(seq.token_ids, self.block_size, reusable, next_token=True)
+        else:
+            hashes = block_hashes(seq.token_ids, self.block_size, n // self.block_size)
+        hits = self.prefix.match(hashes[:reusable])
+        if hits and self.draft_hits is not None:
+            hits = hits[: self.draft_hits(hashes[: len(hits)])]
         return PrefillPlan(seq, hits, len(hits) * self.block_size, hashes,
                            epoch=self.prefix.epoch)
 
@@ -188,17 +210,20 @@ class KVCache:
         seq.num_cached_tokens = plan.num_cached
         self.pending[seq.seq_id] = plan
 
-    def finish_prefill(self, seqs: tuple[Sequence, ...] | list[Sequence]) -> None:
+    def finish_prefill(self, seqs: tuple[Sequence, ...] | list[Sequence],
+                       drafted: bool = True) -> None:
         """After the prefill pass of ``seqs``: borrowers get their copy of the leader's
-        partial block, computed full blocks are named in the prefix cache, and every
-        sequence's KV covers its tokens."""
+        partial block, computed full blocks are named in the prefix cache (unless the
+        drafter's entries live in them and it did not catch up on this prefill:
+        ``drafted``), and every sequence's KV covers its tokens."""
+        register = drafted or not self.names_need_draft
         src, dst = [], []
         for seq in seqs:
             plan = self.pending.pop(seq.seq_id, None)
             if plan is not None and plan.copy_src is not None:
                 src.append(plan.copy_src)
                 dst.append(seq.block_table[len(seq) // self.block_size])
-            elif plan is not None and plan.hashes and self.prefix is not None:
+            elif plan is not None and plan.hashes and self.prefix is not None and register:
                 full = len(plan.hashes)
                 self.prefix.register(seq.block_table[:full], plan.hashes, plan.epoch)
             seq.num_cached_tokens = len(seq)

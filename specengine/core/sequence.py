@@ -11,7 +11,7 @@ from specengine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from specengine.core.seq_arena import SeqArena
-    from specengine.stop_strings import StopStrings
+    from specengine.core.stop_strings import StopStrings
 
 
 class SeqStatus(enum.Enum):
@@ -212,7 +212,7 @@ class Sequence:
     def append(self, tokens: list[int], logprobs: list[float], max_model_len: int) -> None:
         """Add this step's emitted tokens, stopping at the first stop token, at ``max_tokens``
         or at ``max_model_len`` (nothing after that point is kept). Detached sequences only:
-        the engine appends attached ones all at once (``speculate.append_step``)."""
+        the engine appends attached ones all at once (``core.step.append_step``)."""
         if self.arena is not None:
             raise RuntimeError(f"seq {self.seq_id} is running: the step appends its tokens")
         for token, logprob in zip(tokens, logprobs):

@@ -8,12 +8,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specengine import _C
+import specengine._C as _C
+from specengine.core.kv_cache import KVCache
+from specengine.core.sequence import Sequence
 from specengine.core.transfer import to_device
-from specengine.kv_cache import KVCache
 from specengine.model.attention import AttentionBackend, AttentionMetadata
 from specengine.model.llama import CausalLM
-from specengine.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class ModelRunner:
         self.aux_layers = aux_layers
         self.last_prefill = PrefillCounts()
 
-    def _metadata(self, seqs: tuple[Sequence, ...] | list[Sequence], context_lens: list[int],
+    def metadata(self, seqs: tuple[Sequence, ...] | list[Sequence], context_lens: list[int],
                   q_lens: list[int], slot_positions: list[np.ndarray],
                   tree_mask: Tensor | None) -> AttentionMetadata:
         block_tables = _C.build_block_tables(
@@ -80,17 +80,19 @@ class ModelRunner:
         pos = to_device(positions.astype(np.int64), self.device)
         return self.model(ids, pos, self.kv_cache.kv, meta, self.backend, self.aux_layers)
 
-    def prefill(self, seqs: tuple[Sequence, ...]) -> tuple[Tensor, ForwardOutput]:
+    def prefill(self, seqs: tuple[Sequence, ...], drafted: bool = True
+                ) -> tuple[Tensor, ForwardOutput]:
         """Run each sequence's tokens after its reused prefix (``seq.num_cached_tokens`` at
         admission, ``KVCache.pending``); returns last-token logits ``[B, V]`` (a sample that
-        borrows a sibling's pass gets the sibling's row)."""
+        borrows a sibling's pass gets the sibling's row). ``drafted``: the drafter will catch
+        up on this pass (``KVCache.finish_prefill``)."""
         plans = [self.kv_cache.pending.get(s.seq_id) for s in seqs]
         starts = [s.num_cached_tokens if p is not None else 0 for s, p in zip(seqs, plans)]
         fed = [b for b, p in enumerate(plans) if p is None or p.leader is None]
         fed_seqs = [seqs[b] for b in fed]
         q_lens = [len(seqs[b]) - starts[b] for b in fed]
         positions = [np.arange(starts[b], len(seqs[b]), dtype=np.int64) for b in fed]
-        meta = self._metadata(fed_seqs, [starts[b] for b in fed], q_lens, positions, None)
+        meta = self.metadata(fed_seqs, [starts[b] for b in fed], q_lens, positions, None)
         ids = [t for b in fed for t in seqs[b].token_slice(starts[b])]
         hidden, aux = self._run(ids, np.concatenate(positions), meta)
         begin = dict(zip(fed, np.concatenate([[0], np.cumsum(q_lens)[:-1]]).tolist()))
@@ -104,6 +106,6 @@ class ModelRunner:
             sum(len(s) for s in seqs),
             sum(len(s) for s in seqs) - sum(q_lens),
             sum(len(p.shared) for p in plans if p is not None))
-        self.kv_cache.finish_prefill(seqs)
+        self.kv_cache.finish_prefill(seqs, drafted)
         return logits, ForwardOutput(hidden, aux, [begin[a] for a in src] + [int(hidden.shape[0])],
                                      [rows_of[a] for a in src])

@@ -31,6 +31,13 @@ def check_tensor_parallel(cfg: ModelConfig, n: int) -> None:
     ranks."""
     if n == 1:
         return
+    # MoE: every rank keeps every expert, a slice of its inner dimension (as a dense MLP).
+    for what, size in (("moe_intermediate_size", cfg.moe_intermediate_size if cfg.is_moe
+                        else 0),
+                       ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)):
+        if size % n:
+            raise ValueError(f"tensor_parallel_size {n} must divide {what} ({size}): each "
+                             "rank owns a slice of every expert's gate/up")
     if cfg.num_heads % n:
         raise ValueError(f"tensor_parallel_size {n} must divide the number of attention heads "
                          f"({cfg.num_heads}): each rank owns num_heads / tensor_parallel_size "
@@ -97,11 +104,22 @@ def shard_specs(names: list[str], cfg: ModelConfig, rank: int, n: int) -> dict[s
         "down_proj": ShardSpec(1, rank * i_l, i_l, cfg.intermediate_size),
     }
     vocab = ShardSpec(0, rank * v_l, v_l, cfg.vocab_size)
+    # MoE experts (Qwen names, and Mixtral's w1 / w3 / w2) and Qwen2-MoE's shared expert: the
+    # same split of their own inner dimension.
+    inner = {".experts.": cfg.moe_intermediate_size,
+             ".shared_expert.": cfg.shared_expert_intermediate_size}
     out: dict[str, ShardSpec] = {}
     for name in names:
         parts = name.split(".")
         proj, kind = parts[-2] if len(parts) > 1 else "", parts[-1]
-        if proj in rows:
+        size = next((v for k, v in inner.items() if k in name), 0)
+        if size:
+            i_e = size // n
+            if proj in ("gate_proj", "up_proj", "w1", "w3"):
+                out[name] = ShardSpec(0, rank * i_e, i_e, size)
+            elif proj in ("down_proj", "w2") and kind == "weight":
+                out[name] = ShardSpec(1, rank * i_e, i_e, size)
+        elif proj in rows:
             out[name] = rows[proj]
         elif proj in cols and kind == "weight":  # the bias is added once, after the reduce
             out[name] = cols[proj]

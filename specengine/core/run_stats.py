@@ -11,11 +11,64 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from specengine.model_runner import PrefillCounts
+import numpy as np
+
+from specengine.core.model_runner import PrefillCounts
+from specengine.core.sequence import Sequence
 from specengine.outputs import EngineStats
-from specengine.sequence import Sequence
-from specengine.speculate import StepTimes
+from specengine.tree import MAX_TREE_NODES
+
+
+@dataclass
+class StepTimes:
+    """Mutable accumulators of one ``generate`` call (turned into frozen EngineStats after).
+
+    Phase times come from ``GraphRunner.clock`` (``core.graphs.StepClock``): on the CPU
+    host time (``verify`` runs until the sampled tokens are on the host); on CUDA the device's
+    time between events recorded at the phase boundaries, read without a sync of their own.
+    A step's ``bookkeeping`` (it ends with the drafter's catch-up pass) is then added at the
+    next step's sync, or by :meth:`settle`."""
+
+    draft: float = 0.0
+    verify: float = 0.0  # the target pass and rejection sampling (one static pass / graph)
+    bookkeeping: float = 0.0
+    num_steps: int = 0
+    num_seq_steps: int = 0  # (sequence, step) pairs
+    num_step_tokens: int = 0  # tokens those steps kept (after stop / max_tokens cuts)
+    # [2, P]: drafts proposed / accepted at each draft position (P covers any k or tree depth)
+    position_counts: np.ndarray = field(
+        default_factory=lambda: np.zeros((2, MAX_TREE_NODES), dtype=np.int64))
+    #: (start, end) timing events of the last step's bookkeeping, not read yet (CUDA)
+    pending: tuple[Any, Any] | None = None
+
+    def settle(self, wait: bool) -> None:
+        """Add the last step's pending bookkeeping time if its end event is done (``wait``:
+        wait for it; only outside a step, e.g. once the run ended)."""
+        if self.pending is None:
+            return
+        start, end = self.pending
+        if not wait and not end.query():
+            return
+        if wait:
+            end.synchronize()
+        self.bookkeeping += start.elapsed_time(end) / 1e3
+        self.pending = None
+
+    @property
+    def proposed_per_position(self) -> list[int]:
+        """Rows that proposed a draft at position j, up to the deepest position proposed."""
+        return self.position_counts[0, : self._depth()].tolist()
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        """Rows whose draft at position j was accepted."""
+        return self.position_counts[1, : self._depth()].tolist()
+
+    def _depth(self) -> int:
+        proposed = np.flatnonzero(self.position_counts[0])
+        return int(proposed[-1]) + 1 if len(proposed) else 0
 
 
 @dataclass

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specengine.core.kv_cache import KVCache, PrefillPlan
+from specengine.core.prefix_cache import SeqGroup
 from specengine.core.seq_arena import SeqArena
-from specengine.kv_cache import KVCache, PrefillPlan
-from specengine.prefix_cache import SeqGroup
-from specengine.sequence import SeqStatus, Sequence
+from specengine.core.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ class Scheduler:
     def _grow(self, seq: Sequence, need: int, scheduled: list[Sequence]) -> bool:
         while not self.kv_cache.can_ensure(seq, need):
             victim = self._last_running(exclude=(seq, *scheduled))
-            self._preempt(victim if victim is not None else seq)
+            self.preempt(victim if victim is not None else seq)
             if victim is None:
                 return False
         self.kv_cache.ensure(seq, need)
@@ -211,7 +211,7 @@ class Scheduler:
                 return seq
         return None
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self.evict(seq)
         self.waiting.appendleft(seq)
@@ -248,7 +248,7 @@ class Scheduler:
                 victim = self._last_running(exclude=())
                 if victim is None:
                     break
-                self._preempt(victim)
+                self.preempt(victim)
             else:
                 if seq in self.waiting:  # preempted by an earlier retry: run it here, once
                     self.waiting.remove(seq)

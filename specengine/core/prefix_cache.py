@@ -92,27 +92,32 @@ def sample_ids(request_id: str | None, n: int, taken: Callable[[str], bool]
 
 
 def prefix_caching_on(config: object, drafter: object) -> bool:
-    """Whether the engine's target cache names blocks: ``enable_prefix_caching``, unless the
-    drafter needs every prompt position's target features (:func:`drafter_allows_prefix_cache`;
-    logged)."""
-    if not getattr(config, "enable_prefix_caching", True):
-        return False
-    if not drafter_allows_prefix_cache(drafter):
-        logger.info("prefix caching is off: the %s drafter reads the target's features of "
-                    "every prompt token (GRPO groups still share prompt KV)",
-                    type(drafter).__name__)
-        return False
-    return True
+    """Whether the engine's target cache names blocks: ``enable_prefix_caching``, with every
+    drafter (a drafter's own KV is cached with the target's blocks, ``drafters.draft_prefix``)."""
+    return bool(getattr(config, "enable_prefix_caching", True))
 
 
-def block_hashes(tokens: Seq[int] | np.ndarray, block_size: int, num_blocks: int) -> list[bytes]:
-    """Chained hashes of the first ``num_blocks`` full blocks of ``tokens``."""
-    arr = np.asarray(tokens[: num_blocks * block_size], dtype=np.int64)
+def block_hashes(tokens: Seq[int] | np.ndarray, block_size: int, num_blocks: int,
+                 next_token: bool = False) -> list[bytes]:
+    """Chained hashes of the first ``num_blocks`` full blocks of ``tokens``. With
+    ``next_token``, block i is named by ``blake2b(h_i || token (i + 1) * block_size)``
+    instead (the chain itself is unchanged), so ``tokens`` must hold that token: the name
+    then covers everything a feature drafter's entries of the block read (the entry of
+    position p reads the token p + 1, ``drafters.draft_prefix``)."""
+    end = num_blocks * block_size + (1 if next_token and num_blocks else 0)
+    arr = np.asarray(tokens[:end], dtype=np.int64)
+    if len(arr) < end:
+        raise ValueError(f"{num_blocks} blocks named with their next token need {end} tokens, "
+                         f"got {len(arr)}")
     out, prev = [], b""
     for i in range(num_blocks):
         prev = hashlib.blake2b(prev + arr[i * block_size:(i + 1) * block_size].tobytes(),
                                digest_size=16).digest()
-        out.append(prev)
+        if next_token:
+            nxt = arr[(i + 1) * block_size:(i + 1) * block_size + 1].tobytes()
+            out.append(hashlib.blake2b(prev + nxt, digest_size=16).digest())
+        else:
+            out.append(prev)
     return out
 
 
@@ -202,15 +207,5 @@ class PrefixCache:
         self.epoch += 1
 
 
-def drafter_allows_prefix_cache(drafter: object) -> bool:
-    """Prefix-cache hits skip the target's pass over the cached tokens; a drafter that builds
-    its own state from the target's features at every prompt position (EAGLE-3, MTP) would
-    then miss those positions, so with one the cache is off (groups still share)."""
-    from specengine.drafters.feature_drafter import FeatureDrafter
-
-    inner = [drafter, getattr(drafter, "neural", None)]
-    return not any(isinstance(d, FeatureDrafter) for d in inner)
-
-
-__all__ = ["PrefixCache", "SeqGroup", "block_hashes", "drafter_allows_prefix_cache",
-           "expand_samples", "prefix_caching_on", "sample_ids", "sample_seed"]
+__all__ = ["PrefixCache", "SeqGroup", "block_hashes", "expand_samples", "prefix_caching_on",
+           "sample_ids", "sample_seed"]

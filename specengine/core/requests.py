@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specengine.config import MAX_K
-from specengine.kv_cache import KVCache
+from specengine.core.kv_cache import KVCache
 from specengine.sampling import SamplingParams
 from specengine.tokenizer import TextTokenizer, load_tokenizer
 from specengine.tree import DraftTree

@@ -14,7 +14,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from specengine.core.seq_arena import SeqArena
-from specengine.sequence import Sequence
+from specengine.core.sequence import Sequence
 
 
 def record_top_logprobs(arena: SeqArena, seqs: Seq[Sequence], slots: np.ndarray,

@@ -13,74 +13,23 @@ drafter to the verify pass, and the verify pass + sampler run on static buffers
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from specengine import _C
+import specengine._C as _C
 from specengine.core.graphs import GraphRunner
+from specengine.core.kv_cache import KVCache
+from specengine.core.run_stats import StepTimes
+from specengine.core.sampler import StepResult
 from specengine.core.seq_arena import SeqArena
+from specengine.core.sequence import Sequence
+from specengine.core.stop_strings import cut_at_stop_strings
+from specengine.core.token_logprobs import record_top_logprobs
 from specengine.core.transfer import to_host
 from specengine.core.verify import VerifyShape, forward_output
 from specengine.drafters.base import Drafter
 from specengine.kernels.kv_cache import compact_kv_cache
-from specengine.kv_cache import KVCache
-from specengine.sampler import StepResult
-from specengine.sequence import Sequence
-from specengine.stop_strings import cut_at_stop_strings
-from specengine.token_logprobs import record_top_logprobs
-from specengine.tree import MAX_TREE_NODES, DraftTree
-
-
-@dataclass
-class StepTimes:
-    """Mutable accumulators of one ``generate`` call (turned into frozen EngineStats after).
-
-    Phase times come from ``GraphRunner.clock`` (``core.graphs.StepClock``): on the CPU
-    host time (``verify`` runs until the sampled tokens are on the host); on CUDA the device's
-    time between events recorded at the phase boundaries, read without a sync of their own.
-    A step's ``bookkeeping`` (it ends with the drafter's catch-up pass) is then added at the
-    next step's sync, or by :meth:`settle`."""
-
-    draft: float = 0.0
-    verify: float = 0.0  # the target pass and rejection sampling (one static pass / graph)
-    bookkeeping: float = 0.0
-    num_steps: int = 0
-    num_seq_steps: int = 0  # (sequence, step) pairs
-    num_step_tokens: int = 0  # tokens those steps kept (after stop / max_tokens cuts)
-    # [2, P]: drafts proposed / accepted at each draft position (P covers any k or tree depth)
-    position_counts: np.ndarray = field(
-        default_factory=lambda: np.zeros((2, MAX_TREE_NODES), dtype=np.int64))
-    #: (start, end) timing events of the last step's bookkeeping, not read yet (CUDA)
-    pending: tuple[Any, Any] | None = None
-
-    def settle(self, wait: bool) -> None:
-        """Add the last step's pending bookkeeping time if its end event is done (``wait``:
-        wait for it; only outside a step, e.g. once the run ended)."""
-        if self.pending is None:
-            return
-        start, end = self.pending
-        if not wait and not end.query():
-            return
-        if wait:
-            end.synchronize()
-        self.bookkeeping += start.elapsed_time(end) / 1e3
-        self.pending = None
-
-    @property
-    def proposed_per_position(self) -> list[int]:
-        """Rows that proposed a draft at position j, up to the deepest position proposed."""
-        return self.position_counts[0, : self._depth()].tolist()
-
-    @property
-    def accepted_per_position(self) -> list[int]:
-        """Rows whose draft at position j was accepted."""
-        return self.position_counts[1, : self._depth()].tolist()
-
-    def _depth(self) -> int:
-        proposed = np.flatnonzero(self.position_counts[0])
-        return int(proposed[-1]) + 1 if len(proposed) else 0
+from specengine.tree import DraftTree
 
 
 def num_drafts_for(seq: Sequence, k: int, max_model_len: int) -> int:

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specengine.core.sequence import Sequence
 from specengine.core.transfer import to_device
-from specengine.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from specengine.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
     from specengine.core.seq_arena import SeqArena
-    from specengine.sequence import Sequence
+    from specengine.core.sequence import Sequence
 
 _INCOMPLETE = "\ufffd"  # what a byte-level decoder yields for a cut multi-byte character
 

@@ -1,0 +1,169 @@
+"""The EAGLE-3 head's training loop, shared by online adaptation (``engine.adapt_draft``,
+``drafters/adapt_train.py``) and offline training (``specengine train-draft``,
+``train/train_draft.py``): batches of buffered sequences (target features and the policy's
+tokens, ``drafters/adapt.py``), the unrolled training-time-test loss of
+``drafters/adapt_math.py`` and :class:`HeadOptimizer` (Adam over float32 masters).
+
+Both callers hold their data as a :class:`FeatureSource` (``feats [N, F]``, ``tokens [N]``)
+plus :class:`~specengine.drafters.adapt.BufferedSeq` rows into it: the rollout ring itself
+for ``adapt_draft``, the generated set (host memory, moved to the device per batch) for
+``train-draft``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from specengine.drafters.adapt import BufferedSeq
+from specengine.drafters.adapt_math import HeadMath, ttt_loss, ttt_sums
+
+GROUP_SEQS = 16  # sequences per padded forward (sorted by length)
+
+
+class FeatureSource(Protocol):
+    """Rows of training entries: ``feats[r]`` the target's features of an entry, ``tokens[r]``
+    the token fed with it (``x_{p+1}`` for the entry of position ``p``)."""
+
+    feats: Tensor | None
+    tokens: Tensor
+
+
+class DraftTrainer:
+    """Loss of a head over :class:`BufferedSeq` batches and random batches of about
+    ``batch_tokens`` positions. ``depth``: unrolled draft steps of the loss."""
+
+    def __init__(self, head: nn.Module, embed: nn.Embedding, device: torch.device,
+                 depth: int = 3, batch_tokens: int = 8192, seed: int = 0) -> None:
+        self.head, self.device = head, device
+        self.math = HeadMath(head, embed)
+        self.depth, self.batch_tokens = depth, batch_tokens
+        self.rng = np.random.default_rng(seed)
+
+    def objective(self, source: FeatureSource, seqs: list[BufferedSeq],
+                  params: dict[str, Tensor]) -> Tensor:
+        """The loss of ``seqs`` under ``params``, run in groups of similar length (little
+        padding)."""
+        seqs = sorted(seqs, key=lambda s: len(s.rows))
+        sums = counts = None
+        for i in range(0, len(seqs), GROUP_SEQS):
+            s, c = ttt_sums(self.math, params, *self.batch(source, seqs[i: i + GROUP_SEQS]))
+            sums, counts = (s, c) if sums is None else (sums + s, counts + c)
+        return ttt_loss(sums, counts)  # type: ignore[arg-type]
+
+    def pick(self, seqs: list[BufferedSeq]) -> list[BufferedSeq]:
+        """A random subset of ``seqs`` of about ``batch_tokens`` positions (all if fewer)."""
+        if sum(len(s.rows) for s in seqs) <= self.batch_tokens:
+            return seqs
+        out, n = [], 0
+        for i in self.rng.permutation(len(seqs)):
+            if out and n + len(seqs[i].rows) > self.batch_tokens:
+                break
+            out.append(seqs[i])
+            n += len(seqs[i].rows)
+        return out
+
+    def batch(self, source: FeatureSource, seqs: list[BufferedSeq]
+              ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+        """Padded ``feats [B, T, F]`` float32, ``ids [B, T + depth]``, ``valid [B, T]`` and
+        the per-depth targets (draft ids, -100 where no loss) of ``seqs``, on the device."""
+        dev, depth = self.device, self.depth
+        t = max(len(s.rows) for s in seqs)
+        rows = np.zeros((len(seqs), t), dtype=np.int64)
+        lens = np.array([len(s.rows) for s in seqs], dtype=np.int64)
+        first = np.array([s.num_prompt_tokens - 1 for s in seqs], dtype=np.int64)
+        for b, s in enumerate(seqs):
+            rows[b, : len(s.rows)] = s.rows
+        j = np.arange(t)
+        valid_np = j[None, :] < lens[:, None]
+        assert source.feats is not None
+        rows_src = torch.from_numpy(rows).to(source.tokens.device)
+        valid = torch.from_numpy(valid_np).to(dev)
+        feats = source.feats[rows_src].to(dev).float()
+        tok = torch.where(valid, source.tokens[rows_src].to(dev), 0)  # tok[:, i] = x_{i+1}
+        ids = torch.cat([tok, tok.new_zeros(len(seqs), depth)], dim=1)
+        head = self.head
+        to_draft = torch.full((head.vocab_size,), -100, dtype=torch.int64, device=dev)
+        to_draft[head.draft_to_target] = torch.arange(head.draft_to_target.numel(), device=dev)
+        targets = []
+        for d in range(depth):
+            # anchor i's depth-d target is x_{i+d+2} = ids[:, i+d+1]; chains start at
+            # i >= prompt_len - 1 and the target must exist
+            ok = (j[None, :] >= first[:, None]) & (j[None, :] + d + 1 < lens[:, None])
+            tg = to_draft[ids[:, d + 1: d + 1 + t]]
+            targets.append(torch.where(torch.from_numpy(ok).to(dev), tg, -100))
+        return feats, ids, valid, targets
+
+
+class HeadOptimizer:
+    """Adam over float32 masters of ``head``'s parameters (bf16 heads get fp32 updates),
+    moments kept across calls. ``sync_in`` re-reads a master whose head tensor changed since
+    (a ``load_weights`` of the head) and resets its moments; ``sync_out`` copies the masters
+    into the head's own tensors in place, so every ``data_ptr`` stays (static buffers and
+    CUDA graphs read them). Adam is written out here: ``torch.optim``'s first construction
+    imports the compiler stack (seconds on a CPU), more than a whole adaptation of a small
+    head takes."""
+
+    BETAS = (0.9, 0.999)
+    EPS = 1e-8
+
+    def __init__(self, head: nn.Module) -> None:
+        self.params = dict(head.named_parameters())
+        self.masters = {n: p.detach().float().clone().requires_grad_(True)
+                        for n, p in self.params.items()}
+        self.state: dict[str, tuple[Tensor, Tensor, int]] = {}  # name -> (m, v, step)
+
+    @torch.no_grad()
+    def sync_in(self) -> None:
+        for n, p in self.params.items():
+            m = self.masters[n]
+            if not torch.equal(m.to(p.dtype), p):
+                m.copy_(p.float())
+                self.state.pop(n, None)
+
+    @torch.no_grad()
+    def sync_out(self) -> None:
+        for n, p in self.params.items():
+            p.copy_(self.masters[n])
+
+    def step(self, loss: Tensor, lr: float, max_grad_norm: float = 1.0) -> None:
+        """Backward of ``loss``, the gradient clipped to ``max_grad_norm`` (global L2), one
+        bias-corrected Adam step at ``lr``."""
+        for m in self.masters.values():
+            m.grad = None
+        loss.backward()
+        with torch.no_grad():
+            grads = {n: m.grad for n, m in self.masters.items() if m.grad is not None}
+            norm = torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g) for g in grads.values()]))
+            scale = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            b1, b2 = self.BETAS
+            for n, g in grads.items():
+                g = g * scale
+                mom, var, t = self.state.get(n) or (torch.zeros_like(g), torch.zeros_like(g), 0)
+                mom.mul_(b1).add_(g, alpha=1 - b1)
+                var.mul_(b2).addcmul_(g, g, value=1 - b2)
+                t += 1
+                self.state[n] = (mom, var, t)
+                denom = (var / (1 - b2 ** t)).sqrt_().add_(self.EPS)
+                self.masters[n].addcdiv_(mom, denom, value=-lr / (1 - b1 ** t))
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Masters and moments as flat tensors (a training checkpoint)."""
+        out = {f"master.{n}": m.detach() for n, m in self.masters.items()}
+        for n, (mom, var, t) in self.state.items():
+            out[f"m.{n}"], out[f"v.{n}"] = mom, var
+            out[f"t.{n}"] = torch.tensor(t, dtype=torch.int64)
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Inverse of :meth:`state_dict` (same head layout)."""
+        for n, m in self.masters.items():
+            m.copy_(state[f"master.{n}"])
+        self.state = {n: (state[f"m.{n}"].to(m.device).clone(),
+                          state[f"v.{n}"].to(m.device).clone(), int(state[f"t.{n}"]))
+                      for n, m in self.masters.items() if f"t.{n}" in state}

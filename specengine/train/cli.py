@@ -1,0 +1,115 @@
+"""``specengine train-draft``: the command line of :func:`specengine.train.train_draft`
+(``train/offline.py``). ``specengine/cli.py`` adds the parser and calls :func:`main`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from specengine.train.data import DEFAULT_PROMPT_COLUMN
+
+
+def _positive(low: int):  # noqa: ANN202 - an argparse type
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]
+               ) -> None:
+    from specengine.config import DTYPES
+    from specengine.train.offline import TrainDraftConfig as C
+
+    t = sub.add_parser(
+        "train-draft", formatter_class=formatter,
+        help="train an EAGLE-3 head for a policy on its own rollouts",
+        description="Roll out the prompts with the engine (the policy itself), keep the "
+                    "target features its drafter's catch-up pass computes, train an EAGLE-3 "
+                    "head with the unrolled loss of online adaptation, write it in the "
+                    "published layout to --out and evaluate it on held-out prompts "
+                    "(docs/design.md §18, offline training).")
+    t.add_argument("--model", type=Path, default=None, metavar="DIR",
+                   help="target checkpoint dir, HF layout (default: the bundled arithmetic "
+                        "model)")
+    t.add_argument("--prompts", type=Path, required=True, metavar="FILE",
+                   help="prompts: .txt (one per line), .jsonl ('prompt' field or chat "
+                        "'messages') or .parquet (--prompt-column)")
+    t.add_argument("--out", type=Path, required=True, metavar="HEAD_DIR",
+                   help="where the trained head (and checkpoints, eval.json) go")
+    t.add_argument("--prompt-column", default=DEFAULT_PROMPT_COLUMN,
+                   help="JSONL field / Parquet column of the prompts (strings or chats)")
+    t.add_argument("--init", type=Path, default=None, metavar="HEAD_DIR",
+                   help="warm-start from this EAGLE-3 head (default: a fresh head)")
+    t.add_argument("--samples-per-prompt", type=_positive(1), default=C.samples_per_prompt)
+    t.add_argument("--temperature", type=float, default=C.temperature,
+                   help="rollout temperature (0 = greedy)")
+    t.add_argument("--max-tokens", type=_positive(1), default=C.max_tokens,
+                   help="most new tokens per rollout")
+    t.add_argument("--gen-k", type=_positive(1), default=None,
+                   help="draft length while generating (default: 3 with --init, else 1)")
+    t.add_argument("--draft-vocab-size", type=_positive(1), default=C.draft_vocab_size,
+                   help="fresh head: keep the most frequent generated tokens (capped at the "
+                        "target's vocab)")
+    t.add_argument("--epochs", type=_positive(1), default=C.epochs)
+    t.add_argument("--lr", type=float, default=C.lr, help="peak learning rate (Adam)")
+    t.add_argument("--batch-tokens", type=_positive(1), default=C.batch_tokens,
+                   help="positions per optimiser step")
+    t.add_argument("--ttt-steps", type=_positive(1), default=C.ttt_steps,
+                   help="unrolled draft steps of the loss")
+    t.add_argument("--seed", type=_positive(0), default=C.seed)
+    t.add_argument("--holdout", type=_positive(0), default=None,
+                   help="held-out prompts for the evaluation (default: min(64, a tenth))")
+    t.add_argument("--save-every", type=_positive(0), default=C.save_every,
+                   help="checkpoint every N steps (0: none)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its last checkpoint")
+    t.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    t.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto = cuda when available")
+    t.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="engine dtype: auto = bfloat16 on CUDA, float32 on CPU")
+    t.add_argument("--threads", type=_positive(1), default=None,
+                   help="torch CPU threads (default: the engine's policy)")
+    t.add_argument("--eval-max-tokens", type=_positive(1), default=None,
+                   help="most new tokens per evaluation rollout (default: --max-tokens)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def main(args: argparse.Namespace, default_model: Path) -> int:
+    """Run ``specengine train-draft`` with parsed ``args``; returns the exit status."""
+    from specengine.train.offline import TrainDraftConfig, format_table, train_draft
+
+    try:
+        cfg = TrainDraftConfig(
+            model=args.model or default_model, prompts=args.prompts, out=args.out,
+            prompt_column=args.prompt_column, init=args.init,
+            samples_per_prompt=args.samples_per_prompt, temperature=args.temperature,
+            max_tokens=args.max_tokens, gen_k=args.gen_k,
+            draft_vocab_size=args.draft_vocab_size, epochs=args.epochs, lr=args.lr,
+            batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, seed=args.seed,
+            holdout=args.holdout, save_every=args.save_every, resume=args.resume,
+            overwrite=args.overwrite, device=None if args.device == "auto" else args.device,
+            dtype=args.dtype, num_threads=args.threads, eval_max_tokens=args.eval_max_tokens,
+            progress=not args.no_progress)
+        res = train_draft(cfg)
+    except ValueError as e:  # bad input (CheckpointError too): a message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"trained on {res.num_seqs} rollouts ({res.num_tokens} generated tokens) of "
+          f"{res.num_train_prompts} prompts: {res.num_steps} steps"
+          + (f", loss {res.losses[0][1]:.3f} -> {res.losses[-1][1]:.3f}" if res.losses else "")
+          + f"; generate {res.generate_s:.0f} s, train {res.train_s:.0f} s, "
+            f"evaluate {res.eval_s:.0f} s")
+    print(f"wrote the EAGLE-3 head to {res.out} (use it with --draft {res.out})")
+    if res.evaluation is not None:
+        print(format_table(res.evaluation))
+        print(f"evaluation written to {res.out / 'eval.json'}")
+    return 0

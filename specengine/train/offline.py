@@ -1,0 +1,558 @@
+"""``specengine train-draft``: train an EAGLE-3 head for a policy on its own rollouts.
+
+1. **Data.** The prompts (``train/data.py``) minus ``holdout`` held-out ones are rolled out
+   by the engine itself, the policy at ``temperature`` (``samples_per_prompt`` samples each,
+   at most ``max_tokens`` new tokens), drafting with the head being warm-started (``init``)
+   or, for a fresh head, a randomly initialised one at k=1. The drafter's catch-up pass
+   records, as it runs, the target's features of every verified position and the token that
+   followed (online adaptation's ``FeatureBuffer``, ``drafters/adapt.py``): the training
+   set needs no second pass of the target. After each batch of rollouts the buffer's
+   sequences move to host memory. With checkpoints on, the set is written once to
+   ``OUT/checkpoints/data.safetensors`` so ``resume`` continues on the same data.
+2. **Head.** ``init``: that head dir's weights and draft vocabulary. Else a fresh head of the
+   target's layer shapes whose draft vocabulary is the ``draft_vocab_size`` most frequent
+   generated tokens (``train/head_init.py``).
+3. **Training.** The loss and Adam of online adaptation (``drafters/draft_trainer.py``: EAGLE-3's
+   training-time test unrolled ``ttt_steps`` deep exactly as the paged drafting passes run
+   the head, weights ``0.8^d``; float32 masters, gradient norm clipped to 1) over
+   ``epochs`` passes of shuffled batches of about ``batch_tokens`` positions; learning rate
+   ``lr`` with a linear warm-up over the first 5% of the steps, then a cosine decay to 10%.
+   Every ``save_every`` steps a checkpoint (masters, Adam moments, the step) replaces the
+   previous one; the batch order of each epoch is a function of (``seed``, epoch), so a
+   resumed run takes the same steps as an uninterrupted one.
+4. **Output.** The head in the published layout in ``out`` (``SpecEngine(model, draft=out)``
+   loads it), then greedy rollouts of the held-out prompts at k = 0 and k = 1..5:
+   acceptance per draft position, mean accepted length and whether each k reproduced k = 0,
+   printed as a table and written to ``out/eval.json`` (and ``out/eval.png`` when matplotlib
+   is installed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from specengine.drafters.adapt import BufferedSeq, FeatureBuffer
+from specengine.drafters.draft_trainer import DraftTrainer, HeadOptimizer
+from specengine.drafters.eagle3 import aux_layer_inputs
+from specengine.model.config import CheckpointError
+from specengine.model.loader import checkpoint_files
+from specengine.train.data import DEFAULT_PROMPT_COLUMN, read_prompts, tokenize_prompts
+from specengine.train.head_init import (
+    build_head,
+    fresh_config,
+    most_frequent,
+    read_config,
+    read_head,
+    write_head,
+)
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+DATA_FILE = "data.safetensors"
+EVAL_KS = (1, 2, 3, 4, 5)
+WARMUP_FRACTION = 0.05
+FINAL_LR_FRACTION = 0.1
+GEN_BATCH = 256  # sequences per generate call (the engine's default max_batch_size)
+# Settings a resumed run must share with the run that wrote the checkpoint.
+RESUME_KEYS = ("epochs", "lr", "batch_tokens", "ttt_steps", "seed", "draft_vocab_size", "init")
+
+
+@dataclass(frozen=True)
+class TrainDraftConfig:
+    """Settings of :func:`train_draft` (the CLI's options; module docstring)."""
+
+    model: Path
+    prompts: Path
+    out: Path
+    prompt_column: str = DEFAULT_PROMPT_COLUMN
+    init: Path | None = None
+    samples_per_prompt: int = 1
+    temperature: float = 1.0
+    max_tokens: int = 256
+    gen_k: int | None = None  # draft length while generating (None: 3 with init, else 1)
+    draft_vocab_size: int = 32000
+    epochs: int = 4
+    lr: float = 3e-3
+    batch_tokens: int = 2048
+    ttt_steps: int = 3
+    seed: int = 0
+    holdout: int | None = None  # None: min(64, a tenth of the prompts, at least 1)
+    save_every: int = 100  # 0: no checkpoints (and no saved data)
+    resume: bool = False
+    overwrite: bool = False
+    device: str | None = None
+    dtype: str = "auto"
+    num_threads: int | None = None
+    eval_max_tokens: int | None = None  # None: max_tokens
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("model", "prompts", "out", "init"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, Path):
+                object.__setattr__(self, name, Path(v))
+        for name, low in (("samples_per_prompt", 1), ("max_tokens", 1), ("epochs", 1),
+                          ("batch_tokens", 1), ("ttt_steps", 1), ("draft_vocab_size", 1),
+                          ("save_every", 0), ("seed", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"train-draft: {name} must be an int >= {low}, got {v!r}")
+        for name in ("holdout", "gen_k", "eval_max_tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0
+                                  or (name != "holdout" and v < 1)):
+                raise ValueError(f"train-draft: {name} must be an int >= "
+                                 f"{0 if name == 'holdout' else 1}, got {v!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"train-draft: lr must be a finite number > 0, got {self.lr!r}")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"train-draft: temperature must be >= 0, got {self.temperature!r}")
+        if self.resume and self.overwrite:
+            raise ValueError("train-draft: --resume continues the run in the output dir and "
+                             "--overwrite deletes it: give one of them")
+
+
+@dataclass(frozen=True)
+class TrainDraftResult:
+    """What a :func:`train_draft` run did: its data, the loss of every step it trained
+    (``(step, loss)``, the loss of step ``s``'s batch before its update) and the evaluation."""
+
+    out: Path
+    num_train_prompts: int
+    num_holdout_prompts: int
+    num_seqs: int
+    num_tokens: int  # trained positions (generated tokens with a depth-0 target)
+    num_steps: int
+    losses: tuple[tuple[int, float], ...]
+    evaluation: dict[str, Any] | None
+    generate_s: float
+    train_s: float
+    eval_s: float
+    resumed_from: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_seqs < 1 or self.num_steps < 1:
+            raise ValueError(f"inconsistent TrainDraftResult {self}")
+
+
+@dataclass
+class GeneratedSet:
+    """The training sequences in host memory: entry rows ``feats [N, F]`` / ``tokens [N]``
+    (a :class:`~specengine.drafters.draft_trainer.FeatureSource`), the sequences' rows, the
+    generated tokens' counts over the target vocabulary and the held-out prompts."""
+
+    feats: Tensor | None = None
+    tokens: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    seqs: list[BufferedSeq] = field(default_factory=list)
+    counts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    holdout: list[list[int]] = field(default_factory=list)
+    _parts: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    _num_rows: int = 0
+
+    def take(self, buffer: FeatureBuffer) -> None:
+        """Copy the buffer's trainable sequences (at least one generated target) to host."""
+        assert buffer.feats is not None
+        for s in buffer.sequences():
+            if len(s.rows) <= s.num_prompt_tokens:
+                continue
+            rows = torch.from_numpy(s.rows).to(buffer.device)
+            self._parts.append((buffer.feats[rows].cpu(), buffer.tokens[rows].cpu()))
+            n = len(s.rows)
+            self.seqs.append(BufferedSeq(len(self.seqs), np.arange(self._num_rows,
+                                                                   self._num_rows + n),
+                                         s.num_prompt_tokens))
+            self._num_rows += n
+
+    def finish(self) -> None:
+        if self._parts:
+            self.feats = torch.cat([f for f, _ in self._parts])
+            self.tokens = torch.cat([t for _, t in self._parts])
+            self._parts.clear()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.rows) - s.num_prompt_tokens for s in self.seqs)
+
+    def save(self, path: Path) -> None:
+        assert self.feats is not None
+        lens = np.array([len(s.rows) for s in self.seqs], dtype=np.int64)
+        plens = np.array([s.num_prompt_tokens for s in self.seqs], dtype=np.int64)
+        save_file({"feats": self.feats.contiguous(), "tokens": self.tokens,
+                   "seq_lens": torch.from_numpy(lens), "prompt_lens": torch.from_numpy(plens),
+                   "counts": torch.from_numpy(self.counts)}, str(path),
+                  metadata={"holdout": json.dumps(self.holdout)})
+
+    @classmethod
+    def load(cls, path: Path) -> GeneratedSet:
+        try:
+            t = load_file(str(path))
+            with safe_open(str(path), framework="pt") as f:
+                holdout = json.loads(f.metadata()["holdout"])
+        except Exception as e:  # noqa: BLE001 - any unreadable file: the same message
+            raise ValueError(f"{path}: cannot read the saved training data ({e}); start "
+                             "again with --overwrite") from None
+        ends = np.cumsum(t["seq_lens"].numpy())
+        seqs = [BufferedSeq(i, np.arange(e - n, e), int(p)) for i, (e, n, p) in enumerate(
+            zip(ends, t["seq_lens"].numpy(), t["prompt_lens"].numpy()))]
+        return cls(t["feats"], t["tokens"], seqs, t["counts"].numpy(), holdout)
+
+
+def read_embedding(model: Path) -> nn.Embedding:
+    """The target's input embeddings, read alone from its checkpoint (the head reads them;
+    they are never trained)."""
+    for file in checkpoint_files(model):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names = [n for n in f.keys() if n.endswith("embed_tokens.weight")
+                     and "mtp" not in n]
+            if names:
+                name = min(names, key=len)  # model.embed_tokens over nested copies
+                return nn.Embedding.from_pretrained(f.get_tensor(name).float(), freeze=True)
+    raise CheckpointError(f"{model}: no embed_tokens.weight in the checkpoint")
+
+
+def check_head_fits(head_cfg: dict[str, Any], target_cfg: dict[str, Any], path: Path) -> None:
+    """A warm-start head must read the target's features and vocabulary (the same checks as
+    ``Eagle3Drafter``, made before any work)."""
+    text = target_cfg.get("text_config") or {}
+    vocab = int(target_cfg.get("vocab_size") or text.get("vocab_size"))
+    hidden = int(target_cfg.get("hidden_size") or text.get("hidden_size"))
+    layers = int(target_cfg.get("num_hidden_layers") or text.get("num_hidden_layers"))
+    hv, hh = head_cfg.get("vocab_size"), head_cfg.get("hidden_size")
+    th = head_cfg.get("target_hidden_size") or hh
+    if hv != vocab:
+        raise CheckpointError(f"--init head {path} has vocab_size {hv} but the target has "
+                              f"{vocab}: it does not fit this target")
+    if hh != hidden or th != hidden:
+        raise CheckpointError(f"--init head {path} has hidden_size {hh} (target_hidden_size "
+                              f"{th}) but the target's is {hidden}: it does not fit this "
+                              "target")
+    aux_layer_inputs(head_cfg, layers)
+
+
+def _prepare_out(cfg: TrainDraftConfig) -> Path | None:
+    """Check the output dir; returns the checkpoint to resume from (None: a new run)."""
+    out = cfg.out
+    ckpt_dir = out / CHECKPOINT_DIR
+    if cfg.resume:
+        steps = sorted(ckpt_dir.glob("step-*.safetensors"),
+                       key=lambda p: int(p.stem.split("-")[1]))
+        if not steps or not (ckpt_dir / DATA_FILE).is_file():
+            raise ValueError(f"--resume: {ckpt_dir} holds no checkpoint to continue from "
+                             "(is --out the dir of a run with --save-every > 0?)")
+        return steps[-1]
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not cfg.overwrite:
+            raise ValueError(f"output dir {out} exists and is not empty: pass --overwrite to "
+                             "replace it, or --resume to continue its run")
+    return None
+
+
+def _settings(cfg: TrainDraftConfig) -> dict[str, Any]:
+    d = asdict(cfg)
+    return {k: (str(d[k]) if isinstance(d[k], Path) else d[k]) for k in RESUME_KEYS}
+
+
+def epoch_batches(seqs: list[BufferedSeq], batch_tokens: int, seed: int, epoch: int
+                  ) -> list[list[int]]:
+    """Epoch ``epoch``'s batches: a permutation drawn from ``(seed, epoch)`` cut into runs
+    of at most ``batch_tokens`` positions (a longer sequence makes a batch of its own)."""
+    order = np.random.default_rng([seed, epoch]).permutation(len(seqs))
+    out: list[list[int]] = []
+    cur: list[int] = []
+    n = 0
+    for i in order:
+        size = len(seqs[i].rows)
+        if cur and n + size > batch_tokens:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(int(i))
+        n += size
+    if cur:
+        out.append(cur)
+    return out
+
+
+def learning_rate(step: int, total: int, lr: float) -> float:
+    """Linear warm-up over the first 5% of the steps, then a cosine decay to 10% of ``lr``."""
+    warmup = max(1, round(WARMUP_FRACTION * total))
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = (step - warmup) / max(1, total - warmup)
+    return lr * (FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi
+                                                                                   * frac)))
+
+
+def _progress(total: int, desc: str, enabled: bool, initial: int = 0) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, unit="step"
+                if desc == "train" else "prompt", dynamic_ncols=True)
+
+
+def _engine(cfg: TrainDraftConfig, draft: Path | None, **kw: Any) -> Any:
+    from specengine.engine import SpecEngine
+
+    return SpecEngine(cfg.model, draft=None if draft is None else str(draft),
+                      device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
+                      num_threads=cfg.num_threads, **kw)
+
+
+def generate_set(cfg: TrainDraftConfig, prompts: list[list[int]], gen_head: Path,
+                 vocab_size: int) -> GeneratedSet:
+    """Roll out ``prompts`` with the engine, keeping what its catch-up pass computes."""
+    from specengine.sampling import SamplingParams
+
+    n = cfg.samples_per_prompt
+    per_call = max(1, GEN_BATCH // n)
+    longest = max(len(p) for p in prompts) + cfg.max_tokens
+    capacity = per_call * n * longest  # a whole call's sequences fit: none loses its start
+    engine = _engine(cfg, gen_head, max_batch_size=max(GEN_BATCH, n),
+                     draft_options={"adapt_buffer_tokens": capacity})
+    buffer = engine.drafter.adapter.buffer
+    k = cfg.gen_k or (3 if cfg.init is not None else 1)
+    data = GeneratedSet(counts=np.zeros(vocab_size, dtype=np.int64))
+    bar = _progress(len(prompts), "generate", cfg.progress)
+    t0, num_new = time.perf_counter(), 0
+    try:
+        for i in range(0, len(prompts), per_call):
+            chunk = prompts[i: i + per_call]
+            params = [SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                     n=n, seed=(cfg.seed * 1_000_003 + i + j) % (2**62))
+                      for j in range(len(chunk))]
+            outs = engine.generate(chunk, k=k, sampling=params)
+            for o in outs:
+                data.counts += np.bincount(np.asarray(o.token_ids, dtype=np.int64),
+                                           minlength=vocab_size)[:vocab_size]
+                num_new += len(o.token_ids)
+            data.take(buffer)
+            buffer.clear()
+            bar.update(len(chunk))
+            bar.set_postfix(seqs=len(data.seqs),
+                            tok_s=f"{num_new / (time.perf_counter() - t0):.0f}")
+    finally:
+        bar.close()
+        engine.close()
+    data.finish()
+    if not data.seqs:
+        raise ValueError("train-draft: the rollouts produced no sequence to train on (every "
+                         "completion ended at its first token?)")
+    return data
+
+
+def evaluate(cfg: TrainDraftConfig, prompts: list[list[int]]) -> dict[str, Any]:
+    """Greedy rollouts of ``prompts`` with the head in ``cfg.out`` at k = 0 and 1..5."""
+    from specengine.sampling import SamplingParams
+
+    engine = _engine(cfg, cfg.out, max_batch_size=max(1, min(len(prompts), GEN_BATCH)))
+    params = SamplingParams(temperature=0.0, max_tokens=cfg.eval_max_tokens or cfg.max_tokens)
+    try:
+        base = engine.generate(prompts, k=0, sampling=params)
+        rows = {}
+        for k in EVAL_KS:
+            outs = engine.generate(prompts, k=k, sampling=params)
+            st = engine.stats
+            rows[str(k)] = {
+                "mean_accepted_length": st.mean_accepted_length,
+                "acceptance_per_position": list(st.acceptance_rate_per_position),
+                "acceptance_per_draft": st.num_accepted_tokens / max(1, st.num_draft_tokens),
+                "identical_to_k0": sum(a.token_ids == b.token_ids for a, b in zip(outs, base)),
+            }
+    finally:
+        engine.close()
+    return {"num_prompts": len(prompts), "temperature": 0.0, "max_tokens": params.max_tokens,
+            "k": rows}
+
+
+def format_table(evaluation: dict[str, Any]) -> str:
+    n = evaluation["num_prompts"]
+    lines = [f"held-out evaluation: {n} prompts, greedy, at most {evaluation['max_tokens']} "
+             "tokens",
+             f"{'k':>2} | {'mean accepted length':>20} | {'identical to k=0':>16} | "
+             "acceptance per position"]
+    for k, r in evaluation["k"].items():
+        acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        lines.append(f"{k:>2} | {r['mean_accepted_length']:>20.2f} | "
+                     f"{str(r['identical_to_k0']) + '/' + str(n):>16} | {acc}")
+    return "\n".join(lines)
+
+
+def plot(evaluation: dict[str, Any], path: Path) -> bool:
+    """Acceptance per position and mean accepted length by k, when matplotlib is there."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for k, r in evaluation["k"].items():
+        acc = r["acceptance_per_position"]
+        a.plot(range(1, len(acc) + 1), acc, marker="o", label=f"k={k}")
+    a.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02))
+    a.legend()
+    ks = [int(k) for k in evaluation["k"]]
+    b.plot(ks, [r["mean_accepted_length"] for r in evaluation["k"].values()], marker="o")
+    b.plot(ks, [k + 1 for k in ks], ls=":", color="gray", label="k + 1 (all accepted)")
+    b.set(xlabel="k", ylabel="mean accepted length")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _split(prompts: list[list[int]], holdout: int | None, seed: int
+           ) -> tuple[list[list[int]], list[list[int]]]:
+    n = len(prompts)
+    if holdout is None:
+        holdout = min(64, max(1, n // 10)) if n > 1 else 0
+    if holdout >= n:
+        raise ValueError(f"--holdout {holdout} leaves no training prompt ({n} prompts)")
+    order = np.random.default_rng([seed, 1]).permutation(n)
+    held = {int(i) for i in order[:holdout]}
+    return ([p for i, p in enumerate(prompts) if i not in held],
+            [prompts[int(i)] for i in order[:holdout]])
+
+
+def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainDraftResult:
+    """Generate, train and evaluate an EAGLE-3 head (module docstring). Give a
+    :class:`TrainDraftConfig` or its fields as keywords. Bad input raises ``ValueError``
+    (``CheckpointError`` for a head or checkpoint that does not fit) before the output dir is
+    touched."""
+    cfg = cfg if cfg is not None else TrainDraftConfig(**kwargs)
+    if not cfg.model.is_dir():
+        raise ValueError(f"--model {cfg.model}: no such directory")
+    target_cfg = read_config(cfg.model)
+    resume_from = _prepare_out(cfg)
+    init_cfg = None
+    if cfg.init is not None:
+        init_cfg = read_config(cfg.init)
+        check_head_fits(init_cfg, target_cfg, cfg.init)
+    ckpt_dir = cfg.out / CHECKPOINT_DIR
+    embed = read_embedding(cfg.model)
+    vocab = embed.num_embeddings
+    t0 = time.perf_counter()
+    if resume_from is None:
+        prompts = tokenize_prompts(cfg.model, read_prompts(cfg.prompts, cfg.prompt_column))
+        train_prompts, holdout = _split(prompts, cfg.holdout, cfg.seed)
+        with tempfile.TemporaryDirectory(prefix="specengine-gen-head-") as tmp:
+            if cfg.init is not None:
+                gen_head = cfg.init
+            else:  # a random head that only drives the capture (k=1)
+                torch.manual_seed(cfg.seed)
+                gen_cfg = fresh_config(target_cfg, min(vocab, cfg.draft_vocab_size), "float32")
+                write_head(build_head(gen_cfg, embed, torch.device("cpu")), gen_cfg, tmp,
+                           torch.float32)
+                gen_head = Path(tmp)
+            data = generate_set(cfg, train_prompts, gen_head, vocab)
+        data.holdout = holdout
+        if cfg.overwrite and cfg.out.exists():  # only once the rollouts succeeded
+            shutil.rmtree(cfg.out) if cfg.out.is_dir() else cfg.out.unlink()
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        if cfg.save_every:
+            ckpt_dir.mkdir(exist_ok=True)
+            data.save(ckpt_dir / DATA_FILE)
+            (ckpt_dir / "settings.json").write_text(json.dumps(
+                {**_settings(cfg), "num_train_prompts": len(train_prompts)}, indent=2))
+        num_train_prompts, start = len(train_prompts), 0
+    else:
+        saved = json.loads((ckpt_dir / "settings.json").read_text())
+        now = _settings(cfg)
+        diff = {k: (saved.get(k), now[k]) for k in RESUME_KEYS if saved.get(k) != now[k]}
+        if diff:
+            raise ValueError("--resume: these settings differ from the run being resumed "
+                             f"(saved, given): {diff}; give the run's own settings")
+        data = GeneratedSet.load(ckpt_dir / DATA_FILE)
+        num_train_prompts = int(saved.get("num_train_prompts", 0))
+        start = int(resume_from.stem.split("-")[1])
+    gen_s = time.perf_counter() - t0
+    device = torch.device(cfg.device if cfg.device not in (None, "auto") else
+                          ("cuda" if torch.cuda.is_available() else "cpu"))
+    embed = embed.to(device)
+    if cfg.init is not None:
+        head_cfg, head = read_head(cfg.init, embed, device)
+    else:
+        head_cfg = fresh_config(target_cfg, min(vocab, cfg.draft_vocab_size), "bfloat16")
+        torch.manual_seed(cfg.seed)
+        head = build_head(head_cfg, embed, device,
+                          draft_to_target=most_frequent(data.counts, head_cfg["draft_vocab_size"]))
+    opt = HeadOptimizer(head)
+    if resume_from is not None:
+        opt.load_state_dict(load_file(str(resume_from), device=str(device)))
+    trainer = DraftTrainer(head, embed, device, depth=cfg.ttt_steps,
+                           batch_tokens=cfg.batch_tokens, seed=cfg.seed)
+    schedule = [b for e in range(cfg.epochs)
+                for b in epoch_batches(data.seqs, cfg.batch_tokens, cfg.seed, e)]
+    total = len(schedule)
+    if start > total:
+        raise ValueError(f"--resume: the checkpoint is at step {start} but this run has "
+                         f"{total} steps")
+    losses: list[tuple[int, float]] = []
+    bar = _progress(total, "train", cfg.progress, initial=start)
+    t1 = time.perf_counter()
+    positions = 0
+    try:
+        for step in range(start, total):
+            batch = [data.seqs[i] for i in schedule[step]]
+            with torch.enable_grad():
+                loss = trainer.objective(data, batch, opt.masters)
+            opt.step(loss, learning_rate(step, total, cfg.lr))
+            losses.append((step, float(loss.detach())))
+            positions += sum(len(s.rows) for s in batch)
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1][1]:.4f}",
+                            tok_s=f"{positions / (time.perf_counter() - t1):.0f}")
+            done = step + 1
+            if cfg.save_every and done % cfg.save_every == 0 and done < total:
+                _save_checkpoint(opt, ckpt_dir, done)
+    finally:
+        bar.close()
+    train_s = time.perf_counter() - t1
+    opt.sync_out()
+    save_dtype = getattr(torch, str(target_cfg.get("torch_dtype") or target_cfg.get("dtype")
+                                    or "bfloat16"), torch.bfloat16)
+    if cfg.init is not None and init_cfg is not None:
+        head_cfg = init_cfg
+    write_head(head, head_cfg, cfg.out, save_dtype)
+    logger.info("wrote the head to %s after %d steps (%.1f s)", cfg.out, total, train_s)
+    t2 = time.perf_counter()
+    evaluation = None
+    if data.holdout:
+        evaluation = evaluate(cfg, data.holdout)
+        evaluation["training"] = {"num_seqs": len(data.seqs), "num_tokens": data.num_tokens,
+                                  "steps": total, "final_loss": losses[-1][1] if losses
+                                  else None, "generate_s": gen_s, "train_s": train_s}
+        (cfg.out / "eval.json").write_text(json.dumps(evaluation, indent=2) + "\n")
+        plot(evaluation, cfg.out / "eval.png")
+    return TrainDraftResult(cfg.out, num_train_prompts, len(data.holdout),
+                            len(data.seqs), data.num_tokens, total, tuple(losses), evaluation,
+                            gen_s, train_s, time.perf_counter() - t2,
+                            None if resume_from is None else start)
+
+
+def _save_checkpoint(opt: HeadOptimizer, ckpt_dir: Path, step: int) -> None:
+    """Masters and moments at ``step``; the previous checkpoint goes once this one is whole."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_dir / f"step-{step}.safetensors.tmp"
+    save_file({n: t.detach().cpu().contiguous() for n, t in opt.state_dict().items()},
+              str(tmp))
+    tmp.replace(ckpt_dir / f"step-{step}.safetensors")
+    for old in ckpt_dir.glob("step-*.safetensors"):
+        if old.stem != f"step-{step}":
+            old.unlink()

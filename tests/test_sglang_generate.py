@@ -1,0 +1,358 @@
+"""``POST /generate`` in SGLang's dialect on the live server (bundled pair, default k 3):
+single and batch prompts as ``input_ids`` and ``text``, ``return_logprob`` (equal to
+``SpecEngine.generate``'s), ``n`` = 4 with a seed (one group, one prefill, equal to the
+in-process group), streaming; our own body still works, also with ``n`` > 1; bad SGLang
+bodies are 400s naming the field and change nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import http.client
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from server_helpers import (
+    WAIT_S,
+    assert_idle_and_free,
+    bundled_engine,
+    in_engine,
+    post_json,
+    running_server,
+)
+
+from specengine import AsyncSpecEngine, SamplingParams, SpecEngine
+from specengine.outputs import GenerationOutput
+from specengine.server.serve import RolloutServer
+from specengine.server.sglang_schemas import DEFAULT_MAX_NEW_TOKENS
+
+PROMPT_IDS = [5, 6, 7, 8]
+GREEDY = {"max_new_tokens": 12, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def reference() -> SpecEngine:
+    return bundled_engine()
+
+
+@pytest.fixture(scope="module")
+def aeng() -> Iterator[AsyncSpecEngine]:
+    eng = AsyncSpecEngine(bundled_engine())
+    yield eng
+    asyncio.run(eng.close())
+
+
+@pytest.fixture(scope="module")
+def server(aeng: AsyncSpecEngine) -> Iterator[RolloutServer]:
+    with running_server(aeng, default_k=3) as (srv, _):
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def served(server: RolloutServer) -> int:
+    return server.port
+
+
+def expect(out: dict[str, Any], want: GenerationOutput, rid: str | None = None,
+           logprobs: bool = False) -> None:
+    """An SGLang result equals the engine's output (tokens, text, meta_info)."""
+    assert out["output_ids"] == list(want.token_ids)
+    assert out["text"] == want.text
+    meta = out["meta_info"]
+    if rid is not None:
+        assert meta["id"] == rid
+    assert meta["prompt_tokens"] == len(want.prompt_token_ids)
+    assert meta["completion_tokens"] == len(want.token_ids)
+    assert meta["weight_version"] == want.weight_version == 0
+    reason = meta["finish_reason"]
+    assert reason["type"] == want.finish_reason
+    if want.finish_reason == "length":
+        assert reason["length"] == len(want.token_ids)
+    else:
+        assert reason["matched"] == want.token_ids[-1]
+    if logprobs:
+        triples = meta["output_token_logprobs"]
+        assert [t for _, t, _ in triples] == list(want.token_ids)
+        assert all(x is None for _, _, x in triples)
+        assert [lp for lp, _, _ in triples] == pytest.approx(list(want.logprobs), abs=1e-4)
+    else:
+        assert "output_token_logprobs" not in meta
+
+
+def test_single_input_ids_with_logprobs(served, reference) -> None:
+    status, out = post_json(served, "/generate", {
+        "input_ids": PROMPT_IDS, "sampling_params": GREEDY, "return_logprob": True,
+        "rid": "sgl-1"})
+    assert status == 200, out
+    want = reference.generate([PROMPT_IDS], k=3, sampling=SamplingParams(
+        temperature=0.0, max_tokens=12))[0]
+    expect(out, want, "sgl-1", logprobs=True)
+
+
+def test_batch_of_texts_and_of_ids_in_order(served, reference) -> None:
+    texts = ["Q:472*6=", "Q:385+472=", "Q:12+7="]
+    sampled = {"max_new_tokens": 10, "temperature": 1.0, "top_k": 8, "sampling_seed": 3}
+    status, out = post_json(served, "/generate", {
+        "text": texts, "sampling_params": [GREEDY, sampled, GREEDY], "rid": ["a", "b", "c"],
+        "return_logprob": [True, True, False]})
+    assert status == 200, out
+    want = reference.generate(texts, k=3, sampling=[
+        SamplingParams(temperature=0.0, max_tokens=12),
+        SamplingParams(temperature=1.0, top_k=8, seed=3, max_tokens=10),
+        SamplingParams(temperature=0.0, max_tokens=12)])
+    assert len(out) == 3
+    for o, w, rid, lp in zip(out, want, "abc", [True, True, False]):
+        expect(o, w, rid, logprobs=lp)
+    status, out = post_json(served, "/generate", {"input_ids": [PROMPT_IDS, [9, 5]],
+                                                  "sampling_params": GREEDY})
+    assert status == 200 and len(out) == 2
+    want = reference.generate([PROMPT_IDS, [9, 5]], k=3,
+                              sampling=SamplingParams(temperature=0.0, max_tokens=12))
+    for o, w in zip(out, want):
+        expect(o, w)
+
+
+def test_default_max_new_tokens_is_sglangs(served) -> None:
+    status, out = post_json(served, "/generate", {
+        "input_ids": PROMPT_IDS, "sampling_params": {"temperature": 0.0, "ignore_eos": True}})
+    assert status == 200
+    assert out["meta_info"]["completion_tokens"] == DEFAULT_MAX_NEW_TOKENS
+    assert out["meta_info"]["finish_reason"] == {"type": "length",
+                                                 "length": DEFAULT_MAX_NEW_TOKENS}
+
+
+def test_group_of_four_is_one_prefill_and_reproducible(served, aeng, reference) -> None:
+    prompt = [5, 9, 6, 7, 8, 5, 9]
+    sp = {"max_new_tokens": 12, "temperature": 1.5, "n": 4, "sampling_seed": 11}
+    want = reference.generate([prompt], k=3, sampling=SamplingParams(
+        temperature=1.5, max_tokens=12, n=4, seed=11))
+    assert len({w.token_ids for w in want}) > 1  # the samples differ
+    status, out = post_json(served, "/generate", {"input_ids": prompt, "sampling_params": sp,
+                                                  "rid": "grp"})
+    assert status == 200, out
+    stats = in_engine(aeng, lambda e: e.stats)
+    num_prompt = len(prompt)
+    assert stats.num_prompt_tokens == 4 * num_prompt
+    assert stats.num_computed_prompt_tokens == num_prompt  # one prefill for the group
+    assert [o["meta_info"]["id"] for o in out] == [f"grp-{i}" for i in range(4)]
+    for o, w in zip(out, want):
+        expect(o, w)
+    again = post_json(served, "/generate", {"input_ids": prompt, "sampling_params": sp})[1]
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in out]
+    # Our own body: the same group, answered as our outputs.
+    status, ours = post_json(served, "/generate", {
+        "prompt_token_ids": prompt, "request_id": "g2", "sampling_params": {
+            "max_tokens": 12, "temperature": 1.5, "n": 4, "seed": 11}})
+    assert status == 200 and ours["request_id"] == "g2", ours
+    assert [o["request_id"] for o in ours["outputs"]] == [f"g2-{i}" for i in range(4)]
+    for o, w in zip(ours["outputs"], want):
+        assert o["token_ids"] == list(w.token_ids) and o["sample_index"] == w.sample_index
+        assert o["logprobs"] == pytest.approx(list(w.logprobs), abs=1e-4)
+    in_engine(aeng, assert_idle_and_free)
+
+
+def sse(port: int, body: dict[str, Any]) -> list[Any]:
+    """The events of a streamed answer (``[DONE]`` as the string)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        conn.request("POST", "/generate", json.dumps(body).encode(),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        events = []
+        for line in resp.read().decode().split("\n\n"):
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                events.append(data if data == "[DONE]" else json.loads(data))
+        return events
+    finally:
+        conn.close()
+
+
+def test_stream_carries_the_ids_so_far_then_the_result(served, reference) -> None:
+    events = sse(served, {"input_ids": PROMPT_IDS, "sampling_params": GREEDY,
+                          "stream": True, "return_logprob": True, "rid": "s1"})
+    assert events[-1] == "[DONE]" and len(events) > 2
+    want = reference.generate([PROMPT_IDS], k=3, sampling=SamplingParams(
+        temperature=0.0, max_tokens=12))[0]
+    chunks = events[:-1]
+    for prev, cur in zip(chunks, chunks[1:]):  # cumulative, as SGLang streams by default
+        assert cur["output_ids"][:len(prev["output_ids"])] == prev["output_ids"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    expect(chunks[-1], want, "s1", logprobs=True)
+    # A group streams every sample, each chunk with its index.
+    events = sse(served, {"text": "Q:385+472=", "stream": True, "sampling_params": {
+        "max_new_tokens": 8, "temperature": 1.0, "n": 2, "sampling_seed": 4}})
+    finals = {c["index"]: c for c in events[:-1] if c["meta_info"]["finish_reason"]}
+    want = reference.generate(["Q:385+472="], k=3, sampling=SamplingParams(
+        temperature=1.0, max_tokens=8, n=2, seed=4))
+    assert sorted(finals) == [0, 1]
+    for i, w in enumerate(want):
+        expect(finals[i], w)
+
+
+def test_our_body_still_works(served, reference) -> None:
+    status, out = post_json(served, "/generate", {
+        "prompt_token_ids": PROMPT_IDS, "sampling_params": {"max_tokens": 12,
+                                                            "temperature": 0.0}})
+    want = reference.generate([PROMPT_IDS], k=3, sampling=SamplingParams(
+        temperature=0.0, max_tokens=12))[0]
+    assert status == 200 and out["token_ids"] == list(want.token_ids), out
+    assert set(out) == {"request_id", *(f.name for f in dataclasses.fields(GenerationOutput))}
+
+
+def _unsupported(field: str) -> bool:
+    return field not in {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+BAD = [  # (id, body, words the 400 must contain)
+    ("two prompts", {"text": "Q:", "input_ids": [1]}, "exactly one of text and input_ids"),
+    ("typo", {"input_ids": [1], "sampling_params": {"max_new_token": 3}},
+     "unknown field 'sampling_params.max_new_token'"),
+    ("unknown top field", {"input_ids": [1], "return_logprobs": True},
+     "unknown field 'return_logprobs'"),
+    ("rid list on one prompt", {"input_ids": [1], "rid": ["a"]}, "rid"),
+    ("rid list too short", {"text": ["Q:", "Q:1"], "rid": ["a"]}, "rid"),
+    ("same rids", {"text": ["Q:", "Q:1"], "rid": ["a", "a"]}, "rid"),
+    ("empty batch", {"text": []}, "the batch is empty"),
+    ("top logprobs", {"input_ids": [1], "top_logprobs_num": 2}, "top_logprobs_num"),
+    ("logprob start", {"input_ids": [1], "logprob_start_len": 0}, "logprob_start_len"),
+    ("two seeds", {"input_ids": [1], "sampling_params": {"seed": 1, "sampling_seed": 2}},
+     "one of seed and sampling_seed"),
+    ("bad temperature", {"input_ids": [1], "sampling_params": {"temperature": -1}},
+     "temperature must be"),
+    ("bad n", {"input_ids": [1], "sampling_params": {"n": 0}}, "n (samples per prompt)"),
+    ("token out of vocab", {"input_ids": [1, 99]}, "outside the vocabulary"),
+    ("bad character", {"text": "Q:x"}, "'x'"),
+    ("bad prompt in batch", {"text": ["Q:1", "Q:x"]}, "'x'"),
+    ("string max tokens", {"input_ids": [1], "sampling_params": {"max_new_tokens": "3"}},
+     "sampling_params.max_new_tokens"),
+]
+OPTIONAL = [  # refused while SamplingParams lacks the field, named in the 400
+    ("stop", {"stop": ["="]}, "stop"), ("min_p", {"min_p": 0.1}, "min_p"),
+    ("min_new_tokens", {"min_new_tokens": 2}, "min_tokens"),
+    ("repetition_penalty", {"repetition_penalty": 1.2}, "repetition_penalty"),
+]
+
+
+@pytest.mark.parametrize("body,words", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_bad_sglang_body_is_a_400_naming_the_field(served, aeng, reference, body, words
+                                                   ) -> None:
+    status, answer = post_json(served, "/generate", body)
+    assert status == 400, answer
+    assert set(answer) == {"error"} and words in answer["error"], answer
+    in_engine(aeng, assert_idle_and_free)
+    status, out = post_json(served, "/generate", {"input_ids": PROMPT_IDS,
+                                                  "sampling_params": GREEDY})
+    assert status == 200  # the server still serves
+    expect(out, reference.generate([PROMPT_IDS], k=3, sampling=SamplingParams(
+        temperature=0.0, max_tokens=12))[0])
+
+
+@pytest.mark.parametrize("field,sampling,engine_field", OPTIONAL,
+                         ids=[c[0] for c in OPTIONAL])
+def test_fields_the_engine_lacks_are_refused_by_name(served, aeng, field, sampling,
+                                                     engine_field) -> None:
+    if not _unsupported(engine_field):
+        pytest.skip(f"SamplingParams has {engine_field} now: the field is passed on")
+    status, answer = post_json(served, "/generate", {"input_ids": [1],
+                                                     "sampling_params": sampling})
+    assert status == 400 and f"sampling_params.{field}" in answer["error"], answer
+    assert "not supported" in answer["error"]
+    # Its neutral value is no request for it: accepted.
+    neutral = {"stop": [], "min_p": 0.0, "min_new_tokens": 0, "repetition_penalty": 1.0}
+    status, _ = post_json(served, "/generate", {
+        "input_ids": [1], "sampling_params": {"max_new_tokens": 2, field: neutral[field]}})
+    assert status == 200
+    in_engine(aeng, assert_idle_and_free)
+
+
+def test_model_info_flush_cache_health_and_abort(served, aeng) -> None:
+    port = served
+    info = json.loads(_get(port, "/get_model_info"))
+    assert info["weight_version"] == 0 and info["is_generation"] is True
+    assert info["model_path"] == aeng.engine.config.model
+    assert json.loads(_get(port, "/health_generate"))["status"] == "ok"
+    status, answer = post_json(port, "/flush_cache", {})
+    assert status == 200 and answer["success"]
+    status, answer = post_json(port, "/abort_request", {"rid": "nobody"})
+    assert status == 200 and answer["aborted"] == []
+    in_engine(aeng, assert_idle_and_free)
+
+
+def _get(port: int, path: str) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        assert resp.status == 200
+        return resp.read().decode()
+    finally:
+        conn.close()
+
+
+def test_abort_request_ends_every_sample_of_a_group(server, aeng) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=WAIT_S)
+    try:
+        conn.request("POST", "/generate", json.dumps({
+            "input_ids": PROMPT_IDS, "rid": "long", "stream": True, "sampling_params": {
+                "max_new_tokens": 200, "ignore_eos": True, "n": 2, "temperature": 1.0,
+                "sampling_seed": 1}}).encode(), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: {")  # both samples are in the engine
+        status, answer = post_json(server.port, "/abort_request", {"rid": "long"})
+        assert status == 200 and answer["aborted"] == ["long-0", "long-1"], answer
+        events = [line.removeprefix("data: ") for line in resp.read().decode().split("\n\n")
+                  if line.startswith("data: ")]
+    finally:
+        conn.close()
+    assert events[-1] == "[DONE]"
+    finals = [json.loads(e) for e in events[:-1]]
+    finals = {c["index"]: c for c in finals if c["meta_info"]["finish_reason"]}
+    assert sorted(finals) == [0, 1]
+    for c in finals.values():
+        assert c["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(c["output_ids"]) < 200
+    in_engine(aeng, assert_idle_and_free)
+
+
+def test_our_body_streams_a_group(served, reference) -> None:
+    prompt = [5, 9, 6, 7, 8, 5, 9]
+    events = sse(served, {"prompt_token_ids": prompt, "request_id": "gs", "stream": True,
+                          "sampling_params": {"max_tokens": 8, "temperature": 1.5, "n": 2,
+                                              "seed": 5}})
+    assert events[-1] == "[DONE]"
+    want = reference.generate([prompt], k=3, sampling=SamplingParams(
+        temperature=1.5, max_tokens=8, n=2, seed=5))
+    tokens: dict[str, list[int]] = {"gs-0": [], "gs-1": []}
+    finals = {}
+    for e in events[:-1]:
+        tokens[e["request_id"]].extend(e["new_token_ids"])
+        if e["finished"]:
+            finals[e["request_id"]] = e["output"]
+    for i, w in enumerate(want):
+        assert tokens[f"gs-{i}"] == finals[f"gs-{i}"]["token_ids"] == list(w.token_ids)
+        assert finals[f"gs-{i}"]["sample_index"] == i
+
+
+def test_python_client_reads_a_group(served, reference) -> None:
+    """``SpecEngineClient.generate_group`` returns the n outputs of one group (sample order);
+    ``generate`` refuses a group's answer instead of returning a wrong single output."""
+    from specengine.client import SpecEngineClient
+
+    client = SpecEngineClient(f"http://127.0.0.1:{served}")
+    prompt = [5, 9, 6, 7]
+    params = SamplingParams(temperature=1.5, max_tokens=10, n=3, seed=5)
+    want = reference.generate([prompt], k=3, sampling=params)
+    got = client.generate_group(prompt, params, k=3, request_id="cg")
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.sample_index for g in got] == [0, 1, 2]
+    with pytest.raises(ValueError, match="generate_group"):
+        client.generate(prompt, params, k=3)
+    single = client.generate_group(prompt, SamplingParams(temperature=0.0, max_tokens=10), k=3)
+    assert [g.token_ids for g in single] == [
+        reference.generate([prompt], k=3, sampling=SamplingParams(temperature=0.0,
+                                                                   max_tokens=10))[0].token_ids]

@@ -1,0 +1,198 @@
+"""``specengine train-draft`` (``specengine/train/``) on the bundled target with tiny budgets:
+the CLI end to end (a head the engine loads by path, lossless, drafting far better than the
+fresh head it started from), ``--resume`` continuing exactly, ``--init`` warm-starting, the
+prompt formats (chat template as transformers renders it, Parquet) and bad input."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from specengine import SamplingParams, SpecEngine
+from specengine.arith_task import encode, heldout_prompts, write_training_prompts
+from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
+from specengine.cli import main
+from specengine.drafters.draft_trainer import DraftTrainer
+from specengine.train import train_draft
+from specengine.train.data import read_prompts, tokenize_prompts
+from specengine.train.head_init import build_head, fresh_config, read_config, write_head
+from specengine.train.offline import GeneratedSet, epoch_batches, read_embedding
+
+EVAL = [encode(p) for p in heldout_prompts(8)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
+TINY = ["--max-tokens", "48", "--batch-tokens", "256", "--epochs", "5", "--no-progress",
+        "--device", "cpu"]
+
+
+def acceptance_per_draft(draft: Path) -> tuple[float, list, list]:
+    """Greedy k=3 on held-out prompts: accepted / drafted, and the k=3 and k=0 outputs."""
+    engine = SpecEngine(DEFAULT_TARGET, draft=str(draft), device="cpu", max_model_len=128,
+                        kv_cache_tokens=4096)
+    base = engine.generate(EVAL, k=0, sampling=GREEDY)
+    outs = engine.generate(EVAL, k=3, sampling=GREEDY)
+    st = engine.stats
+    return st.num_accepted_tokens / st.num_draft_tokens, outs, base
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "arith.txt"
+    write_training_prompts(path, 72)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(prompts: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("run") / "head"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["train-draft", "--prompts", str(prompts), "--out", str(out),
+                   "--holdout", "8", "--eval-max-tokens", "24", *TINY])
+    assert rc == 0, buf.getvalue()
+    return out, buf.getvalue()
+
+
+def test_cli_trains_a_head_the_engine_loads_lossless_and_better_than_fresh(
+        trained: tuple[Path, str], tmp_path: Path) -> None:
+    out, printed = trained
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["draft_vocab_size"] == 20 and cfg["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    rate, outs, base = acceptance_per_draft(out)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]  # lossless
+    # the fresh head training started from (same seed, same construction)
+    fresh = tmp_path / "fresh"
+    torch.manual_seed(0)
+    fcfg = fresh_config(read_config(DEFAULT_TARGET), 20, "bfloat16")
+    write_head(build_head(fcfg, read_embedding(DEFAULT_TARGET), torch.device("cpu")), fcfg,
+               fresh, torch.bfloat16)
+    fresh_rate, _, _ = acceptance_per_draft(fresh)
+    assert fresh_rate < 0.2 and rate > fresh_rate + 0.3, (fresh_rate, rate)
+    # the evaluation: a table and eval.json, k = 1..5, every k identical to k=0
+    ev = json.loads((out / "eval.json").read_text())
+    assert list(ev["k"]) == ["1", "2", "3", "4", "5"] and ev["num_prompts"] == 8
+    for k, row in ev["k"].items():
+        assert row["identical_to_k0"] == 8 and len(row["acceptance_per_position"]) == int(k)
+        assert 1.0 <= row["mean_accepted_length"] <= int(k) + 1
+    assert "mean accepted length" in printed and f"--draft {out}" in printed
+    assert ev["k"]["3"]["mean_accepted_length"] > 1.5
+
+
+def test_resume_continues_with_the_uninterrupted_runs_losses(prompts: Path,
+                                                             tmp_path: Path) -> None:
+    common = dict(model=DEFAULT_TARGET, prompts=prompts, out=tmp_path / "h", holdout=0,
+                  max_tokens=24, batch_tokens=160, epochs=2, save_every=3, seed=5,
+                  progress=False, device="cpu")
+    full = train_draft(**common)
+    assert full.num_steps > 6 and [s for s, _ in full.losses] == list(range(full.num_steps))
+    ckpts = sorted((tmp_path / "h" / "checkpoints").glob("step-*.safetensors"))
+    last = max(int(p.stem.split("-")[1]) for p in ckpts)  # the newest one is kept
+    assert len(ckpts) == 1 and last == 3 * ((full.num_steps - 1) // 3)
+    resumed = train_draft(**common, resume=True)
+    assert resumed.resumed_from == last
+    assert [s for s, _ in resumed.losses] == list(range(last, full.num_steps))
+    for (s, a), (_, b) in zip(resumed.losses, full.losses[last:]):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6), s
+    with pytest.raises(ValueError, match="settings differ.*lr"):
+        train_draft(**{**common, "lr": 1e-4}, resume=True)
+
+
+def test_init_warm_starts_from_the_heads_own_loss(prompts: Path, tmp_path: Path) -> None:
+    res = train_draft(model=DEFAULT_TARGET, prompts=prompts, out=tmp_path / "h",
+                      init=DEFAULT_DRAFT, holdout=0, max_tokens=24, batch_tokens=256,
+                      epochs=1, save_every=1000, seed=2, ttt_steps=3, progress=False,
+                      device="cpu")
+    data = GeneratedSet.load(tmp_path / "h" / "checkpoints" / "data.safetensors")
+    first = [data.seqs[i] for i in epoch_batches(data.seqs, 256, 2, 0)[0]]
+    # the bundled head as the engine loads it, scored by the shared loss
+    engine = SpecEngine(DEFAULT_TARGET, DEFAULT_DRAFT, device="cpu", dtype="float32")
+    head = engine.drafter.module
+    trainer = DraftTrainer(head, engine.model.model.embed_tokens, torch.device("cpu"), depth=3)
+    with torch.no_grad():
+        want = float(trainer.objective(data, first, {n: p.float() for n, p in
+                                                     head.named_parameters()}))
+    assert res.losses[0][0] == 0 and res.losses[0][1] == pytest.approx(want, rel=1e-4)
+    assert want < 1.0  # a trained head's loss (a fresh head's is about 7)
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 19  # the init head's vocabulary is kept
+
+
+def test_chat_prompts_render_as_transformers_renders_them(tmp_path: Path) -> None:
+    pytest.importorskip("jinja2")
+    AutoTokenizer = pytest.importorskip("transformers").AutoTokenizer  # noqa: N806
+
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_TARGET, model)
+    tcfg = json.loads((model / "tokenizer_config.json").read_text())
+    tcfg["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'system' %}P{% endif %}"
+                             "Q:{{ m['content'] | trim }}{{ eos_token }}{% endfor %}"
+                             "{% if add_generation_prompt %}A:{% endif %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    chats = [[{"role": "user", "content": "12+34="}],
+             [{"role": "system", "content": "1"}, {"role": "user", "content": " 5*6= "}]]
+    file = tmp_path / "p.jsonl"
+    file.write_text("".join(json.dumps(r) + "\n" for r in
+                            [{"messages": chats[0]}, {"prompt": chats[1]}, {"prompt": "Q:1+2="}]))
+    got = tokenize_prompts(model, read_prompts(file))
+    hf = AutoTokenizer.from_pretrained(model)
+    want = [list(hf.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)) for c in chats]
+    assert got[:2] == want and got[2] == encode("Q:1+2=")
+    assert 1 in got[0]  # <eos> from the template, as the special token
+
+
+def test_parquet_prompts_by_column(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    file = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"question": ["Q:1+2=", "Q:3*4="], "id": [0, 1]}), file)
+    assert read_prompts(file, "question") == ["Q:1+2=", "Q:3*4="]
+    with pytest.raises(ValueError, match=r"no column 'prompt'.*\['question', 'id'\]"):
+        read_prompts(file)
+
+
+def _fails(capsys: pytest.CaptureFixture[str], args: list[str], *match: str) -> None:
+    assert main(["train-draft", *args, "--no-progress", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert all(m in err for m in match), err
+
+
+def test_bad_input_is_refused_with_a_clear_message_touching_nothing(
+        tmp_path: Path, prompts: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    _fails(capsys, ["--prompts", str(empty), "--out", str(out)], "no prompts in it")
+    _fails(capsys, ["--prompts", str(tmp_path / "nope.txt"), "--out", str(out)], "no such file")
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"Q:1+2=\n\xff\xfe\n")
+    _fails(capsys, ["--prompts", str(binary), "--out", str(out)], "not UTF-8")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "Q:1+2="}\n')
+    _fails(capsys, ["--prompts", str(rows), "--out", str(out)], "no 'prompt' field")
+    _fails(capsys, ["--prompts", str(rows), "--out", str(out), "--prompt-column", "question"],
+           "no 'question' field")
+    for key, value in (("hidden_size", 64), ("vocab_size", 32)):
+        bad = tmp_path / f"bad-{key}"
+        shutil.copytree(DEFAULT_DRAFT, bad)
+        cfg = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**cfg, key: value}))
+        _fails(capsys, ["--prompts", str(prompts), "--out", str(out), "--init", str(bad)],
+               f"has {key} {value}", "does not fit this target")
+    assert not out.exists()
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    _fails(capsys, ["--prompts", str(prompts), "--out", str(out)], "pass --overwrite")
+    _fails(capsys, ["--prompts", str(prompts), "--out", str(out), "--resume"],
+           "no checkpoint to continue from")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    _fails(capsys, ["--prompts", str(prompts), "--out", str(out), "--resume", "--overwrite"],
+           "give one of them")
