@@ -66,17 +66,27 @@ def race_exponentials(seeds: Tensor, positions: Tensor, node: int, vocab: int) -
     return exponential_from_bits(words.gather(-1, word.expand(len(seeds), -1)[..., None])[..., 0])
 
 
-def keep_threshold(z: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+def keep_threshold(z: Tensor, top_k: Tensor, top_p: Tensor,
+                   log_min_p: Tensor | None = None) -> Tensor:
     """tau [B] such that temperature-scaled logits z [B, V] keep exactly {z >= tau}.
 
-    top-k keeps every z >= the k-th largest (ties kept); top-p then keeps the smallest prefix of
-    the renormalised top-k probabilities, by descending value, whose mass reaches top_p, plus
-    every tie of its last entry. Both are "z >= a value of z", so tau is one of the z.
+    min-p (vLLM's order: first) keeps {z >= max(z) + log_min_p} (p_i >= min_p * p_max, with
+    log_min_p = log(min_p) in float32, -inf = off; the sum is taken in float32, as the kernel
+    takes it). top-k then keeps every z >= the k-th largest of those (ties kept), which is the
+    larger of the two cuts (if min-p keeps more than k tokens, the k-th largest is among
+    them); top-p then keeps the smallest prefix of the renormalised kept probabilities, by
+    descending value, whose mass reaches top_p, plus every tie of its last entry. All are
+    "z >= a value of z", so tau is one of the z.
     """
     vocab = z.shape[-1]
     zs = z.sort(dim=-1, descending=True).values  # [B, V]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k.long(), vocab)
     kth = zs.gather(1, (k - 1)[:, None])  # [B, 1]
+    if log_min_p is not None:
+        cut = zs[:, :1] + log_min_p.float()[:, None]  # max(z) + log(min_p), float32
+        # the smallest z >= cut (a value of z; max(z) itself always passes: log_min_p <= 0)
+        z_cut = torch.where(zs >= cut, zs, float("inf")).min(1, keepdim=True).values
+        kth = torch.maximum(kth, z_cut)
     w = torch.where(zs >= kth, torch.exp(zs - zs[:, :1]), 0.0)  # sorted top-k weights
     short = w.cumsum(1) < (top_p * w.sum(1))[:, None]  # prefix entries before the mass is reached
     tau_p = zs.gather(1, short.sum(1, keepdim=True).clamp(max=vocab - 1))
@@ -109,11 +119,16 @@ def rejection_sample(
     seeds: Tensor,  # [B] int64
     offsets: Tensor,  # [B] int64: position of the token emitted at row 0
     tree_parents: Tensor | None,  # [N] int: parents[0] = -1, parents[j] < j; None = chain
+    log_min_p: Tensor | None = None,  # [B] float32 log(min_p), -inf = off; None: all off
     *,
     draft_index: Tensor | None = None,  # [V] int: draft_probs column of target token t, or -1
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Lossless speculative sampling: (output_ids [B, N] int64 (-1 pad), num_accepted [B] int32,
     logprobs [B, N] float32 (0 pad), row_ids [B, N] int32 (-1 pad)). Inputs assumed valid.
+
+    The processed law of a sampled row is temperature → min-p → top-k → top-p
+    (:func:`keep_threshold`); logits may hold -inf (tokens masked out, e.g. by ``min_tokens``:
+    never kept, never emitted).
 
     With ``draft_index`` the drafts were drawn from ``draft_probs [B, N-1, Vd]`` over the
     drafter's own vocabulary: the distribution judged is exactly that one in target ids
@@ -144,7 +159,7 @@ def rejection_sample(
     acc = torch.zeros(bsz, n_rows, dtype=torch.bool, device=dev)  # chains: draft of node c passes
     for j in range(n_rows):
         z = target_logits[:, j].float() * inv_t[:, None]  # [B, V]
-        tau = torch.where(greedy, float("-inf"), keep_threshold(z, top_k, top_p))
+        tau = torch.where(greedy, float("-inf"), keep_threshold(z, top_k, top_p, log_min_p))
         kept = z >= tau[:, None]
         m = z.max(1, keepdim=True).values
         w = torch.where(kept, torch.exp(z - m), 0.0)  # unnormalised p_j

@@ -6,7 +6,9 @@ the same inputs and seeds. Two launches, no host sync (CUDA-graph capturable):
 1. ``_row_kernel``, one program per (request, row / tree node) that the step can reach:
    * greedy row: 1 pass over V (argmax, max, sum of exp) — logprobs are raw log-softmax;
    * sampled row: pass 1 (online softmax stats + min + two exponential races over all tokens:
-     plain and without the row's children's tokens); with top-k / top-p, a threshold search of
+     plain and without the row's children's tokens); with min-p, one pass for its cut (the
+     smallest z >= max(z) + log(min_p), its mass and count); with top-k / top-p (applied after
+     min-p, vLLM's order), a threshold search of
      ~4-8 counting passes each (``threshold_search``: bisection over value space, never a sort);
      then one last race pass only if a pass-1 winner fell outside the kept set or the row's
      sampled draft (``draft_probs``) was rejected (residual max(p - q, 0), reads q too; q
@@ -33,6 +35,7 @@ from .sampling_pass import (
     final_pass,
     first_pass,
     greedy_pass,
+    min_p_pass,
     seed_key,
     threshold_search,
 )
@@ -47,9 +50,10 @@ _SBLOCK_TREE = 1024 if _INTERPRET else 64
 
 @triton.jit
 def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s_qb, s_qn,
-                map_ptr, temp_ptr, inv_t_ptr, top_k_ptr, top_p_ptr, seed_ptr, offset_ptr,
-                parents_ptr, tok_end_ptr, lp_end_ptr, p_child_ptr, lp_child_ptr, acc_ptr, N, V,
-                HAS_Q: tl.constexpr, HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr,
+                map_ptr, temp_ptr, inv_t_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
+                offset_ptr, parents_ptr, tok_end_ptr, lp_end_ptr, p_child_ptr, lp_child_ptr,
+                acc_ptr, N, V, HAS_Q: tl.constexpr, HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr,
+                HAS_MIN_P: tl.constexpr,
                 P: tl.constexpr,
                 SBLOCK: tl.constexpr, GBLOCK: tl.constexpr):
     pid = tl.program_id(0)
@@ -91,7 +95,14 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
             s_tau = s
             top_k = tl.load(top_k_ptr + b).to(tl.int32)
             top_p = tl.load(top_p_ptr + b)
-            if (top_k > 0) & (top_k < V):
+            n_kept = V  # tokens min-p keeps
+            if HAS_MIN_P:
+                log_min_p = tl.load(min_p_ptr + b)
+                if log_min_p > NEG_INF:
+                    tau, s_tau, n_kept = min_p_pass(row_ptr, V, inv_t, m, m + log_min_p, GBLOCK)
+            # top-k after min-p: if min-p keeps more than k tokens, the k-th largest z overall
+            # is among them (so >= the min-p cut) and is the threshold; else min-p's cut is.
+            if (top_k > 0) & (top_k < V) & (n_kept > top_k):
                 tau, s_tau = threshold_search(row_ptr, V, inv_t, m, zmin, m, s, top_k, 0.0,
                                               False, P, SBLOCK)
             if top_p < 1:
@@ -237,6 +248,7 @@ def rejection_sample(
     seeds: Tensor,  # [B] int64
     offsets: Tensor,  # [B] int64
     tree_parents: Tensor | None,  # [N] int32 or None (chain)
+    log_min_p: Tensor | None = None,  # [B] float32 log(min_p), -inf = off; None: all off
     *,
     draft_index: Tensor | None = None,  # [V] int32 / int64: draft_probs column of token t, or -1
     check_values: bool | None = None,
@@ -255,7 +267,8 @@ def rejection_sample(
     if check_values is None:
         check_values = check_values_now()
     validate_inputs(target_logits, draft_token_ids, num_draft_tokens, draft_probs, temperature,
-                    top_k, top_p, seeds, offsets, tree_parents, check_values, draft_index)
+                    top_k, top_p, seeds, offsets, tree_parents, check_values,
+                    draft_index=draft_index, log_min_p=log_min_p)
     bsz, n_rows, vocab = target_logits.shape
     dev = target_logits.device
     is_tree = tree_parents is not None
@@ -276,9 +289,10 @@ def rejection_sample(
     _row_kernel[(bsz * n_rows,)](
         target_logits, target_logits.stride(0), target_logits.stride(1),
         draft_token_ids, s_db, num_draft_tokens, q, q.stride(0), q.stride(1), vocab_map,
-        temperature, inv_t, top_k, top_p, seeds, offsets, parents,
-        tok_end, lp_end, p_child, lp_child, acc, n_rows, vocab,
-        HAS_Q=draft_probs is not None, HAS_MAP=draft_index is not None, IS_TREE=is_tree, P=16,
+        temperature, inv_t, top_k, top_p, log_min_p if log_min_p is not None else top_p,
+        seeds, offsets, parents, tok_end, lp_end, p_child, lp_child, acc, n_rows, vocab,
+        HAS_Q=draft_probs is not None, HAS_MAP=draft_index is not None, IS_TREE=is_tree,
+        HAS_MIN_P=log_min_p is not None, P=16,
         SBLOCK=_SBLOCK_TREE if is_tree else _SBLOCK, GBLOCK=2048,
         # ptxas otherwise caps this kernel near 128 registers and spills a few bytes on sm_100a
         # (scripts/compile_kernels.py); 255 lets it keep every pass's per-lane state.

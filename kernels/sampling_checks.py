@@ -31,7 +31,8 @@ def _check_vec(name: str, t: Tensor, dtypes: tuple, bsz: int, device: torch.devi
 def validate_inputs(logits: Tensor, drafts: Tensor, num_draft: Tensor, q: Tensor | None,
                     temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor,
                     offsets: Tensor, parents: Tensor | None, check_values: bool,
-                    draft_index: Tensor | None = None) -> None:
+                    draft_index: Tensor | None = None, log_min_p: Tensor | None = None
+                    ) -> None:
     """Raise TypeError / ValueError, naming the argument, unless the inputs of
     ``rejection_sample`` have the shapes, dtypes, devices and strides the kernels assume (and,
     with ``check_values``, values in range: one device→host sync)."""
@@ -55,6 +56,8 @@ def validate_inputs(logits: Tensor, drafts: Tensor, num_draft: Tensor, q: Tensor
     _check_vec("top_p", top_p, (torch.float32,), bsz, dev)
     _check_vec("seeds", seeds, (torch.int64,), bsz, dev)
     _check_vec("offsets", offsets, (torch.int64,), bsz, dev)
+    if log_min_p is not None:
+        _check_vec("log_min_p", log_min_p, (torch.float32,), bsz, dev)
     if q is not None:
         _check(parents is None, "draft_probs must be None for trees (tree drafts are point masses)")
         _check(isinstance(q, Tensor) and q.dtype in _FLOATS,
@@ -99,6 +102,9 @@ def validate_inputs(logits: Tensor, drafts: Tensor, num_draft: Tensor, q: Tensor
     if draft_index is not None:
         conds.append((((draft_index >= -1) & (draft_index < q.shape[-1])).all(),  # type: ignore
                       f"draft_index must be in [-1, {q.shape[-1]})"))  # type: ignore[union-attr]
+    if log_min_p is not None:  # log(min_p) for min_p in (0, 1], -inf for off
+        conds.append((((log_min_p <= 0) & ~torch.isnan(log_min_p)).all(),
+                      "log_min_p must be log(min_p) <= 0 or -inf"))
     if parents is not None:
         p = parents.long()
         ok_par = (p[0] == -1) & ((p[1:] >= 0) & (p[1:] < c + 1)).all()

@@ -185,6 +185,24 @@ def greedy_pass(row_ptr, V, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def min_p_pass(row_ptr, V, inv_t, m, cut, BLOCK: tl.constexpr):
+    """The min-p cut of a row: (smallest z >= cut, sum of exp(z - m) and count over z >= cut),
+    cut = max(z) + log(min_p) (``reference.keep_threshold``). One pass over the row."""
+    lane = tl.arange(0, BLOCK)
+    zc = tl.full([BLOCK], POS_INF, tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    cnt = tl.zeros([BLOCK], tl.int32)
+    for base in range(0, V, BLOCK):
+        at = base + lane
+        z = tl.load(row_ptr + at, mask=at < V, other=NEG_INF).to(tl.float32) * inv_t
+        ge = (at < V) & (z >= cut)
+        zc = tl.minimum(zc, tl.where(ge, z, POS_INF))
+        s += tl.where(ge, tl.exp(z - m), 0.0)
+        cnt += ge.to(tl.int32)
+    return tl.min(zc, 0), tl.sum(s, 0), tl.sum(cnt, 0)
+
+
+@triton.jit
 def _ordered_key(x):
     """float32 → int32 with the same order (negative floats have their magnitude bits flipped)."""
     bits = x.to(tl.int32, bitcast=True)

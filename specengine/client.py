@@ -28,6 +28,11 @@ from specengine.sampling import SamplingParams
 
 _OUTPUT_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationOutput))
 _TUPLE_FIELDS = ("prompt_token_ids", "token_ids", "logprobs", "token_weight_versions")
+# SamplingParams fields a server from before them does not know: sent only when set
+_NEWER_DEFAULTS: dict[str, Any] = {
+    "stop": [], "include_stop_str_in_output": False, "min_tokens": 0, "min_p": 0.0,
+    "logprobs": None, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+    "frequency_penalty": 0.0}
 
 
 class ServerError(RuntimeError):
@@ -47,6 +52,9 @@ def output_from_json(d: Mapping[str, Any]) -> GenerationOutput:
     for name in _TUPLE_FIELDS:
         if name in kw:
             kw[name] = tuple(kw[name])
+    if "top_logprobs" in kw:  # JSON object keys are strings: token ids again
+        kw["top_logprobs"] = tuple({int(t): lp for t, lp in entry.items()}
+                                   for entry in kw["top_logprobs"])
     return GenerationOutput(**kw)
 
 
@@ -58,6 +66,10 @@ def _params_json(params: SamplingParams | Mapping[str, Any] | None) -> dict[str,
         d["stop_token_ids"] = list(d["stop_token_ids"])
         if d.get("n") == 1:  # the default; a server from before SamplingParams.n knows no n
             del d["n"]
+        d["stop"] = list(d["stop"])
+        for name, default in _NEWER_DEFAULTS.items():  # (nor these, issue 25's fields)
+            if d.get(name) == default:
+                del d[name]
         return d
     return dict(params)
 

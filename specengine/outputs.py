@@ -32,6 +32,14 @@ class GenerationOutput:
     #: why the request failed (exactly when ``finish_reason == "error"``); its tokens are the
     #: ones made before the failing step
     error: str | None = None
+    #: what stopped it (vLLM's ``stop_reason``): the stop string that matched
+    #: (``SamplingParams.stop``; ``text`` is cut there), or the stop token id of
+    #: ``stop_token_ids`` that ended it; None for EOS, a length limit or any other finish
+    stop_reason: str | int | None = None
+    #: with ``SamplingParams.logprobs = N``: per generated token, {token id: logprob} of the
+    #: N most likely tokens and the generated one under the policy's raw distribution
+    #: (log-softmax of the logits at that position, before temperature and filters); else ()
+    top_logprobs: tuple[dict[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.sample_index, int) or self.sample_index < 0:
@@ -48,6 +56,11 @@ class GenerationOutput:
                              f"finish_reason {self.finish_reason!r}, error {self.error!r})")
         if self.error is not None and (not isinstance(self.error, str) or not self.error):
             raise ValueError(f"error must be a non-empty str, got {self.error!r}")
+        if self.top_logprobs and len(self.top_logprobs) != len(self.token_ids):
+            raise ValueError("top_logprobs must have one entry per token (or none)")
+        if self.stop_reason is not None and self.finish_reason != "stop":
+            raise ValueError(f"stop_reason is set only when finish_reason is 'stop' (got "
+                             f"{self.finish_reason!r}, stop_reason {self.stop_reason!r})")
 
 
 @dataclass(frozen=True)

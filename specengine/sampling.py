@@ -26,6 +26,15 @@ MAX_TEMPERATURE = 1e4
 #: sequence's stop ids in one array as wide as the longest list (``SeqArena.stop_ids``), so one
 #: request with thousands would slow (and widen the memory of) every other request's steps
 MAX_STOP_TOKEN_IDS = 256
+#: stop strings of one request and the longest one, in characters: each step that emits text
+#: scans the new text plus a tail of (longest - 1) characters once per string (vLLM's scan)
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024
+#: top-N alternatives per generated token (``SamplingParams.logprobs``; OpenAI and vLLM's cap)
+MAX_TOP_LOGPROBS = 20
+#: penalties are refused unless left at these values (vLLM's defaults: off)
+PENALTY_DEFAULTS = {"repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0}
 
 
 def _is_int(value: object) -> bool:
@@ -83,6 +92,14 @@ class SamplingParams:
     seed: int | None = None
     max_policy_lag: int | None = None
     n: int = 1
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    min_p: float = 0.0
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         check_int("n (samples per prompt)", self.n, 1, MAX_N,
@@ -115,7 +132,42 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids holds {len(set(stops))} distinct ids; at most "
                              f"{MAX_STOP_TOKEN_IDS} (MAX_STOP_TOKEN_IDS) are allowed")
         object.__setattr__(self, "stop_token_ids", stops)
+        object.__setattr__(self, "stop", _check_stop_strings(self.stop))
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be a bool, got "
+                             f"{self.include_stop_str_in_output!r}")
+        check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
+                  f"an int in [0, max_tokens = {self.max_tokens}]")
+        check_float("min_p", self.min_p, "in [0, 1] (0 disables it)", lambda p: 0 <= p <= 1)
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS,
+                      f"None or an int in [0, {MAX_TOP_LOGPROBS}] (top alternatives per token)")
+        for name, default in PENALTY_DEFAULTS.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != default:
+                raise ValueError(f"{name} is not supported (got {value!r}): penalties are not "
+                                 f"implemented; leave it at {default}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _check_stop_strings(stop: object) -> tuple[str, ...]:
+    """``stop`` as a tuple of strings (a single str is one stop string, as in vLLM / OpenAI),
+    or ``ValueError`` naming what is wrong."""
+    if isinstance(stop, str):
+        stop = (stop,)
+    if isinstance(stop, bytes) or not hasattr(stop, "__iter__"):
+        raise ValueError(f"stop must be a string or a sequence of strings, got {stop!r}")
+    stop = tuple(stop)  # type: ignore[arg-type]
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} "
+                         "(MAX_STOP_STRINGS) are allowed")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop[{i}] must be a non-empty str, got {s!r}")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop[{i}] has {len(s)} characters; at most "
+                             f"{MAX_STOP_STRING_CHARS} (MAX_STOP_STRING_CHARS) are allowed")
+    return stop

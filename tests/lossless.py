@@ -118,13 +118,20 @@ def assert_proposals_ranked(seen: list[Proposal],
             paths.append(path + [drafts[i - 1]])
 
 
-def processed_law(logits: torch.Tensor, temp: float, top_k: int, top_p: float) -> torch.Tensor:
+def processed_law(logits: torch.Tensor, temp: float, top_k: int, top_p: float,
+                  min_p: float = 0.0, banned: tuple[int, ...] = ()) -> torch.Tensor:
     """The exact target law of one row of ``logits`` in float64, independently of the
-    implementation (sort-based): temperature, then top-k, then top-p; temperature 0 is the
-    argmax as a point mass."""
+    implementation (sort-based): ``banned`` ids removed (``min_tokens`` masks EOS / stop ids),
+    then temperature, min-p (p < min_p * max p dropped), top-k, top-p (vLLM's order);
+    temperature 0 is the argmax as a point mass."""
+    logits = logits.double().clone()
+    logits[list(banned)] = float("-inf")
     if temp == 0:
         return torch.nn.functional.one_hot(logits.argmax(), logits.numel()).double()
-    x = logits.double() / temp
+    x = logits / temp
+    if min_p > 0:
+        p = torch.softmax(x, -1)
+        x = x.masked_fill(p < min_p * p.max(), float("-inf"))
     if 0 < top_k < x.numel():
         x = x.masked_fill(x < x.topk(top_k).values[-1], float("-inf"))
     p = torch.softmax(x, -1)

@@ -14,7 +14,9 @@ from specengine.core.batch import (
     ACTIVE,
     CTX,
     LAST,
+    LOG_MIN_P,
     NUM_DRAFT,
+    NUM_FLOAT_FIELDS,
     OFFSET,
     SEED,
     SLOT,
@@ -35,8 +37,9 @@ def expected_rows(seqs: tuple[Sequence, ...], num_drafts: np.ndarray, padded: in
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ints = np.zeros((8, padded), np.int64)
     ints[TOP_K] = ints[SLOT] = -1
-    floats = np.zeros((2, padded), np.float32)
+    floats = np.zeros((NUM_FLOAT_FIELDS, padded), np.float32)
     floats[TOP_P] = 1.0
+    floats[LOG_MIN_P] = -np.inf  # min-p off
     blocks = np.zeros((padded, MAX_BLOCKS), np.int32)
     for r, s in enumerate(seqs):
         ints[[CTX, LAST, OFFSET, NUM_DRAFT, ACTIVE, TOP_K, SEED, SLOT], r] = (

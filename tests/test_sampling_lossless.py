@@ -38,10 +38,15 @@ NUM_SEQS = 20_000
 P_MIN = 1e-3
 
 
-def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature → top-k (ties at the k-th value kept) → top-p on the renormalised top-k
+def processed_probs(logits: torch.Tensor, params: SamplingParams,
+                    banned: tuple[int, ...] = ()) -> torch.Tensor:
+    """Temperature → min-p → top-k (ties at the k-th value kept) → top-p on the renormalised top-k
     probabilities (smallest descending prefix with mass ≥ top_p, ties at its last value kept)."""
     x = logits.double() / params.temperature
+    x[..., list(banned)] = float("-inf")  # min_tokens: stop ids masked at this position
+    if params.min_p > 0:  # vLLM's order: min-p right after temperature
+        p = torch.softmax(x, dim=-1)
+        x = x.masked_fill(p < params.min_p * p.amax(-1, keepdim=True), float("-inf"))
     if params.top_k > 0:
         kth = x.topk(min(params.top_k, x.shape[-1]), dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -58,13 +63,15 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def exact_joint(hf: torch.nn.Module, params: SamplingParams) -> np.ndarray:
-    """``[V, V]`` law of (t2, t3)."""
+    """``[V, V]`` law of (t2, t3); generated token i (0-based) is masked from the stop ids
+    while i < min_tokens (there is no EOS in these models)."""
+    ban = [tuple(params.stop_token_ids) if i < params.min_tokens else () for i in range(3)]
     with torch.no_grad():
-        p1 = processed_probs(hf(torch.tensor([PROMPT])).logits[0, -1], params)  # [V]
+        p1 = processed_probs(hf(torch.tensor([PROMPT])).logits[0, -1], params, ban[0])  # [V]
         ctx2 = torch.tensor([[*PROMPT, a] for a in range(VOCAB)])
-        p2 = processed_probs(hf(ctx2).logits[:, -1], params)  # [V(t1), V(t2)]
+        p2 = processed_probs(hf(ctx2).logits[:, -1], params, ban[1])  # [V(t1), V(t2)]
         ctx3 = torch.tensor([[*PROMPT, a, b] for a in range(VOCAB) for b in range(VOCAB)])
-        p3 = processed_probs(hf(ctx3).logits[:, -1], params).view(VOCAB, VOCAB, VOCAB)
+        p3 = processed_probs(hf(ctx3).logits[:, -1], params, ban[2]).view(VOCAB, VOCAB, VOCAB)
     joint = torch.einsum("a,ab,abc->bc", p1, p2, p3)
     return joint.numpy()
 
@@ -126,6 +133,15 @@ CASES = {
                                             dict(temperature=0.8, top_k=8)),
     "eagle-tree-greedy-draft-topp": ("eagle", False, dict(tree=[(0,), (1,), (0, 0), (1, 0)]),
                                      dict(temperature=1.0, top_p=0.9)),
+    # issue 25: min-p (after temperature, before top-k / top-p) and min_tokens, whose mask
+    # differs between the positions of one verify pass (t2 masked, t3 not)
+    "chain-sampled-draft-minp-topk": ("model", True, dict(k=2),
+                                      dict(temperature=0.9, min_p=0.05, top_k=10)),
+    "eagle-tree-greedy-draft-minp": ("eagle", False, dict(tree=[(0,), (1,), (0, 0), (1, 0)]),
+                                     dict(temperature=1.0, min_p=0.1)),
+    "chain-sampled-draft-min-tokens": ("model", True, dict(k=2),
+                                       dict(temperature=1.0, stop_token_ids=(5, 9),
+                                            min_tokens=2)),
 }
 
 

@@ -25,13 +25,18 @@ import specengine._C as _C
 from specengine.core.block_rows import BlockRows
 from specengine.core.seq_arena import SeqArena
 from specengine.core.sequence import Sequence
+from specengine.sampling import MAX_STOP_TOKEN_IDS
 
 # Rows of the int64 step-field array (one copy per step; csrc/stage_rows.h numbers its first
 # four and the limits' rows the same).
 CTX, LAST, OFFSET, NUM_DRAFT, ACTIVE, TOP_K, SEED, SLOT = range(8)
 NUM_INT_FIELDS = 8
-# Rows of the float32 sampling-field array.
-TEMPERATURE, TOP_P = range(2)
+# Rows of the float32 sampling-field array (LOG_MIN_P: log(min_p), -inf = off).
+TEMPERATURE, TOP_P, LOG_MIN_P = range(3)
+NUM_FLOAT_FIELDS = 3
+#: ids a row masks until ``min_tokens``: its stop ids (at most MAX_STOP_TOKEN_IDS, checked at
+#: admission) and the checkpoint's EOS ids (a handful)
+MAX_MASKED_IDS = MAX_STOP_TOKEN_IDS + 64
 # Rows of the host-only limits (they plan draft lengths; the device never needs them).
 MAX_TOKENS, PROMPT_LEN = range(2)
 _NO_ROWS = np.zeros(0, dtype=np.int64)
@@ -60,7 +65,7 @@ class BatchState:
         self._dev_bytes = torch.zeros(size, dtype=torch.uint8, device=device)
         self._host_ints_t, host_table = self._split(self._host_bytes)
         self.ints, self.block_tables = self._split(self._dev_bytes)
-        self._host_floats_t = _pinned((2, capacity), torch.float32, device)
+        self._host_floats_t = _pinned((NUM_FLOAT_FIELDS, capacity), torch.float32, device)
         # Restaged draft counts (a drafter proposed fewer than asked) go through their own
         # page-locked row: the step fields' non-blocking copy may still be reading the shared
         # buffer when a drafter returns, so it is never written again before the step's sync.
@@ -69,7 +74,18 @@ class BatchState:
         self.host_ints = self._host_ints_t.numpy()
         self.host_floats = self._host_floats_t.numpy()
         self.host_limits = np.zeros((2, capacity), dtype=np.int64)
-        self.floats = torch.zeros(2, capacity, dtype=torch.float32, device=device)
+        self.floats = torch.zeros(NUM_FLOAT_FIELDS, capacity, dtype=torch.float32,
+                                  device=device)
+        # min_tokens (``verify`` masks a row's stop ids at positions < min_pos): per row the
+        # position its first unmaskable token takes (prompt + min_tokens; 0 = none) and the
+        # ids it masks (padded with a repeat of its first). Sent only when such a row joins,
+        # moves or leaves; a step reads them only while some row is under its min_tokens.
+        self._host_mask_t = _pinned((capacity, MAX_MASKED_IDS + 1), torch.int64, device)
+        self.host_mask = self._host_mask_t.numpy()  # column 0: min_pos, then the ids
+        self.mask = torch.zeros(capacity, MAX_MASKED_IDS + 1, dtype=torch.int64, device=device)
+        self.num_min_tokens_rows = 0  # rows with min_tokens > 0
+        self.num_logprobs_rows = 0  # rows asking for top-N logprobs (SamplingParams.logprobs)
+        self._mask_dirty = False
         self._send_views: dict[int, tuple[Tensor, Tensor]] = {}
         self.blocks = BlockRows(capacity, max_blocks, host_table)
         self.seqs: list[Sequence] = []
@@ -152,12 +168,29 @@ class BatchState:
         self.host_ints[ACTIVE, r] = 1
         self.host_floats[TEMPERATURE, r] = p.temperature
         self.host_floats[TOP_P, r] = p.top_p
+        self.host_floats[LOG_MIN_P, r] = np.log(np.float32(p.min_p)) if p.min_p > 0 else -np.inf
         self._floats_dirty = True
         self.host_limits[:, r] = (p.max_tokens, seq.num_prompt_tokens)
+        if p.logprobs is not None:
+            self.num_logprobs_rows += 1
+        if p.min_tokens > 0 and seq.stop_token_ids:
+            ids = sorted(seq.stop_token_ids)
+            self.host_mask[r, 0] = seq.num_prompt_tokens + p.min_tokens
+            self.host_mask[r, 1:] = ids[0]
+            self.host_mask[r, 1: len(ids) + 1] = ids
+            self.num_min_tokens_rows += 1
+            self._mask_dirty = True
 
     def _remove(self, seq_id: int) -> None:
         r = self._rows.pop(seq_id)
         last = len(self.seqs) - 1
+        if self.seqs[r].params.logprobs is not None:
+            self.num_logprobs_rows -= 1
+        if self.host_mask[r, 0]:
+            self.num_min_tokens_rows -= 1
+            self._mask_dirty = True
+        if self.host_mask[last, 0]:  # it moves to row r
+            self._mask_dirty = True
         if r != last:  # the last row fills the hole: rows stay dense
             moved = self.seqs[last]
             self.seqs[r] = moved
@@ -166,6 +199,7 @@ class BatchState:
             self.host_floats[:, r] = self.host_floats[:, last]
             self._floats_dirty = True
             self.host_limits[:, r] = self.host_limits[:, last]
+            self.host_mask[r] = self.host_mask[last]
             self.row_slots[r] = self.row_slots[last]
             self.row_seq_ids[r] = self.row_seq_ids[last]
             self.row_epochs[r] = self.row_epochs[last]
@@ -182,6 +216,8 @@ class BatchState:
         self.host_ints[SLOT, r] = -1  # no arena slot: a padded row
         self.host_floats[TEMPERATURE, r] = 0.0  # greedy: the cheapest row for the sampler
         self.host_floats[TOP_P, r] = 1.0
+        self.host_floats[LOG_MIN_P, r] = -np.inf
+        self.host_mask[r] = 0
 
     # ---- per step ----------------------------------------------------------------------------
     def lengths(self) -> np.ndarray:
@@ -256,7 +292,20 @@ class BatchState:
         if self._floats_dirty:  # sampling fields change only when rows join or leave
             self.floats.copy_(self._host_floats_t, non_blocking=nb)
             self._floats_dirty = False
+        if self._mask_dirty:  # min_tokens rows joined, moved or left: every row is sent, so a
+            # row that held one and was cleared holds zeros on the device too
+            self.mask.copy_(self._host_mask_t, non_blocking=nb)
+            self._mask_dirty = False
         return max_drafts
+
+    def masks_stops(self) -> bool:
+        """Whether some row of ``0 .. B-1`` is still under its ``min_tokens``: its next
+        emitted token (at position ``len(seq)``) must not be a stop id (no work unless some
+        row has ``min_tokens``)."""
+        if not self.num_min_tokens_rows:
+            return False
+        lens = self.lengths()
+        return bool((self.host_mask[: len(lens), 0] > lens).any())
 
     def restage_num_drafts(self, num_drafts: np.ndarray) -> None:
         """Send new draft counts of rows ``0 .. B-1`` (a drafter proposed fewer than asked),

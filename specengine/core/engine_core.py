@@ -37,7 +37,10 @@ from specengine.core.scheduler import ScheduledBatch, Scheduler
 from specengine.core.seq_arena import SeqArena
 from specengine.core.sequence import SeqStatus, Sequence
 from specengine.core.step import append_step, speculative_step
+from specengine.core.stop_strings import StopStrings
+from specengine.core.token_logprobs import record_top_logprobs
 from specengine.core.transfer import to_host
+from specengine.core.verify import raw_top, top_logprobs
 from specengine.drafters.base import Drafter
 from specengine.outputs import GenerationOutput, RequestOutput
 from specengine.sampling import SamplingParams
@@ -139,6 +142,8 @@ class EngineCore:
                              "request")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seq = Sequence(self._next_seq_id, list(prompt), params, seed, self.eos_token_ids)
+        if params.stop:  # (validate_requests checked that there is a tokenizer)
+            seq.stop_strings = StopStrings(params, self.tokenizer)  # type: ignore[arg-type]
         self._next_seq_id += 1
         req = RequestState(request_id, seq, k, tree, auto=auto,
                        sample_index=sample[1] if sample else 0)
@@ -341,6 +346,12 @@ class EngineCore:
         """Prompt pass + first token; the drafter catches up only when some request will
         draft (a k=0 baseline on an engine with a drafter costs exactly a plain engine's)."""
         logits, target_out = self.runner.prefill(seqs, observe)  # [B, V]
+        wants_top = any(s.params.logprobs is not None for s in seqs)
+        raw = raw_top(logits[:, None, :]) if wants_top else None  # before masks: raw logits
+        with torch.inference_mode():
+            for b, seq in enumerate(seqs):  # min_tokens: no stop id as the next token yet
+                if seq.num_generated < seq.params.min_tokens and seq.stop_token_ids:
+                    logits[b, sorted(seq.stop_token_ids)] = float("-inf")
         empty = torch.zeros(len(seqs), 0, dtype=torch.int64, device=self.device)
         zeros = torch.zeros(len(seqs), dtype=torch.int32, device=self.device)
         out = self.sampler(logits[:, None, :], empty, zeros, None, None,
@@ -351,7 +362,12 @@ class EngineCore:
         rows = target_out.fed_rows
         none = np.zeros(len(seqs), dtype=np.int64)  # no drafts: one emitted token per row
         slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
+        if raw is not None:
+            top = to_host(top_logprobs(logits[:, None, :], raw, out.output_ids, out.row_ids))
+            old_lens = self.arena.lens[slots].copy()
         append_step(self.arena, seqs, packed, len(seqs), slots, none, none, None, version)
+        if raw is not None:
+            record_top_logprobs(self.arena, seqs, slots, len(seqs), old_lens, top)
         if observe and self.drafter is not None:
             self.drafter.observe(seqs, target_out, rows)
 
@@ -382,9 +398,17 @@ class EngineCore:
 
     def _output(self, seq: Sequence, reason: str, sample_index: int = 0,
                 error: str | None = None) -> GenerationOutput:
-        text = None
-        if self.tokenizer is not None and self.detokenize:
+        text, stop_reason = None, None
+        match = seq.stop_strings.match if seq.stop_strings is not None else None
+        if match is not None and reason == "stop":  # decoded on the step loop: cut at the stop
+            text, stop_reason = match[2], match[1]
+        elif self.tokenizer is not None and self.detokenize:
             text = self.tokenizer.decode(seq.output_token_ids)
+        if reason == "stop" and stop_reason is None and seq.num_generated:
+            last = seq.last_token  # vLLM: EOS gives None, a stop_token_ids id gives the id
+            if (seq.params.ignore_eos or last not in self.eos_token_ids) and \
+                    last in seq.params.stop_token_ids:
+                stop_reason = last
         return GenerationOutput(
             prompt_token_ids=tuple(seq.token_ids[: seq.num_prompt_tokens]),
             token_ids=tuple(seq.output_token_ids),
@@ -398,6 +422,9 @@ class EngineCore:
             token_weight_versions=tuple(seq.token_weight_versions),
             sample_index=sample_index,
             error=error,
+            stop_reason=stop_reason,
+            top_logprobs=(tuple(seq.top_logprobs[: seq.num_generated])
+                          if seq.params.logprobs is not None else ()),
         )
 
     def _end_run_if_idle(self) -> None:

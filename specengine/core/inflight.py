@@ -119,6 +119,8 @@ def reset_sequence(seq: Sequence, eos_token_ids: tuple[int, ...]) -> None:
     state is rebuilt by ``Sequence.__init__`` itself so no field can be forgotten."""
     prompt = seq.token_ids[: seq.num_prompt_tokens]
     fresh = Sequence(seq.seq_id, prompt, seq.params, seq.seed, eos_token_ids)
+    if seq.stop_strings is not None:
+        fresh.stop_strings = seq.stop_strings.fresh()
     vars(seq).clear()
     vars(seq).update(vars(fresh))
 

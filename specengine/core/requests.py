@@ -103,6 +103,9 @@ def validate_requests(
         if bad_stop:
             raise ValueError(f"stop_token_ids of prompt {i} are outside the vocabulary: "
                              f"{bad_stop}")
+        if sp.stop and tokenizer is None:
+            raise ValueError(f"stop strings of prompt {i} need the checkpoint's tokenizer "
+                             "(no tokenizer.json): pass stop_token_ids instead")
         need = min(len(ids) + sp.max_tokens, max_model_len) + k + 1
         if draft_tree is not None:
             need += draft_tree.num_nodes

@@ -29,6 +29,7 @@ class SamplingTensors:
     # Random numbers are keyed by (seed, position of the first token this step emits), so a
     # request's draws never depend on its batch, on padding, on preemption or on earlier steps.
     offsets: Tensor  # int64
+    log_min_p: Tensor | None = None  # float32 log(min_p), -inf = off; None: off for all
 
     @classmethod
     def from_seqs(cls, seqs: tuple[Sequence, ...], device: torch.device) -> SamplingTensors:
@@ -41,6 +42,8 @@ class SamplingTensors:
             top_p=to_device(np.array([x.top_p for x in p], np.float32), device),
             seeds=to_device(np.array([s.seed for s in seqs], np.int64), device),
             offsets=to_device(np.array([len(s) for s in seqs], np.int64), device),
+            log_min_p=to_device(np.array([np.log(np.float32(x.min_p)) if x.min_p > 0
+                                          else -np.inf for x in p], np.float32), device),
         )
 
 
@@ -95,5 +98,6 @@ class Sampler:
             from specengine.kernels.rejection_sampling import rejection_sample
         out = rejection_sample(target_logits, draft_token_ids, num_draft_tokens, draft_probs,
                                params.temperature, params.top_k, params.top_p, params.seeds,
-                               params.offsets, tree_parents, draft_index=draft_index)
+                               params.offsets, tree_parents, params.log_min_p,
+                               draft_index=draft_index)
         return SamplerOutput(*out)

@@ -60,6 +60,9 @@ class SeqArena:
         # (preempted, prefilled again) is told apart from one that stayed.
         self.epoch = np.zeros(capacity, dtype=np.int64)
         self.stop_ids = np.full((capacity, 1), -1, dtype=np.int64)  # -1 pads (never a token)
+        # Slots whose sequence has stop strings (``stop_strings.cut_at_stop_strings`` visits
+        # only these rows after a step; set by ``Sequence.attach``).
+        self.has_stop_strings = np.zeros(capacity, dtype=bool)
         self._free = list(range(capacity - 1, -1, -1))
 
     @property
@@ -97,6 +100,7 @@ class SeqArena:
         return s
 
     def give_back(self, slot: int) -> None:
+        self.has_stop_strings[slot] = False
         if self.done[slot]:
             self.done[slot] = False
             self.num_done -= 1

@@ -11,6 +11,7 @@ from specengine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from specengine.core.seq_arena import SeqArena
+    from specengine.core.stop_strings import StopStrings
 
 
 class SeqStatus(enum.Enum):
@@ -56,6 +57,12 @@ class Sequence:
         self.num_cached_tokens = 0
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
+        #: stop-string state (``specengine.stop_strings``; set by the engine when
+        #: ``params.stop`` is non-empty)
+        self.stop_strings: StopStrings | None = None
+        #: with ``params.logprobs``: per output token, {id: raw logprob} of the top N and of
+        #: the token itself (``specengine.token_logprobs``)
+        self.top_logprobs: list[dict[int, float]] = []
         self.arena: SeqArena | None = None
         self.slot = -1
 
@@ -71,6 +78,7 @@ class Sequence:
         arena.versions[s, p:n] = self._versions if len(self._versions) == n - p else 0
         arena.counters[:, s] = self._counters
         arena.set_blocks(s, self._block_table)
+        arena.has_stop_strings[s] = self.stop_strings is not None
         self.arena, self.slot = arena, s
         return s
 

@@ -23,6 +23,8 @@ from specengine.core.run_stats import StepTimes
 from specengine.core.sampler import StepResult
 from specengine.core.seq_arena import SeqArena
 from specengine.core.sequence import Sequence
+from specengine.core.stop_strings import cut_at_stop_strings
+from specengine.core.token_logprobs import record_top_logprobs
 from specengine.core.transfer import to_host
 from specengine.core.verify import VerifyShape, forward_output
 from specengine.drafters.base import Drafter
@@ -84,7 +86,8 @@ def speculative_step(
         num_tokens = 1
     else:  # graphs keep one shape per k; eagerly, feed no more than the longest chain needs
         num_tokens = k + 1 if graphs.static else int(num_drafts.max()) + 1
-    shape = _shape(rows, num_tokens, tree, proposal is not None and proposal.probs is not None)
+    shape = _shape(rows, num_tokens, tree, proposal is not None and proposal.probs is not None,
+                   state.masks_stops(), state.num_logprobs_rows > 0)
     if proposal is not None and not proposal.in_place:
         graphs.verifier.load_drafts(shape, proposal.token_ids, proposal.probs)
     clock.drafted()
@@ -95,6 +98,9 @@ def speculative_step(
     clock.verified()
     packed = to_host(out.packed)
     clock.synced(times)
+    top = None
+    if out.top is not None:  # some row asks for top-N logprobs: their copy, and lengths
+        top, old_lens = to_host(out.top), arena.lens[state.row_slots[:batch]].copy()
 
     # 4. Keep the accepted path: tree nodes move to contiguous slots (the verify pass does it
     #    on the device; under tensor parallelism the step does it on every rank; chains are
@@ -108,6 +114,8 @@ def speculative_step(
     depths = num_drafts if tree is None else _filled(batch, tree.max_depth)
     times.num_step_tokens += append_step(arena, seqs, packed, batch, state.row_slots,
                                          num_drafts, depths, times, version)
+    if top is not None:
+        record_top_logprobs(arena, seqs, state.row_slots, batch, old_lens, top)
     times.num_seq_steps += batch
     # Also after a fallback step; k < 0 (core.auto_k.SYNC): no drafts, the drafter catches up.
     if drafter is not None and k != 0:
@@ -134,6 +142,8 @@ def append_step(arena: SeqArena, seqs: tuple[Sequence, ...], packed: np.ndarray,
                                       version)
     for b, code in ended:  # only the rows that finished this step
         seqs[b].finish("stop" if code == 1 else "length")
+    if arena.has_stop_strings.any():  # some running request has stop strings: check its text
+        kept -= cut_at_stop_strings(arena, seqs, slots, num_rows)
     return kept
 
 
@@ -149,10 +159,10 @@ def _filled(num_rows: int, value: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=1024)
-def _shape(num_rows: int, num_tokens: int, tree: DraftTree | None, has_probs: bool
-           ) -> VerifyShape:
+def _shape(num_rows: int, num_tokens: int, tree: DraftTree | None, has_probs: bool,
+           masks_stops: bool, top_logprobs: bool) -> VerifyShape:
     """One ``VerifyShape`` object per shape (its checks run once; trees key by identity)."""
-    return VerifyShape(num_rows, num_tokens, tree, has_probs)
+    return VerifyShape(num_rows, num_tokens, tree, has_probs, masks_stops, top_logprobs)
 
 
 def _compact_tree_path(arena: SeqArena, slots: np.ndarray, packed: np.ndarray, num_rows: int,

@@ -27,6 +27,7 @@ from specengine.core.batch import (
     ACTIVE,
     CTX,
     LAST,
+    LOG_MIN_P,
     NUM_DRAFT,
     OFFSET,
     SEED,
@@ -41,6 +42,7 @@ from specengine.core.sampler import Sampler, SamplerOutput, SamplingTensors
 from specengine.core.transfer import to_device
 from specengine.kernels.kv_cache import compact_kv_cache
 from specengine.model.attention import AttentionMetadata
+from specengine.sampling import MAX_TOP_LOGPROBS
 from specengine.tree import DraftTree
 
 
@@ -52,6 +54,8 @@ class VerifyShape:
     num_tokens: int  # N fed per row
     tree: DraftTree | None
     has_probs: bool  # sampled drafts carry their distributions
+    masks_stops: bool = False  # some row is under its min_tokens (``mask_stop_ids``)
+    top_logprobs: bool = False  # some row asks for top-N logprobs (``top_logprobs``)
 
     def __post_init__(self) -> None:
         if self.num_rows < 1 or self.num_tokens < 1:
@@ -64,7 +68,8 @@ class VerifyShape:
     def key(self) -> tuple[int, int, tuple | None, bool]:
         """What a pass of this shape is keyed by (graphs, constants); made once per object."""
         return (self.num_rows, self.num_tokens,
-                None if self.tree is None else self.tree.paths, self.has_probs)
+                None if self.tree is None else self.tree.paths, self.has_probs,
+                self.masks_stops, self.top_logprobs)
 
     @functools.cached_property
     def graph_keys(self) -> dict[str, tuple]:
@@ -88,6 +93,8 @@ class VerifyOutput:
     hidden: Tensor  # [rows * N, H] final-norm hidden of every fed token
     aux_hidden: list[Tensor]  # [rows * N, H] each: the drafter's target features
     sampled: SamplerOutput  # the same results on the device (a static drafter reads them)
+    #: [rows, N, 2 * TOP + 1] float64 with ``shape.top_logprobs`` (see ``top_logprobs``)
+    top: Tensor | None = None
 
 
 class StaticVerifier:
@@ -255,6 +262,9 @@ class StaticVerifier:
         hidden, aux = model(input_ids.reshape(-1), positions.reshape(-1), self.runner.kv_cache.kv,
                             meta, self.runner.backend, self.runner.aux_layers)
         logits = model.compute_logits(hidden).view(rows, n, -1)  # [rows, N, V]
+        raw = raw_top(logits) if shape.top_logprobs else None  # before any mask: raw logits
+        if shape.masks_stops:
+            mask_stop_ids(logits, ints[OFFSET][:, None] + depth[None, :], st.mask[:rows])
         shared = self.output_views(rows, n, hidden, len(aux))
         if shared is not None:  # the pass's own outputs become transient (pool memory)
             shared[0].copy_(hidden)
@@ -264,13 +274,15 @@ class StaticVerifier:
         params = SamplingTensors(
             temperature=st.floats[TEMPERATURE, :rows], top_k=ints[TOP_K],
             top_p=st.floats[TOP_P, :rows], seeds=ints[SEED], offsets=ints[OFFSET],
+            log_min_p=st.floats[LOG_MIN_P, :rows],
         )
         probs = self.probs_buffer(shape) if shape.has_probs else None
         out = self.sampler(logits, drafts, num_draft, probs, parents, params,
                            self.draft_index if probs is not None else None)
         if shape.tree is not None and self.compacts_trees:
             self._compact_accepted_paths(shape.tree, rows, ctx, active, out)
-        return VerifyOutput(out.pack(), hidden, aux, out)
+        top = None if raw is None else top_logprobs(logits, raw, out.output_ids, out.row_ids)
+        return VerifyOutput(out.pack(), hidden, aux, out, top)
 
     def _compact_accepted_paths(self, tree: DraftTree, rows: int, ctx: Tensor, active: Tensor,
                                 out: SamplerOutput) -> None:
@@ -294,6 +306,46 @@ class StaticVerifier:
         dst = slots_of(table, ctx[:, None] + depth[None, :], moves, self.block_size)
         compact_kv_cache(self.runner.kv_cache.kv, torch.stack([src.reshape(-1),
                                                                dst.reshape(-1)]))
+
+
+def raw_top(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(top ids, top logprobs ``[..., TOP]``, log-sum-exp ``[..., 1]``) of raw logits
+    ``[..., V]`` in float32: the policy's unprocessed log-softmax (vLLM's default logprobs),
+    TOP = min(MAX_TOP_LOGPROBS, V) (every request's N is at most that; the host keeps N)."""
+    z = logits.float()
+    lse = torch.logsumexp(z, -1, keepdim=True)
+    vals, ids = z.topk(min(MAX_TOP_LOGPROBS, z.shape[-1]), dim=-1)
+    return ids, vals - lse, lse
+
+
+def top_logprobs(logits: Tensor, raw: tuple[Tensor, Tensor, Tensor], output_ids: Tensor,
+                 row_ids: Tensor) -> Tensor:
+    """``[B, N, 2 * TOP + 1]`` float64 (ids exact): for output position ``i`` of row ``b``,
+    judged at logits row ``row_ids[b, i]``, that row's top ids, their raw logprobs, and the
+    raw logprob of the emitted token ``output_ids[b, i]`` (garbage past the emitted ones).
+    ``logits`` may have been masked since ``raw`` was taken: a masked id is never emitted, so
+    the emitted token's logit is still the raw one."""
+    ids, lps, lse = raw
+    bsz, n, vocab = logits.shape
+    r = row_ids.long().clamp_min(0)  # [B, N]
+    at = r[..., None].expand(-1, -1, ids.shape[-1])
+    ids, lps = ids.gather(1, at), lps.gather(1, at)
+    flat = r * vocab + output_ids.clamp_min(0)  # the emitted token in its row's logits
+    own = logits.reshape(bsz, n * vocab).gather(1, flat).float() - lse[..., 0].gather(1, r)
+    return torch.cat([ids.double(), lps.double(), own[..., None].double()], dim=-1)
+
+
+def mask_stop_ids(logits: Tensor, positions: Tensor, mask: Tensor) -> None:
+    """``min_tokens``, in place: row ``b``'s logits at node ``j`` (``[rows, N, V]``) get -inf
+    at its stop ids (``mask[b, 1:]``) where the token emitted there, at ``positions[b, j]``,
+    comes before ``mask[b, 0]`` (prompt + min_tokens). The mask depends on each node's
+    position, so every verify position is judged under its own processed law (the rejection
+    sampler then rejects a drafted stop id there and never samples one). One gather and one
+    scatter of ``rows x N x ids`` elements; repeated pad ids write the same value twice."""
+    rows, n, _ = logits.shape
+    ids = mask[:, None, 1:].expand(rows, n, -1)
+    on = (positions < mask[:, :1])[..., None]  # [rows, N, 1]
+    logits.scatter_(2, ids, torch.where(on, float("-inf"), logits.gather(2, ids)))
 
 
 def forward_output(out: VerifyOutput, num_rows: int, num_tokens: int) -> ForwardOutput:

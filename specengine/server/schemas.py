@@ -41,6 +41,15 @@ class SamplingParamsBody(BaseModel):
     seed: int | None = None
     max_policy_lag: int | None = None
     n: int | None = None  # > 1: one group sharing its prefill (server.sglang_api)
+    stop: str | list[str] | None = None  # stop strings (a str is one)
+    include_stop_str_in_output: bool | None = None
+    min_tokens: int | None = None
+    min_p: float | None = None
+    logprobs: int | None = None  # top-N alternatives per token (GenerationOutput.top_logprobs)
+    # Not implemented: any value but the default is refused (400 naming the field).
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
     def to_params(self) -> SamplingParams:
         """The engine's ``SamplingParams`` (raises its ``ValueError`` on a bad value)."""
@@ -48,6 +57,8 @@ class SamplingParamsBody(BaseModel):
                  if value is not None or name in _NONE_MEANS_SOMETHING}
         if "stop_token_ids" in given:
             given["stop_token_ids"] = tuple(given["stop_token_ids"])
+        if isinstance(given.get("stop"), list):
+            given["stop"] = tuple(given["stop"])
         return SamplingParams(**given)
 
 
