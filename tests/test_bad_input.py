@@ -178,10 +178,22 @@ def test_corrupt_config(tiny_checkpoint: Path, tmp_path: Path) -> None:
 def test_unsupported_architecture(tiny_checkpoint: Path, tmp_path: Path) -> None:
     path = copy_checkpoint(tiny_checkpoint, tmp_path / "ckpt")
     cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]  # (Mixtral is supported since issue 26)
+    cfg["model_type"] = "gpt_neox"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="GPTNeoXForCausalLM"):
+        SpecEngine(path, device="cpu")
+
+
+def test_moe_config_without_its_routing_fields(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """A Mixtral config that lacks ``num_experts_per_tok`` is refused by name."""
+    path = copy_checkpoint(tiny_checkpoint, tmp_path / "ckpt")
+    cfg = json.loads((path / "config.json").read_text())
     cfg["architectures"] = ["MixtralForCausalLM"]
     cfg["model_type"] = "mixtral"
+    cfg.pop("num_experts_per_tok", None)
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="MixtralForCausalLM"):
+    with pytest.raises(CheckpointError, match="num_experts_per_tok"):
         SpecEngine(path, device="cpu")
 
 
