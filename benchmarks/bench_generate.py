@@ -101,7 +101,7 @@ def bench_step_cost(args: argparse.Namespace) -> list[dict]:
         raise SystemExit("step-cost mode needs a CUDA device (8B shapes)")
     from specengine import SamplingParams, SpecEngine
     from specengine.core.sequence import Sequence
-    from specengine.core.verify import VerifyShape
+    from specengine.core.step_types import VerifyShape
 
     ckpt = Path(tempfile.mkdtemp())
     (ckpt / "config.json").write_text(json.dumps(SHAPES[args.model_shape]))

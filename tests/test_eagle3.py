@@ -21,8 +21,8 @@ from lossless import (
 
 from specengine import SamplingParams, SpecEngine
 from specengine import arith_task as task
-from specengine.core.model_runner import ForwardOutput
 from specengine.core.sequence import Sequence
+from specengine.core.step_types import ForwardOutput
 from specengine.drafters.eagle3 import Eagle3Drafter, read_head_checkpoint
 from specengine.kernels.reference import draft_probs_in_target_vocab
 from specengine.model.config import CheckpointError

@@ -119,8 +119,8 @@ def test_mtp_needs_declared_layers(tmp_path: Path) -> None:
 def test_observe_reads_the_accepted_tree_rows(mtp_target, engine: SpecEngine) -> None:
     """After a verify step whose accepted path is tree rows (0, 3, 4), the MTP entries are
     rebuilt from exactly those rows of the target's hidden states."""
-    from specengine.core.model_runner import ForwardOutput
     from specengine.core.sequence import Sequence
+    from specengine.core.step_types import ForwardOutput
     from specengine.sampling import SamplingParams
 
     hf, drafter = mtp_target[0], engine.drafter
@@ -144,8 +144,8 @@ def test_observe_reads_the_accepted_tree_rows(mtp_target, engine: SpecEngine) ->
 
 
 def test_sampled_mtp_drafts_carry_their_distributions(engine: SpecEngine) -> None:
-    from specengine.core.model_runner import ForwardOutput
     from specengine.core.sequence import Sequence
+    from specengine.core.step_types import ForwardOutput
     from specengine.sampling import SamplingParams
 
     drafter = MTPDrafter(engine.draft_context, sample=True)

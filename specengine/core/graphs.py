@@ -61,7 +61,8 @@ from specengine.core.batch import BatchState
 from specengine.core.memory_plan import max_graph_bytes, verify_k_max
 from specengine.core.model_runner import ModelRunner
 from specengine.core.sampler import Sampler
-from specengine.core.verify import StaticVerifier, VerifyOutput, VerifyShape, producer_key
+from specengine.core.step_types import VerifyOutput, VerifyShape
+from specengine.core.verify import StaticVerifier, producer_key
 from specengine.tree import MAX_TREE_NODES
 
 logger = logging.getLogger(__name__)

@@ -11,21 +11,10 @@ from torch import Tensor
 import specengine._C as _C
 from specengine.core.kv_cache import KVCache
 from specengine.core.sequence import Sequence
+from specengine.core.step_types import ForwardOutput
 from specengine.core.transfer import to_device
 from specengine.model.attention import AttentionBackend, AttentionMetadata
 from specengine.model.llama import CausalLM
-
-
-@dataclass(frozen=True)
-class ForwardOutput:
-    """A ragged pass. ``qo_indptr[b]`` is the row of sequence b's first fed token (for a
-    group sample that borrowed a sibling's prefill: the sibling's); ``fed_rows[b]`` are its
-    rows relative to that, one per fed position (the prefill's ``accepted_rows``)."""
-
-    hidden: Tensor  # [T, H] final-norm hidden states of every fed token
-    aux_hidden: list[Tensor]  # inputs of the requested layers, each [T, H]
-    qo_indptr: list[int]  # token range of each sequence in the ragged batch
-    fed_rows: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ from specengine.core.run_stats import StepTimes
 from specengine.core.sampler import StepResult
 from specengine.core.seq_arena import SeqArena
 from specengine.core.sequence import Sequence
+from specengine.core.step_types import VerifyShape, forward_output
 from specengine.core.stop_strings import cut_at_stop_strings
 from specengine.core.token_logprobs import record_top_logprobs
 from specengine.core.transfer import to_host
-from specengine.core.verify import VerifyShape, forward_output
 from specengine.drafters.base import Drafter
 from specengine.kernels.kv_cache import compact_kv_cache
 from specengine.tree import DraftTree

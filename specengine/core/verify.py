@@ -15,9 +15,6 @@ of bounds, and their outputs are ignored. A real query only reads keys its own r
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from torch import Tensor
@@ -37,45 +34,14 @@ from specengine.core.batch import (
     BatchState,
 )
 from specengine.core.block_rows import slots_of
-from specengine.core.model_runner import ForwardOutput, ModelRunner
+from specengine.core.model_runner import ModelRunner
 from specengine.core.sampler import Sampler, SamplerOutput, SamplingTensors
+from specengine.core.step_types import VerifyOutput, VerifyShape
 from specengine.core.transfer import to_device
 from specengine.kernels.kv_cache import compact_kv_cache
 from specengine.model.attention import AttentionMetadata
 from specengine.sampling import MAX_TOP_LOGPROBS
 from specengine.tree import DraftTree
-
-
-@dataclass(frozen=True)
-class VerifyShape:
-    """What a verify pass's buffers and graph depend on."""
-
-    num_rows: int  # padded batch (a bucket) or the exact batch
-    num_tokens: int  # N fed per row
-    tree: DraftTree | None
-    has_probs: bool  # sampled drafts carry their distributions
-    masks_stops: bool = False  # some row is under its min_tokens (``mask_stop_ids``)
-    top_logprobs: bool = False  # some row asks for top-N logprobs (``top_logprobs``)
-
-    def __post_init__(self) -> None:
-        if self.num_rows < 1 or self.num_tokens < 1:
-            raise ValueError(f"VerifyShape needs rows and tokens >= 1, got {self}")
-        if self.tree is not None and self.tree.num_nodes != self.num_tokens:
-            raise ValueError(f"a tree of {self.tree.num_nodes} nodes feeds {self.tree.num_nodes}"
-                             f" tokens, not {self.num_tokens}")
-
-    @functools.cached_property
-    def key(self) -> tuple[int, int, tuple | None, bool]:
-        """What a pass of this shape is keyed by (graphs, constants); made once per object."""
-        return (self.num_rows, self.num_tokens,
-                None if self.tree is None else self.tree.paths, self.has_probs,
-                self.masks_stops, self.top_logprobs)
-
-    @functools.cached_property
-    def graph_keys(self) -> dict[str, tuple]:
-        """``run_graph`` keys of the passes of this shape: verify, and the drafter catch-up
-        that reads its outputs."""
-        return {kind: (kind, *self.key) for kind in ("verify", "observe")}
 
 
 def producer_key(key: tuple) -> tuple | None:
@@ -85,16 +51,6 @@ def producer_key(key: tuple) -> tuple | None:
     the outputs it was captured with, so it may be captured only over a captured verify pass
     (whose replays rewrite those very tensors), never over one that runs eagerly."""
     return ("verify", *key[1:]) if key[0] == "observe" else None
-
-
-@dataclass(frozen=True)
-class VerifyOutput:
-    packed: Tensor  # [rows, 3N + 1] float64: see SamplerOutput.pack
-    hidden: Tensor  # [rows * N, H] final-norm hidden of every fed token
-    aux_hidden: list[Tensor]  # [rows * N, H] each: the drafter's target features
-    sampled: SamplerOutput  # the same results on the device (a static drafter reads them)
-    #: [rows, N, 2 * TOP + 1] float64 with ``shape.top_logprobs`` (see ``top_logprobs``)
-    top: Tensor | None = None
 
 
 class StaticVerifier:
@@ -346,12 +302,6 @@ def mask_stop_ids(logits: Tensor, positions: Tensor, mask: Tensor) -> None:
     ids = mask[:, None, 1:].expand(rows, n, -1)
     on = (positions < mask[:, :1])[..., None]  # [rows, N, 1]
     logits.scatter_(2, ids, torch.where(on, float("-inf"), logits.gather(2, ids)))
-
-
-def forward_output(out: VerifyOutput, num_rows: int, num_tokens: int) -> ForwardOutput:
-    """What a drafter's ``observe`` reads: row ``b``'s fed tokens are ``b*N .. b*N + N-1``."""
-    return ForwardOutput(out.hidden, out.aux_hidden,
-                         list(range(0, (num_rows + 1) * num_tokens, num_tokens)))
 
 
 def _same_view(a: Tensor, b: Tensor) -> bool:

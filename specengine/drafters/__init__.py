@@ -6,7 +6,8 @@ import inspect
 import json
 from pathlib import Path
 
-from specengine.drafters.base import Drafter, DraftProposal
+from specengine.core.step_types import DraftProposal
+from specengine.drafters.base import Drafter
 from specengine.drafters.context import DraftContext
 
 __all__ = ["DraftContext", "Drafter", "DraftProposal", "make_drafter"]

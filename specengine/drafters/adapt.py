@@ -27,12 +27,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specengine.core.model_runner import ForwardOutput
 from specengine.core.sequence import Sequence
+from specengine.core.step_types import ForwardOutput
 from specengine.core.transfer import to_device
 
 if TYPE_CHECKING:
-    from specengine.core.verify import VerifyOutput, VerifyShape
+    from specengine.core.step_types import VerifyOutput, VerifyShape
     from specengine.drafters.feature_drafter import FeatureDrafter
 
 

@@ -3,59 +3,23 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from specengine.core.graphs import GraphRunner
-from specengine.core.model_runner import ForwardOutput
 from specengine.core.sequence import Sequence
-from specengine.core.verify import VerifyOutput, VerifyShape
+from specengine.core.step_types import (
+    DraftProposal,
+    DraftVocab,
+    ForwardOutput,
+    VerifyOutput,
+    VerifyShape,
+)
 from specengine.tree import DraftTree
 
 if TYPE_CHECKING:
     from specengine.core.kv_cache import KVCache
-
-
-@dataclass(frozen=True)
-class DraftVocab:
-    """A drafter's own (reduced) vocabulary, e.g. an EAGLE-3 head's 32k of a 152k target's:
-    column ``d`` of its distributions is target token ``to_target[d]``; target token ``t`` is
-    column ``to_draft[t]``, or -1 where the drafter has no id for it (draft probability 0).
-    The tensors are the drafter's own buffers, rewritten in place by a weight update (a
-    captured pass keeps reading them)."""
-
-    to_target: Tensor  # [Vd] int64
-    to_draft: Tensor  # [V] int32
-
-    def __post_init__(self) -> None:
-        if self.to_target.dim() != 1 or self.to_draft.dim() != 1 or \
-                self.to_target.dtype != torch.int64 or self.to_draft.dtype != torch.int32:
-            raise ValueError("DraftVocab needs to_target [Vd] int64 and to_draft [V] int32")
-
-    @property
-    def size(self) -> int:
-        return self.to_target.shape[0]
-
-
-@dataclass(frozen=True)
-class DraftProposal:
-    """Drafts for one step. Chains: ``token_ids[b, :num_draft_tokens[b]]`` are sequence b's
-    drafts. Trees: ``token_ids[b, i-1]`` is the token of tree node i (every node filled)."""
-
-    token_ids: Tensor  # [B, N-1] int64, on the engine's device
-    num_draft_tokens: np.ndarray  # [B] int: host data (the step plans with it, no sync)
-    # [B, N-1, V] float32 draft distributions ([B, N-1, Vd] over the drafter's ``draft_vocab``
-    # when it has one), or None for point masses
-    probs: Tensor | None
-    # Every row drafted exactly what ``propose`` asked (the step then skips comparing counts)
-    as_asked: bool = False
-    # The drafts were written straight into the verify pass's draft buffer (a static draft
-    # pass): the step loads nothing
-    in_place: bool = False
 
 
 class Drafter(ABC):

@@ -24,10 +24,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specengine.core.model_runner import ForwardOutput, ModelRunner
+from specengine.core.model_runner import ModelRunner
 from specengine.core.sequence import SeqStatus, Sequence
+from specengine.core.step_types import DraftProposal, ForwardOutput
 from specengine.core.transfer import to_device
-from specengine.drafters.base import Drafter, DraftProposal
+from specengine.drafters.base import Drafter
 from specengine.drafters.drafting import (
     draft_kv_cache,
     expand_tree,
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from specengine.core.graphs import GraphRunner
     from specengine.core.kv_cache import KVCache
     from specengine.core.seq_arena import SeqArena
-    from specengine.core.verify import VerifyOutput, VerifyShape
+    from specengine.core.step_types import VerifyOutput, VerifyShape
     from specengine.drafters.context import DraftContext
     from specengine.drafters.draft_prefix import DraftPrefix
     from specengine.drafters.static_lm_chain import StaticLMChain

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from specengine.core.model_runner import ForwardOutput
+from specengine.core.step_types import DraftVocab, ForwardOutput
 from specengine.drafters.adapt_train import (
     DEFAULT_ADAPT_BATCH_TOKENS,
     DEFAULT_ADAPT_LR,
@@ -46,7 +46,7 @@ from specengine.drafters.adapt_train import (
     OnlineAdaptation,
     check_adapt_options,
 )
-from specengine.drafters.base import Drafter, DraftVocab
+from specengine.drafters.base import Drafter
 from specengine.drafters.feature_drafter import FeatureDrafter
 from specengine.model.attention import AttentionBackend, AttentionMetadata
 from specengine.model.config import CheckpointError, ModelConfig

@@ -24,17 +24,18 @@ import torch
 from torch import Tensor, nn
 
 from specengine.core.kv_cache import KVCache
-from specengine.core.model_runner import ForwardOutput, ModelRunner
+from specengine.core.model_runner import ModelRunner
 from specengine.core.sequence import SeqStatus, Sequence
+from specengine.core.step_types import DraftProposal, ForwardOutput
 from specengine.core.transfer import to_device
-from specengine.drafters.base import Drafter, DraftProposal
+from specengine.drafters.base import Drafter
 from specengine.drafters.drafting import draft_kv_cache, expand_tree, run_chain, tree_level_mask
 from specengine.model.attention import make_attention_backend
 from specengine.tree import DraftTree
 
 if TYPE_CHECKING:
     from specengine.core.graphs import GraphRunner
-    from specengine.core.verify import VerifyOutput, VerifyShape
+    from specengine.core.step_types import VerifyOutput, VerifyShape
     from specengine.drafters.adapt import FeatureBuffer
     from specengine.drafters.context import DraftContext
     from specengine.drafters.draft_prefix import DraftPrefix

@@ -32,11 +32,10 @@ from torch import nn
 
 from specengine.core.graphs import GraphRunner
 from specengine.core.kv_cache import KVCache
-from specengine.core.model_runner import ForwardOutput
 from specengine.core.sequence import Sequence
+from specengine.core.step_types import DraftProposal, ForwardOutput, VerifyOutput, VerifyShape
 from specengine.core.transfer import to_device
-from specengine.core.verify import VerifyOutput, VerifyShape
-from specengine.drafters.base import Drafter, DraftProposal
+from specengine.drafters.base import Drafter
 from specengine.drafters.suffix import Chain, SuffixDrafter
 from specengine.tree import DraftTree
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from specengine.core.model_runner import ForwardOutput
+from specengine.core.step_types import ForwardOutput
 from specengine.drafters.feature_drafter import FeatureDrafter
 from specengine.model.attention import AttentionBackend, AttentionMetadata
 from specengine.model.config import ModelConfig

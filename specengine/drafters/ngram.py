@@ -9,8 +9,9 @@ import numpy as np
 import torch
 
 from specengine.core.sequence import Sequence
+from specengine.core.step_types import DraftProposal
 from specengine.core.transfer import to_device
-from specengine.drafters.base import Drafter, DraftProposal
+from specengine.drafters.base import Drafter
 from specengine.tree import DraftTree
 
 

@@ -31,11 +31,9 @@ from torch import Tensor
 from specengine.core.batch import ACTIVE, CTX, SLOT
 from specengine.core.block_rows import slots_of
 from specengine.core.graphs import GraphRunner, Pass
-from specengine.core.model_runner import ForwardOutput
 from specengine.core.sequence import Sequence
+from specengine.core.step_types import DraftProposal, ForwardOutput, VerifyOutput, VerifyShape
 from specengine.core.transfer import to_device
-from specengine.core.verify import VerifyOutput, VerifyShape
-from specengine.drafters.base import DraftProposal
 from specengine.drafters.drafting import expand_tree
 from specengine.drafters.static_drafts import StaticDrafts
 from specengine.model.attention import AttentionMetadata

@@ -12,8 +12,8 @@ from torch import Tensor
 
 from specengine.core.batch import OFFSET, SEED, TEMPERATURE, TOP_K, TOP_P
 from specengine.core.graphs import GraphRunner, Pass
+from specengine.core.step_types import VerifyOutput, VerifyShape
 from specengine.core.transfer import to_device
-from specengine.core.verify import VerifyOutput, VerifyShape
 from specengine.drafters.drafting import choose_from
 
 

@@ -22,7 +22,7 @@ from specengine.core.batch import SLOT
 from specengine.core.block_rows import slots_of
 from specengine.core.graphs import GraphRunner, Pass
 from specengine.core.sequence import Sequence
-from specengine.drafters.base import DraftProposal
+from specengine.core.step_types import DraftProposal
 from specengine.drafters.static_drafts import StaticDrafts
 from specengine.model.attention import AttentionMetadata
 

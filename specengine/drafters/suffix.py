@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 import specengine._C as _C
-from specengine.core.model_runner import ForwardOutput
 from specengine.core.sequence import SeqStatus, Sequence
+from specengine.core.step_types import DraftProposal, ForwardOutput
 from specengine.core.transfer import to_device
-from specengine.drafters.base import Drafter, DraftProposal
+from specengine.drafters.base import Drafter
 from specengine.drafters.suffix_index import SuffixParams
 from specengine.tree import DraftTree
 
