@@ -356,7 +356,9 @@ MUTANTS += [
            "or len(self.running) + len(batch) >= self.max_batch_size):",
            "or len(self.running) + len(batch) > self.max_batch_size):", SCHED),
     Mutant("sched-abort-keeps-pending", SCH,
-           "        self.kv_cache.pending.clear()", "        pass", SCHED),
+           "        self.kv_cache.pending.clear()", "        pass", SCHED,
+           equivalent="KVCache.free drops each aborted sequence's plan just before, and only "
+                      "a running sequence has one"),
     Mutant("sched-borrows-when-not-fresh", SCH,
            "fresh = len(seq) == seq.num_prompt_tokens", "fresh = True", SCHED),
     # ---- SamplingParams and request validation ------------------------------------------------
