@@ -19,21 +19,23 @@ from specengine.kernels.kv_cache import reshape_and_cache
 from specengine.kernels.rejection_sampling import rejection_sample
 
 
-def attention_args(d: int = 32, cache_d: int | None = None, hkv: int = 2) -> dict:
+def attention_args(d: int = 32, cache_d: int | None = None, hkv: int = 2,
+                   device: str = "cpu") -> dict:
     """Two sequences (contexts 5 and 9, 2 and 3 queries), block size 16, causal."""
     g = torch.Generator().manual_seed(0)
     cache_d = d if cache_d is None else cache_d
     k = torch.randn(4, 16, hkv, cache_d, generator=g)
     v = torch.randn(4, 16, hkv, cache_d, generator=g)
-    return dict(q=torch.randn(5, 4, d, generator=g), k_cache=k, v_cache=v,
+    args = dict(q=torch.randn(5, 4, d, generator=g), k_cache=k, v_cache=v,
                 block_tables=torch.tensor([[0, -1], [1, 2]], dtype=torch.int32),
                 context_lens=torch.tensor([5, 9], dtype=torch.int32),
                 qo_indptr=torch.tensor([0, 2, 5], dtype=torch.int32), tree_mask=None,
                 scale=d**-0.5)
+    return {n: a.to(device) if isinstance(a, torch.Tensor) else a for n, a in args.items()}
 
 
-def test_attention_args_are_valid() -> None:
-    assert paged_attention(**attention_args()).shape == (5, 4, 32)
+def test_attention_args_are_valid(device: str) -> None:
+    assert paged_attention(**attention_args(device=device)).shape == (5, 4, 32)
 
 
 def test_attention_cache_must_be_contiguous_along_head_dim() -> None:
@@ -75,20 +77,23 @@ def test_attention_scale_must_be_finite(scale: float) -> None:
         paged_attention(**dict(attention_args(), scale=scale))
 
 
-def sampler_args(bsz: int = 2, n_rows: int = 3, vocab: int = 10, tree: bool = False) -> list:
+def sampler_args(bsz: int = 2, n_rows: int = 3, vocab: int = 10, tree: bool = False,
+                 device: str = "cpu") -> list:
     g = torch.Generator().manual_seed(1)
     parents = torch.tensor([-1, 0, 0], dtype=torch.int32) if tree else None
-    return [torch.randn(bsz, n_rows, vocab, generator=g),
+    args = [torch.randn(bsz, n_rows, vocab, generator=g),
             torch.randint(0, vocab, (bsz, n_rows - 1), generator=g),
             torch.full((bsz,), n_rows - 1, dtype=torch.int32), None,
             torch.ones(bsz), torch.full((bsz,), -1, dtype=torch.int32), torch.ones(bsz),
             torch.arange(bsz, dtype=torch.int64), torch.zeros(bsz, dtype=torch.int64),
             parents]
+    return [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def test_sampler_args_are_valid() -> None:
+def test_sampler_args_are_valid(device: str) -> None:
     for tree in (False, True):
-        out, num_acc, _, _ = rejection_sample(*sampler_args(tree=tree), check_values=True)
+        out, num_acc, _, _ = rejection_sample(*sampler_args(tree=tree, device=device),
+                                              check_values=True)
         assert out.shape == (2, 3) and num_acc.shape == (2,)
 
 
@@ -103,19 +108,19 @@ def test_sampler_row_vectors_must_be_contiguous(pos: int, name: str) -> None:
 
 
 @pytest.mark.parametrize("temp", [float("inf"), float("nan")])
-def test_sampler_temperature_must_be_finite(temp: float) -> None:
-    a = sampler_args()
-    a[4] = torch.tensor([1.0, temp])
+def test_sampler_temperature_must_be_finite(temp: float, device: str) -> None:
+    a = sampler_args(device=device)
+    a[4] = torch.tensor([1.0, temp], device=device)
     with pytest.raises(ValueError, match="temperature must be finite"):
         rejection_sample(*a, check_values=True)
 
 
-def test_sampler_tree_drafts_all_nodes_or_none() -> None:
-    a = sampler_args(tree=True)
-    a[2] = torch.tensor([2, 1], dtype=torch.int32)  # a tree of 3 rows judges 2 drafts or 0
+def test_sampler_tree_drafts_all_nodes_or_none(device: str) -> None:
+    a = sampler_args(tree=True, device=device)
+    a[2] = torch.tensor([2, 1], dtype=torch.int32, device=device)  # 3 rows: 2 drafts or 0
     with pytest.raises(ValueError, match="num_draft_tokens of a tree must be 0 or N-1 = 2"):
         rejection_sample(*a, check_values=True)
-    a[2] = torch.tensor([0, 2], dtype=torch.int32)
+    a[2] = torch.tensor([0, 2], dtype=torch.int32, device=device)
     rejection_sample(*a, check_values=True)
 
 
