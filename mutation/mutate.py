@@ -172,7 +172,7 @@ MUTANTS: list[Mutant] = [
            "engine.weight_version + 1",
            "engine.weight_version = engine.weight_version + 1", WEIGHTS),
     Mutant("weights-shared-not-torn", RECV,
-           "    engine._torn_weights.update((which, n) for n in plan.accepted)\n"
+           "    engine.torn_weights.update((which, n) for n in plan.accepted)\n"
            "    for (lo, hi), bucket in zip(chunks, handles.buckets):",
            "    for (lo, hi), bucket in zip(chunks, handles.buckets):", WEIGHTS),
     # ---- request admission --------------------------------------------------------------------
@@ -209,7 +209,246 @@ MUTANTS: list[Mutant] = [
            "        if k not in (0, draft_tree.max_depth):", "        if False:", ADMISSION),
 ]
 
-AREAS = {"sampler": RS, "prefix": PC, "weights": (PROTO, RECV), "admission": REQ}
+
+# ---- the remaining paths: launchers, KV accounting, scheduler, params, server -----------------
+# The launchers' checks: the bad-input tests only (each refusal comes before any launch).
+LAUNCH = ("tests/test_mutants_launchers.py",
+          "tests/test_attention_kernel.py::test_bad_inputs",
+          "tests/test_attention_kernel.py::test_bad_num_splits",
+          "tests/test_attention_kernel.py::test_max_q_len_given_and_empty_inputs",
+          "tests/test_value_checks.py::test_bad_values_raise_when_checks_on",
+          "tests/test_rejection_sampling.py::test_bad_inputs",
+          "tests/test_kv_ops.py::test_reshape_and_cache_rejects_bad_inputs",
+          "tests/test_compact_kv.py::test_compact_kv_rejects_bad_inputs")
+KV = ("tests/test_mutants_kv.py", "tests/test_kv_cache.py", *PREFIX)
+SCHED = ("tests/test_mutants_scheduler.py",
+         "tests/test_scheduler.py::test_scheduler_invariants_under_random_load",
+         "tests/test_request_isolation.py::test_admit_only_budget_room_and_refusal",
+         "tests/test_request_isolation.py::test_decode_only_runs_just_the_running_ones")
+PARAMS = ("tests/test_mutants_params.py", "tests/test_mutants_admission.py",
+          "tests/test_admission_bounds.py", "-k", "sampling_params or mutants")
+SERVER = ("tests/test_mutants_server.py",)
+
+ATT_C = "kernels/attention_checks.py"
+ATT = "kernels/attention.py"
+SMP_C = "kernels/sampling_checks.py"
+KVK = "kernels/kv_cache.py"
+KVC = "specengine/core/kv_cache.py"
+SCH = "specengine/core/scheduler.py"
+SP = "specengine/sampling.py"
+SCHEMA = "specengine/server/schemas.py"
+APP = "specengine/server/app.py"
+
+MUTANTS += [
+    # ---- kernel launchers' host logic ---------------------------------------------------------
+    Mutant("launchers-attn-cache-stride-unchecked", ATT_C,
+           "        if c.stride(3) != 1:", "        if False:", LAUNCH),
+    Mutant("launchers-attn-head-dim-mismatch", ATT_C,
+           "    if dk != d:", "    if False:", LAUNCH),
+    Mutant("launchers-attn-head-dim-min", ATT_C,
+           "if not _is_pow2(d) or d < 16:", "if not _is_pow2(d) or d < 8:", LAUNCH),
+    Mutant("launchers-attn-indptr-longer", ATT_C,
+           "if qo_indptr.shape[0] != num_seqs + 1:", "if qo_indptr.shape[0] < num_seqs + 1:",
+           LAUNCH),
+    Mutant("launchers-attn-device-unchecked", ATT_C,
+           "        if t is not None and t.device != q.device:", "        if False:", LAUNCH),
+    Mutant("launchers-attn-tree-words-floor", ATT,
+           "tree_mask.shape[1] < (max_q_len + 31) // 32:",
+           "tree_mask.shape[1] < max_q_len // 32:", LAUNCH),
+    Mutant("launchers-attn-scale-unchecked", ATT,
+           "    if not math.isfinite(scale):", "    if False:", LAUNCH),
+    Mutant("launchers-attn-bound-off-by-one", ATT_C,
+           "if max_q_len is not None and max_q_len < longest:",
+           "if max_q_len is not None and max_q_len < longest - 1:", LAUNCH),
+    Mutant("launchers-sampler-vector-contiguity", SMP_C,
+           '    _check(t.is_contiguous(), f"{name} must be contiguous")', "    pass", LAUNCH),
+    Mutant("launchers-sampler-temperature-finite", SMP_C,
+           "(((temperature >= 0) & torch.isfinite(temperature)).all(),",
+           "((temperature >= 0).all(),", LAUNCH),
+    Mutant("launchers-sampler-tree-num-draft", SMP_C,
+           "(((n == 0) | (n == n_rows - 1)).all(),", "((n >= 0).all(),", LAUNCH),
+    Mutant("launchers-sampler-num-draft-bound", SMP_C,
+           "(((n >= 0) & (n <= n_rows - 1)).all()", "(((n >= 0) & (n <= n_rows)).all()",
+           LAUNCH),
+    Mutant("launchers-kv-head-dim-stride", KVK,
+           "        if t.stride(2) != 1:", "        if False:", LAUNCH),
+    Mutant("launchers-kv-slots-device", KVK,
+           "    if slots.device != device:", "    if False:", LAUNCH),
+    Mutant("launchers-kv-compact-dtype-mismatch", KVK,
+           "    if src_slots.dtype != dst_slots.dtype:", "    if False:", LAUNCH),
+    # ---- KV allocator accounting --------------------------------------------------------------
+    Mutant("kv-free-blocks-ignore-evictable", KVC,
+           "return int(self.allocator.num_free) + evictable",
+           "return int(self.allocator.num_free)", KV),
+    Mutant("kv-can-ensure-strict", KVC,
+           "return self.num_missing_blocks(seq, num_tokens) <= self.num_free_blocks",
+           "return self.num_missing_blocks(seq, num_tokens) < self.num_free_blocks", KV),
+    Mutant("kv-allocate-never-evicts", KVC,
+           "if short > 0 and self.prefix is not None and short <= len(self.prefix.evictable):",
+           "if False:", KV),
+    Mutant("kv-grow-gives-up-early", KVC,
+           "if self.prefix is None or short > len(self.prefix.evictable):",
+           "if self.prefix is None or short >= len(self.prefix.evictable):", KV),
+    Mutant("kv-free-not-released-to-prefix", KVC,
+           "                self.prefix.released(table)", "                pass", KV),
+    Mutant("kv-free-keeps-cached-count", KVC,
+           "        seq.block_table = []\n        seq.num_cached_tokens = 0",
+           "        seq.block_table = []", KV),
+    Mutant("kv-free-keeps-pending-plan", KVC,
+           '            self.pending.pop(getattr(seq, "seq_id", None), None)',
+           "            pass", KV),
+    Mutant("kv-can-admit-shared-evictable-counted-free", KVC,
+           "taken = self.prefix.num_evictable_in(plan.shared) if self.prefix is not None else 0",
+           "taken = 0", KV),
+    Mutant("kv-can-admit-shared-not-subtracted", KVC,
+           "need = self.blocks_for(len(plan.seq)) - len(plan.shared)",
+           "need = self.blocks_for(len(plan.seq))", KV),
+    Mutant("kv-plan-reuses-last-token", KVC,
+           "reusable = (n - 1) // self.block_size", "reusable = n // self.block_size", KV),
+    Mutant("kv-admit-shared-not-referenced", KVC,
+           "                self.allocator.incref(np.asarray(plan.shared, dtype=np.int64))",
+           "                pass", KV),
+    Mutant("kv-invalidate-keeps-prefix", KVC,
+           "        if self.prefix is not None:\n            self.prefix.clear()",
+           "        if self.prefix is not None:\n            pass", KV),
+    Mutant("kv-names-without-draft", KVC,
+           "register = drafted or not self.names_need_draft", "register = True", KV),
+    Mutant("kv-check-fits-strict", KVC,
+           "        if need > self.num_blocks:", "        if need >= self.num_blocks:", KV),
+    # ---- scheduler admission and preemption ---------------------------------------------------
+    Mutant("sched-batch-size-off-by-one", SCH,
+           "while self.waiting and len(self.running) + len(batch) < self.max_batch_size:",
+           "while self.waiting and len(self.running) + len(batch) <= self.max_batch_size:",
+           SCHED),
+    Mutant("sched-token-budget-ignored", SCH,
+           "            if batch and num_tokens + plan.num_computed > self.max_num_batched_tokens:"
+           "\n                break\n            if not self.kv_cache.can_admit(plan):",
+           "            if not self.kv_cache.can_admit(plan):", SCHED),
+    Mutant("sched-token-budget-blocks-first", SCH,
+           "            if batch and num_tokens + plan.num_computed > self.max_num_batched_tokens:"
+           "\n                break\n            if not self.kv_cache.can_admit(plan):",
+           "            if num_tokens + plan.num_computed > self.max_num_batched_tokens:"
+           "\n                break\n            if not self.kv_cache.can_admit(plan):", SCHED),
+    Mutant("sched-admits-without-room", SCH,
+           "            if not self.kv_cache.can_admit(plan):\n                break",
+           "            if False:\n                break", SCHED),
+    Mutant("sched-preempted-to-the-back", SCH,
+           "        self.waiting.appendleft(seq)", "        self.waiting.append(seq)", SCHED),
+    Mutant("sched-preempts-oldest", SCH,
+           "        for seq in reversed(self.running):", "        for seq in self.running:",
+           SCHED),
+    Mutant("sched-preemptions-uncounted", SCH,
+           "        self.num_preemptions += 1", "        pass", SCHED),
+    Mutant("sched-on-preempt-skipped", SCH,
+           "        if self.on_preempt is not None:\n            self.on_preempt(seq)",
+           "        if self.on_preempt is not None:\n            pass", SCHED),
+    Mutant("sched-decode-lookahead-uncapped", SCH,
+           "need = lens + np.minimum(arena.lookahead[slots], arena.max_model_len - lens)",
+           "need = lens + arena.lookahead[slots]", SCHED),
+    Mutant("sched-preempts-scheduled", SCH,
+           "victim = self._last_running(exclude=(seq, *scheduled))",
+           "victim = self._last_running(exclude=(seq,))", SCHED),
+    Mutant("sched-finish-keeps-decode-batch", SCH,
+           "            self.running.remove(seq)\n            self._changed()\n"
+           "        seq.detach()",
+           "            self.running.remove(seq)\n        seq.detach()", SCHED),
+    Mutant("sched-admit-only-batch-limit", SCH,
+           "or len(self.running) + len(batch) >= self.max_batch_size):",
+           "or len(self.running) + len(batch) > self.max_batch_size):", SCHED),
+    Mutant("sched-abort-keeps-pending", SCH,
+           "        self.kv_cache.pending.clear()", "        pass", SCHED,
+           equivalent="KVCache.free drops each aborted sequence's plan just before, and only "
+                      "a running sequence has one"),
+    Mutant("sched-borrows-when-not-fresh", SCH,
+           "fresh = len(seq) == seq.num_prompt_tokens", "fresh = True", SCHED),
+    # ---- SamplingParams and request validation ------------------------------------------------
+    Mutant("params-bool-is-a-count", SP,
+           "return isinstance(value, int) and not isinstance(value, bool)",
+           "return isinstance(value, int)", PARAMS),
+    Mutant("params-int-high-exclusive", SP,
+           "if not _is_int(value) or not low <= value <= high:",
+           "if not _is_int(value) or not low <= value < high:", PARAMS),
+    Mutant("params-float-bool", SP,
+           "if (isinstance(value, bool) or not isinstance(value, (int, float))",
+           "if (not isinstance(value, (int, float))", PARAMS),
+    Mutant("params-float-finite-dropped", SP,
+           "or not math.isfinite(value) or not ok(value)):", "or not ok(value)):", PARAMS,
+           equivalent="every ok() is a bounded range (0 or [1e-4, 1e4]; (0, 1]), which inf and "
+                      "NaN fail too"),
+    Mutant("params-temperature-min-exclusive", SP,
+           "lambda t: t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE",
+           "lambda t: t == 0 or MIN_TEMPERATURE < t <= MAX_TEMPERATURE", PARAMS),
+    Mutant("params-top-p-zero", SP,
+           'lambda p: 0 < p <= 1)', 'lambda p: 0 <= p <= 1)', PARAMS),
+    Mutant("params-top-k-below-minus-one", SP,
+           'check_int("top_k", self.top_k, -1,', 'check_int("top_k", self.top_k, -2,', PARAMS),
+    Mutant("params-max-tokens-zero", SP,
+           'check_int("max_tokens", self.max_tokens, 1,',
+           'check_int("max_tokens", self.max_tokens, 0,', PARAMS),
+    Mutant("params-ignore-eos-unchecked", SP,
+           "        if not isinstance(self.ignore_eos, bool):", "        if False:", PARAMS),
+    Mutant("params-seed-2-63", SP,
+           'check_int("seed", self.seed, 0, MAX_SEED - 1,',
+           'check_int("seed", self.seed, 0, MAX_SEED,', PARAMS),
+    Mutant("params-negative-lag", SP,
+           'check_int("max_policy_lag", self.max_policy_lag, 0,',
+           'check_int("max_policy_lag", self.max_policy_lag, -1,', PARAMS),
+    Mutant("params-stop-bytes", SP,
+           "if (isinstance(stops, (str, bytes, bytearray, memoryview))\n                or not",
+           "if (not", PARAMS),
+    Mutant("params-stop-count-with-repeats", SP,
+           "if len(stops) > MAX_STOP_TOKEN_IDS and len(set(stops)) > MAX_STOP_TOKEN_IDS:",
+           "if len(stops) > MAX_STOP_TOKEN_IDS:", PARAMS),
+    Mutant("params-stop-ids-not-frozen", SP,
+           '        object.__setattr__(self, "stop_token_ids", stops)', "        pass", PARAMS),
+    Mutant("params-n-over-max", SP,
+           'check_int("n (samples per prompt)", self.n, 1, MAX_N,',
+           'check_int("n (samples per prompt)", self.n, 1, MAX_N + 1,', PARAMS),
+    Mutant("params-request-empty-prompt", REQ,
+           "        if not ids:\n", "        if False:\n", PARAMS),
+    Mutant("params-request-sampling-count", REQ,
+           "if len(params) != len(prompts) or not all(", "if not all(", PARAMS),
+    # ---- the server's request mapping ---------------------------------------------------------
+    Mutant("server-null-kept", SCHEMA,
+           "if value is not None or name in _NONE_MEANS_SOMETHING}", "if True}", SERVER),
+    Mutant("server-null-seed-dropped", SCHEMA,
+           "if value is not None or name in _NONE_MEANS_SOMETHING}", "if value is not None}",
+           SERVER, equivalent="SamplingParams' default for seed and max_policy_lag is None, the "
+                              "same as the explicit null"),
+    Mutant("server-not-strict", SCHEMA,
+           'ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)',
+           'ConfigDict(extra="forbid", allow_inf_nan=False)', SERVER),
+    Mutant("server-extra-allowed", SCHEMA,
+           'ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)',
+           'ConfigDict(strict=True, allow_inf_nan=False)', SERVER),
+    Mutant("server-nan-allowed", SCHEMA,
+           'ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)',
+           'ConfigDict(extra="forbid", strict=True)', SERVER),
+    Mutant("server-two-prompts-allowed", SCHEMA,
+           "if (self.prompt_token_ids is None) == (self.prompt is None):",
+           "if self.prompt_token_ids is None and self.prompt is None:", SERVER),
+    Mutant("server-request-id-unbounded", SCHEMA,
+           "    request_id: str | None = Field(default=None, min_length=1,\n"
+           "                                   max_length=MAX_REQUEST_ID_CHARS)",
+           "    request_id: str | None = Field(default=None, min_length=1)", SERVER),
+    Mutant("server-sampling-params-ignored", APP,
+           "params = body.sampling_params.to_params() if body.sampling_params else None",
+           "params = None", SERVER),
+    Mutant("server-k-ignored", APP,
+           "k = state.default_k if body.k is None else body.k", "k = state.default_k", SERVER),
+    Mutant("server-k-max-ignored", APP,
+           "k_max = state.default_k_max if body.k_max is None else body.k_max",
+           "k_max = state.default_k_max", SERVER),
+    Mutant("server-request-id-ignored", APP,
+           'rid = body.request_id or f"http-{uuid.uuid4().hex}"',
+           'rid = f"http-{uuid.uuid4().hex}"', SERVER),
+    Mutant("server-live-id-reused", APP,
+           "        if rid in state.live:\n", "        if False:\n", SERVER),
+]
+
+AREAS = {"sampler": RS, "prefix": PC, "weights": (PROTO, RECV), "admission": REQ,
+         "launchers": (ATT_C, ATT, SMP_C, KVK), "kv": KVC, "sched": SCH,
+         "params": (SP, REQ), "server": (SCHEMA, APP)}
 
 
 def area_of(m: Mutant) -> str:
@@ -240,6 +479,10 @@ def run_one(m: Mutant, timeout_s: float) -> tuple[str, float]:
             return "survived", time.monotonic() - start
         if rc == 1:
             return "killed", time.monotonic() - start
+        if rc < 0 and -rc in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT):
+            # The tests crashed the interpreter (a kernel read out of bounds): a failure the
+            # real code does not have, so the mutant is caught.
+            return f"killed (crash, signal {-rc})", time.monotonic() - start
         tail = proc.stdout.decode(errors="replace").strip().splitlines()[-1:]
         return f"error: pytest exit {rc} {tail}", time.monotonic() - start
     finally:

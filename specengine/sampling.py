@@ -120,7 +120,9 @@ class SamplingParams:
             check_int("max_policy_lag", self.max_policy_lag, 0, MAX_INT64,
                       f"an int in [0, {MAX_INT64}] (weight versions) or None (the engine's)")
         stops = self.stop_token_ids
-        if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
+        # bytes-like objects iterate as ints: refused, not read as token ids
+        if (isinstance(stops, (str, bytes, bytearray, memoryview))
+                or not hasattr(stops, "__iter__")):
             raise ValueError(f"stop_token_ids must be a sequence of int token ids, got "
                              f"{stops!r}")
         stops = tuple(stops)
