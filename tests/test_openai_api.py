@@ -329,25 +329,33 @@ BAD = [
      "n=65 samples exceed max_waiting=64"),
     ("unknown model", "cmpl", {"prompt": PROMPT, "model": "gpt-4"}, 404, "model",
      "'gpt-4' does not exist"),
-    ("stop strings", "cmpl", {"prompt": PROMPT, "stop": [";"]}, 400, "stop",
-     "stop strings are not supported"),
-    ("top-N logprobs", "cmpl", {"prompt": PROMPT, "logprobs": 2}, 400, "logprobs",
-     "top-2 alternatives"),
-    ("chat top_logprobs", "chat", {"messages": [{"role": "user", "content": "1+1="}],
-                                   "logprobs": True, "top_logprobs": 3}, 400, "top_logprobs",
-     "top_logprobs=3"),
-    ("min_p", "cmpl", {"prompt": PROMPT, "min_p": 0.1}, 400, "min_p", "min_p=0.1"),
     ("presence_penalty", "chat", {"messages": [{"role": "user", "content": "1+1="}],
                                   "presence_penalty": 0.5}, 400, "presence_penalty",
      "not supported"),
+    ("frequency_penalty", "cmpl", {"prompt": PROMPT, "frequency_penalty": 0.5}, 400,
+     "frequency_penalty", "frequency_penalty=0.5 is not supported"),
+    ("repetition_penalty", "chat", {"messages": [{"role": "user", "content": "1+1="}],
+                                    "repetition_penalty": 1.1}, 400, "repetition_penalty",
+     "not supported"),
+    ("top_logprobs without logprobs", "chat", {"messages": [{"role": "user", "content": "x"}],
+                                               "top_logprobs": 3}, 400, "top_logprobs",
+     "needs logprobs=true"),
+    ("top_logprobs 21", "chat", {"messages": [{"role": "user", "content": "1+1="}],
+                                 "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+     "top_logprobs must be an int in [0, 20]"),
+    ("logprobs 21", "cmpl", {"prompt": PROMPT, "logprobs": 21}, 400, "logprobs",
+     "logprobs must be None or an int in [0, 20]"),
+    ("min_tokens over max_tokens", "cmpl", {"prompt": PROMPT, "min_tokens": 20}, 400,
+     "min_tokens", "min_tokens must be"),
+    ("min_p 2", "cmpl", {"prompt": PROMPT, "min_p": 2.0}, 400, "min_p", "min_p must be"),
+    ("empty stop string", "cmpl", {"prompt": PROMPT, "stop": [""]}, 400, "stop",
+     "stop[0] must be a non-empty str"),
     ("logit_bias", "cmpl", {"prompt": PROMPT, "logit_bias": {"3": 5.0}}, 400, "logit_bias",
      "logit_bias"),
     ("tool_choice auto", "chat", {"messages": [{"role": "user", "content": "1+1="}],
                                   "tool_choice": "auto"}, 400, "tool_choice", "not parsed"),
     ("suffix", "cmpl", {"prompt": PROMPT, "suffix": "x"}, 400, "suffix", "suffix"),
     ("best_of", "cmpl", {"prompt": PROMPT, "best_of": 3}, 400, "best_of", "best_of"),
-    ("min_tokens", "cmpl", {"prompt": PROMPT, "min_tokens": 4}, 400, "min_tokens",
-     "min_tokens=4"),
     ("structured output", "chat", {"messages": [{"role": "user", "content": "1+1="}],
                                    "response_format": {"type": "json_object"}}, 400,
      "response_format", "structured output"),
@@ -572,4 +580,119 @@ def test_async_engine_group_admission_is_all_or_nothing(aeng) -> None:
         assert sum(o.finished for o in outs) == 24
 
     asyncio.run(run())
+    in_engine(aeng, assert_idle_and_free)
+
+
+# ---- sampling fields passed through (issue 25) ------------------------------------------------
+LONG = "Q:47*6+385="
+
+
+def _spelled(tok: object, token: int) -> str:
+    """A token's own text, special tokens spelled out (as logprob answers show them)."""
+    return tok.tokenizer.decode([token], skip_special_tokens=False)  # type: ignore[attr-defined]
+
+
+def _stop_in_middle(aeng: AsyncSpecEngine) -> tuple[str, str]:
+    """A two-character stop string from the middle of LONG's greedy text, and that text."""
+    full = reference(aeng, LONG, greedy(64))[0].text
+    assert full is not None and len(full) > 6
+    return full[len(full) // 2: len(full) // 2 + 2], full
+
+
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "kept"])
+def test_completion_stop_string_equals_generate_and_k3_equals_k0(served, aeng,
+                                                                 include) -> None:
+    _, client = served
+    stop, full = _stop_in_middle(aeng)
+    want = reference(aeng, LONG, greedy(64, stop=(stop,), include_stop_str_in_output=include,
+                                        logprobs=2))[0]
+    assert want.stop_reason == stop and want.text != full  # the stop string cut it
+    answers = {k: client.completions.create(
+        model=MODEL, prompt=LONG, max_tokens=64, temperature=0, stop=stop, logprobs=2,
+        extra_body={"k": k, "return_token_ids": True,
+                    "include_stop_str_in_output": include}).choices[0] for k in (0, 3)}
+    for k, c in answers.items():
+        assert c.text == want.text and c.finish_reason == "stop" and c.stop_reason == stop, k
+        assert c.token_ids == list(want.token_ids)
+        assert c.logprobs.token_logprobs == pytest.approx(list(want.logprobs), abs=1e-4)
+        tok = aeng.engine.tokenizer
+        wanted = [{_spelled(tok, t): lp for t, lp in alt.items()} for alt in want.top_logprobs]
+        # the same alternatives; k = 3's values come from the verify pass (float rounding)
+        assert [list(d) for d in c.logprobs.top_logprobs] == [list(d) for d in wanted], k
+        for got_d, want_d in zip(c.logprobs.top_logprobs, wanted, strict=True):
+            assert list(got_d.values()) == (list(want_d.values()) if k == 0 else
+                                            pytest.approx(list(want_d.values()), abs=1e-4))
+        assert all(len(d) in (2, 3) for d in c.logprobs.top_logprobs)
+    assert answers[3].num_accepted_tokens > 0  # speculation ran and its drafts were kept
+    # a list of stop strings: the first found wins (here the only one that occurs)
+    listed = client.completions.create(model=MODEL, prompt=LONG, max_tokens=64, temperature=0,
+                                       stop=["@@", stop]).choices[0]
+    assert listed.text == reference(aeng, LONG, greedy(64, stop=("@@", stop)))[0].text
+    in_engine(aeng, assert_idle_and_free)
+
+
+def test_streamed_stop_string_cuts_the_streamed_text_as_the_final(served, aeng) -> None:
+    _, client = served
+    stop, _ = _stop_in_middle(aeng)
+    want = reference(aeng, LONG, greedy(64, stop=(stop,)))[0]
+    for k in (0, 3):
+        chunks = list(client.completions.create(model=MODEL, prompt=LONG, max_tokens=64,
+                                                temperature=0, stop=[stop], stream=True,
+                                                extra_body={"k": k}))
+        texts = [c.choices[0].text for c in chunks if c.choices]
+        assert "".join(texts) == want.text, (k, texts)
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert chunks[-1].choices[0].stop_reason == stop
+
+
+def test_min_tokens_and_min_p_equal_generate_with_the_same_seed(served, aeng) -> None:
+    _, client = served
+    for kw in ({"min_tokens": 12}, {"min_p": 0.3}, {"min_p": 0.05, "min_tokens": 3}):
+        params = SamplingParams(temperature=1.0, max_tokens=24, seed=11, **kw)
+        want = reference(aeng, PROMPT_IDS, params)[0]
+        got = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=24,
+                                        temperature=1.0, seed=11, logprobs=0,
+                                        extra_body={"k": 0, "return_token_ids": True, **kw})
+        c = got.choices[0]
+        assert c.token_ids == list(want.token_ids) and c.text == want.text, kw
+        assert c.logprobs.token_logprobs == list(want.logprobs)
+        if "min_tokens" in kw:
+            assert len(c.token_ids) >= kw["min_tokens"]
+    # min_tokens holds off EOS: greedy, the answer is longer than without it
+    short = reference(aeng, PROMPT_IDS, greedy(40))[0]
+    long = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=40,
+                                     temperature=0, extra_body={
+                                         "min_tokens": len(short.token_ids) + 2,
+                                         "return_token_ids": True}).choices[0]
+    assert long.token_ids == list(reference(aeng, PROMPT_IDS, greedy(
+        40, min_tokens=len(short.token_ids) + 2))[0].token_ids)
+    assert len(long.token_ids) >= len(short.token_ids) + 2
+
+
+def test_chat_stop_min_p_and_top_logprobs_equal_generate(served, aeng) -> None:
+    _, client = served
+    stop, _ = _stop_in_middle(aeng)
+    messages = [{"role": "user", "content": LONG.removeprefix("Q:")}]  # renders as LONG
+    want = reference(aeng, LONG, greedy(64, stop=(stop,), logprobs=3))[0]
+    for k in (0, 3):
+        got = client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_completion_tokens=64,
+            stop=stop, logprobs=True, top_logprobs=3, extra_body={"k": k}).choices[0]
+        assert got.message.content == want.text and got.finish_reason == "stop", k
+        assert got.stop_reason == stop
+        content = got.logprobs.content
+        assert [c.logprob for c in content] == pytest.approx(list(want.logprobs), abs=1e-4)
+        tok = aeng.engine.tokenizer
+        for c, alt in zip(content, want.top_logprobs, strict=True):
+            best = sorted(alt.items(), key=lambda kv: -kv[1])[:3]
+            assert [t.token for t in c.top_logprobs] == [_spelled(tok, t) for t, _ in best]
+            assert [t.logprob for t in c.top_logprobs] == pytest.approx(
+                [lp for _, lp in best], abs=0 if k == 0 else 1e-4)
+            assert all(t.bytes == list(t.token.encode()) for t in c.top_logprobs)
+    sampled = SamplingParams(temperature=1.0, max_tokens=24, seed=3, min_p=0.2, min_tokens=5)
+    want = reference(aeng, LONG, sampled)[0]
+    got = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=1.0, max_completion_tokens=24, seed=3,
+        extra_body={"k": 0, "min_p": 0.2, "min_tokens": 5, "return_token_ids": True})
+    assert got.choices[0].token_ids == list(want.token_ids)
     in_engine(aeng, assert_idle_and_free)

@@ -203,10 +203,6 @@ def test_our_body_still_works(served, reference) -> None:
     assert set(out) == {"request_id", *(f.name for f in dataclasses.fields(GenerationOutput))}
 
 
-def _unsupported(field: str) -> bool:
-    return field not in {f.name for f in dataclasses.fields(SamplingParams)}
-
-
 BAD = [  # (id, body, words the 400 must contain)
     ("two prompts", {"text": "Q:", "input_ids": [1]}, "exactly one of text and input_ids"),
     ("typo", {"input_ids": [1], "sampling_params": {"max_new_token": 3}},
@@ -217,7 +213,11 @@ BAD = [  # (id, body, words the 400 must contain)
     ("rid list too short", {"text": ["Q:", "Q:1"], "rid": ["a"]}, "rid"),
     ("same rids", {"text": ["Q:", "Q:1"], "rid": ["a", "a"]}, "rid"),
     ("empty batch", {"text": []}, "the batch is empty"),
-    ("top logprobs", {"input_ids": [1], "top_logprobs_num": 2}, "top_logprobs_num"),
+    ("top logprobs 21", {"input_ids": [1], "return_logprob": True, "top_logprobs_num": 21},
+     "top_logprobs_num: an int in [0, 20]"),
+    ("empty stop string", {"input_ids": [1], "sampling_params": {"stop": ["1", ""]}},
+     "stop[1] must be a non-empty str"),
+    ("min_p 2", {"input_ids": [1], "sampling_params": {"min_p": 2.0}}, "min_p must be"),
     ("logprob start", {"input_ids": [1], "logprob_start_len": 0}, "logprob_start_len"),
     ("two seeds", {"input_ids": [1], "sampling_params": {"seed": 1, "sampling_seed": 2}},
      "one of seed and sampling_seed"),
@@ -230,11 +230,8 @@ BAD = [  # (id, body, words the 400 must contain)
     ("string max tokens", {"input_ids": [1], "sampling_params": {"max_new_tokens": "3"}},
      "sampling_params.max_new_tokens"),
 ]
-OPTIONAL = [  # refused while SamplingParams lacks the field, named in the 400
-    ("stop", {"stop": ["="]}, "stop"), ("min_p", {"min_p": 0.1}, "min_p"),
-    ("min_new_tokens", {"min_new_tokens": 2}, "min_tokens"),
-    ("repetition_penalty", {"repetition_penalty": 1.2}, "repetition_penalty"),
-]
+PENALTIES = [("repetition_penalty", 1.2, 1.0), ("frequency_penalty", 0.5, 0.0),
+             ("presence_penalty", -0.5, 0.0)]
 
 
 @pytest.mark.parametrize("body,words", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
@@ -251,20 +248,15 @@ def test_bad_sglang_body_is_a_400_naming_the_field(served, aeng, reference, body
         temperature=0.0, max_tokens=12))[0])
 
 
-@pytest.mark.parametrize("field,sampling,engine_field", OPTIONAL,
-                         ids=[c[0] for c in OPTIONAL])
-def test_fields_the_engine_lacks_are_refused_by_name(served, aeng, field, sampling,
-                                                     engine_field) -> None:
-    if not _unsupported(engine_field):
-        pytest.skip(f"SamplingParams has {engine_field} now: the field is passed on")
+@pytest.mark.parametrize("field,value,off", PENALTIES, ids=[c[0] for c in PENALTIES])
+def test_penalties_are_refused_by_name(served, aeng, field, value, off) -> None:
     status, answer = post_json(served, "/generate", {"input_ids": [1],
-                                                     "sampling_params": sampling})
-    assert status == 400 and f"sampling_params.{field}" in answer["error"], answer
-    assert "not supported" in answer["error"]
-    # Its neutral value is no request for it: accepted.
-    neutral = {"stop": [], "min_p": 0.0, "min_new_tokens": 0, "repetition_penalty": 1.0}
+                                                     "sampling_params": {field: value}})
+    assert status == 400 and f"{field} is not supported" in answer["error"], answer
+    in_engine(aeng, assert_idle_and_free)
+    # Its off value is no request for it: accepted.
     status, _ = post_json(served, "/generate", {
-        "input_ids": [1], "sampling_params": {"max_new_tokens": 2, field: neutral[field]}})
+        "input_ids": [1], "sampling_params": {"max_new_tokens": 2, field: off}})
     assert status == 200
     in_engine(aeng, assert_idle_and_free)
 
@@ -356,3 +348,76 @@ def test_python_client_reads_a_group(served, reference) -> None:
     assert [g.token_ids for g in single] == [
         reference.generate([prompt], k=3, sampling=SamplingParams(temperature=0.0,
                                                                    max_tokens=10))[0].token_ids]
+
+
+# ---- sampling fields passed through (issue 25) ------------------------------------------------
+LONG = "Q:47*6+385="
+
+
+def _stop_in_middle(reference: SpecEngine) -> str:
+    """A two-character stop string from the middle of LONG's greedy text."""
+    full = reference.generate([LONG], k=0, sampling=SamplingParams(
+        temperature=0.0, max_tokens=64))[0].text
+    assert full is not None and len(full) > 6
+    return full[len(full) // 2: len(full) // 2 + 2]
+
+
+@pytest.mark.parametrize("as_list", [False, True], ids=["str", "list"])
+def test_stop_string_equals_generate_and_k3_equals_k0(served, reference, as_list) -> None:
+    stop = _stop_in_middle(reference)
+    want = reference.generate([LONG], k=0, sampling=SamplingParams(
+        temperature=0.0, max_tokens=64, stop=(stop,)))[0]
+    assert want.stop_reason == stop
+    for k in (0, 3):
+        status, out = post_json(served, "/generate", {
+            "text": LONG, "k": k, "sampling_params": {
+                "max_new_tokens": 64, "temperature": 0.0,
+                "stop": ["@@", stop] if as_list else stop}})
+        assert status == 200, out
+        assert out["text"] == want.text and out["output_ids"] == list(want.token_ids), k
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        if k == 3:
+            assert out["meta_info"]["num_accepted_tokens"] > 0
+
+
+def test_min_new_tokens_and_min_p_equal_generate_with_the_same_seed(served, reference
+                                                                    ) -> None:
+    for sp, kw in (({"min_new_tokens": 12}, {"min_tokens": 12}), ({"min_p": 0.3}, {"min_p": 0.3}),
+                   ({"min_p": 0.05, "min_new_tokens": 3}, {"min_p": 0.05, "min_tokens": 3})):
+        want = reference.generate([PROMPT_IDS], k=0, sampling=SamplingParams(
+            temperature=1.0, max_tokens=24, seed=11, **kw))[0]
+        status, out = post_json(served, "/generate", {
+            "input_ids": PROMPT_IDS, "k": 0, "return_logprob": True, "sampling_params": {
+                "max_new_tokens": 24, "temperature": 1.0, "sampling_seed": 11, **sp}})
+        assert status == 200, out
+        assert out["output_ids"] == list(want.token_ids) and out["text"] == want.text, sp
+        assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == list(
+            want.logprobs)
+    short = reference.generate([PROMPT_IDS], k=0, sampling=SamplingParams(
+        temperature=0.0, max_tokens=40))[0]
+    status, out = post_json(served, "/generate", {"input_ids": PROMPT_IDS, "sampling_params": {
+        "max_new_tokens": 40, "temperature": 0.0,
+        "min_new_tokens": len(short.token_ids) + 2}})
+    assert len(out["output_ids"]) >= len(short.token_ids) + 2  # EOS was held off
+
+
+def test_top_logprobs_num_equals_generation_output(served, reference) -> None:
+    want = reference.generate([LONG], k=0, sampling=SamplingParams(
+        temperature=0.0, max_tokens=24, logprobs=3))[0]
+    for k in (0, 3):
+        status, out = post_json(served, "/generate", {
+            "text": LONG, "k": k, "return_logprob": True, "top_logprobs_num": 3,
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0.0}})
+        assert status == 200, out
+        tops = out["meta_info"]["output_top_logprobs"]
+        assert len(tops) == len(want.token_ids)
+        for got, alt in zip(tops, want.top_logprobs, strict=True):
+            best = sorted(alt.items(), key=lambda kv: -kv[1])[:3]
+            assert [t for _, t, _ in got] == [t for t, _ in best], k
+            assert all(x is None for _, _, x in got)
+            assert [lp for lp, _, _ in got] == pytest.approx(
+                [lp for _, lp in best], abs=0 if k == 0 else 1e-4)
+    # without return_logprob there are no logprobs at all (as SGLang)
+    status, out = post_json(served, "/generate", {
+        "text": LONG, "top_logprobs_num": 3, "sampling_params": {"max_new_tokens": 4}})
+    assert status == 200 and "output_top_logprobs" not in out["meta_info"]

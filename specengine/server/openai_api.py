@@ -19,7 +19,12 @@ adds a last chunk with the usage.
 vLLM's RL extensions: ``return_token_ids`` (completions: ``prompt_token_ids`` and
 ``token_ids`` per choice, in a stream the prompt's in a choice's first chunk; chat: the
 prompt's at the top level), ``return_tokens_as_token_ids`` (logprob tokens as
-``"token_id:<id>"``), ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``.
+``"token_id:<id>"``), ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
+``include_stop_str_in_output``, ``min_tokens``, ``min_p``; ``stop`` strings (a streamed text
+holds back a possible stop string's start, so it is always a prefix of the final, cut text;
+``stop_reason`` is the matched string); top-N logprobs (completions ``logprobs`` = N: per token
+``{text: logprob}``; chat ``top_logprobs`` = N: ``[{token, logprob, bytes}]``), the raw
+distribution's ``GenerationOutput.top_logprobs``.
 Each logprob is exactly ``GenerationOutput.logprobs``' value (the policy's processed
 distribution). This engine's extras: ``k`` (an int or ``"auto"``, with ``k_max``; default the
 server's ``--k``), ``max_policy_lag``; every choice answers ``weight_version``,
@@ -231,15 +236,21 @@ class IncrementalText:
     each step: the text of a window that starts a few tokens back (so a token whose text
     depends on its left neighbour, or a multi-byte character split over tokens, decodes
     right) minus the window's earlier text. A window ending in U+FFFD (an incomplete UTF-8
-    sequence) is held back until the next tokens complete it."""
+    sequence) is held back until the next tokens complete it. With stop strings the last
+    ``hold`` characters (the longest stop string's length - 1, vLLM's rule) are held back too:
+    they may begin a stop string that the final text is cut before, and what was handed out
+    must stay a prefix of the final text."""
 
-    def __init__(self, tokenizer: TextTokenizer | None, skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: TextTokenizer | None, skip_special_tokens: bool,
+                 hold: int = 0) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
+        self.hold = hold
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
-        self.text = ""  # what was handed out
+        self.decoded = ""  # the text decoded so far
+        self.text = ""  # what was handed out (``decoded`` less the held-back tail)
 
     def _decode(self, ids: list[int]) -> str:
         assert self.tokenizer is not None
@@ -254,7 +265,11 @@ class IncrementalText:
         if len(now) <= len(before) or now.endswith("\ufffd"):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        delta = now[len(before):]
+        self.decoded += now[len(before):]
+        end = len(self.decoded) - self.hold
+        if end <= len(self.text):
+            return ""
+        delta = self.decoded[len(self.text):end]
         self.text += delta
         return delta
 
@@ -268,7 +283,7 @@ class IncrementalText:
                 common += 1
             self.text = self.text[:common]
         delta = full[len(self.text):]
-        self.text = full
+        self.text = self.decoded = full
         return delta
 
 
@@ -466,7 +481,9 @@ class OpenAIServer:
     def final_text(self, out: GenerationOutput, body: OpenAIRequest) -> str:
         if self.tokenizer is None:
             return ""
-        if body.skip_special_tokens and out.text is not None:
+        # a stop string cut the engine's text (the ids end with the token that completed it)
+        cut = isinstance(out.stop_reason, str)
+        if (body.skip_special_tokens or cut) and out.text is not None:
             return out.text
         return self.tokenizer.tokenizer.decode(list(out.token_ids),
                                                skip_special_tokens=body.skip_special_tokens)
@@ -478,24 +495,36 @@ class OpenAIServer:
         for t in tokens:
             offsets.append(at)
             at += len(t)
-        return {"tokens": tokens, "token_logprobs": list(out.logprobs), "top_logprobs": None,
+        top = None
+        if out.top_logprobs:
+            # OpenAI's legacy shape: per token {text: logprob} of the N most likely and the
+            # emitted token (as vLLM: the emitted one is kept even when it is not in the top N)
+            top = [dict(zip(self.token_texts(alt, body.return_tokens_as_token_ids),
+                            alt.values())) for alt in out.top_logprobs]
+        return {"tokens": tokens, "token_logprobs": list(out.logprobs), "top_logprobs": top,
                 "text_offset": offsets}
 
     def chat_logprobs(self, out: GenerationOutput, body: OpenAIRequest) -> dict[str, Any]:
         tokens = self.token_texts(out.token_ids, body.return_tokens_as_token_ids)
+        n = body.top_n() or 0
+        tops: list[list[dict[str, Any]]] = [[] for _ in tokens]
+        for j, alt in enumerate(out.top_logprobs):
+            # chat's shape: the N most likely only, most likely first (as OpenAI and vLLM)
+            best = sorted(alt.items(), key=lambda kv: -kv[1])[:n]
+            texts = self.token_texts([t for t, _ in best], body.return_tokens_as_token_ids)
+            tops[j] = [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+                       for t, (_, lp) in zip(texts, best)]
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                             "top_logprobs": []} for t, lp in zip(tokens, out.logprobs)],
+                             "top_logprobs": top}
+                            for t, lp, top in zip(tokens, out.logprobs, tops)],
                 "refusal": None}
 
     @staticmethod
     def extras(out: GenerationOutput, body: OpenAIRequest, job: Job) -> dict[str, Any]:
-        """This engine's per-choice fields (and vLLM's ``stop_reason``: the stop token id
-        that ended it, None for EOS or a length finish)."""
-        last = out.token_ids[-1] if out.token_ids else None
-        stop_reason = (last if out.finish_reason == "stop"
-                       and last in job.params.stop_token_ids else None)
+        """This engine's per-choice fields (and vLLM's ``stop_reason``: the stop string or
+        stop token id that ended it, None for EOS or a length finish)."""
         extra: dict[str, Any] = {
-            "stop_reason": stop_reason, "weight_version": out.weight_version,
+            "stop_reason": out.stop_reason, "weight_version": out.weight_version,
             "num_steps": out.num_steps, "num_draft_tokens": out.num_draft_tokens,
             "num_accepted_tokens": out.num_accepted_tokens}
         if body.return_token_ids:
@@ -676,14 +705,18 @@ class _Chunks:
         index = self.job.choice_index(p, out.request_id)
         first = index not in self.texts
         if first or out.restarted:  # a restart voids what came before (policy_lag_action)
-            self.texts[index] = IncrementalText(self.server.tokenizer,
-                                                self.body.skip_special_tokens)
+            stops = self.job.params.stop
+            self.texts[index] = IncrementalText(
+                self.server.tokenizer, self.body.skip_special_tokens,
+                max(map(len, stops)) - 1 if stops else 0)
         text = self.texts[index]
-        delta = text.push(out.new_token_ids)
         final = out.output
-        if final is not None:
+        if final is None:
+            delta = text.push(out.new_token_ids)
+        else:  # the final text (cut at a stop string) completes what was handed out
             self.outs[index] = final
-            delta += text.finish(self.server.final_text(final, self.body))
+            text.ids.extend(out.new_token_ids)
+            delta = text.finish(self.server.final_text(final, self.body))
         if not (delta or first or final is not None or out.restarted
                 or (self.body.return_token_ids and out.new_token_ids)):
             return None

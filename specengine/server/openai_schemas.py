@@ -4,8 +4,10 @@ As vLLM's (and OpenAI's own API), a field these models do not know is ignored (l
 per name) rather than refused, so a client built for another server keeps working; the
 known fields are strictly typed (``"3"`` is not an int; NaN / Infinity are no numbers).
 A field this engine knows but cannot honour is refused with a 400 naming it when it asks
-for something (:meth:`OpenAIRequest.unsupported`): a penalty, ``logit_bias``, ``echo``,
-``stop`` strings, top-N logprobs... (left at its "off" value it is accepted).
+for something (:meth:`OpenAIRequest.unsupported`): a penalty, ``logit_bias``, ``echo``...
+(left at its "off" value it is accepted). ``stop`` strings, ``min_p``, ``min_tokens``, vLLM's
+``include_stop_str_in_output`` and top-N logprobs (completions ``logprobs`` = N, chat
+``top_logprobs`` = N) pass through to ``SamplingParams``.
 
 The sampling fields become a ``SamplingParams`` (:meth:`OpenAIRequest.to_params`), whose
 ``__post_init__`` range-checks them: its ``ValueError`` is the 400's message, so the HTTP
@@ -19,7 +21,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from specengine.sampling import MAX_INT32, SamplingParams
+from specengine.sampling import MAX_INT32, MAX_TOP_LOGPROBS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +65,13 @@ class OpenAIRequest(BaseModel):
     max_policy_lag: int | None = None
     k: int | Literal["auto"] | None = None
     k_max: int | None = None
+    include_stop_str_in_output: bool = False
+    min_p: float | None = None
+    min_tokens: int | None = None
     # Known, refused when they ask for something (see unsupported()).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     prompt_logprobs: int | None = None
@@ -77,7 +80,7 @@ class OpenAIRequest(BaseModel):
     #: (field, value that means "off"): any other value is refused with a 400
     OFF_VALUES: ClassVar[tuple[tuple[str, object], ...]] = (
         ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-        ("min_p", 0.0), ("min_tokens", 0), ("prompt_logprobs", None),
+        ("prompt_logprobs", None),
         ("truncate_prompt_tokens", None))
 
     @model_validator(mode="after")
@@ -96,10 +99,6 @@ class OpenAIRequest(BaseModel):
             if value is not None and value != off:
                 return name, (f"{name}={value!r} is not supported by this server (leave it "
                               f"out or set it to {off!r})")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if stops:
-            return "stop", ("stop strings are not supported by this server yet; stop on "
-                            "token ids with stop_token_ids")
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported by this server"
         if self.response_format is not None and self.response_format.get("type") != "text":
@@ -119,8 +118,17 @@ class OpenAIRequest(BaseModel):
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": -1 if self.top_k is None else self.top_k,
             "n": 1 if self.n is None else self.n,
-            "stop_token_ids": tuple(self.stop_token_ids or ())}
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "stop": (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "min_tokens": 0 if self.min_tokens is None else self.min_tokens,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "logprobs": self.top_n()}
         return SamplingParams(**given)
+
+    def top_n(self) -> int | None:
+        """How many alternatives per token the answer shows (``SamplingParams.logprobs``)."""
+        return None
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -145,11 +153,11 @@ class CompletionRequest(OpenAIRequest):
         if self.best_of is not None and self.best_of != (self.n or 1):
             return "best_of", ("best_of other than n is not supported (vLLM's V1 engine "
                                "dropped it too); sample n and rank them yourself")
-        if self.logprobs is not None and self.logprobs > 0:
-            return "logprobs", (f"logprobs={self.logprobs} asks for the top-{self.logprobs} "
-                                "alternatives, which this server does not give yet; "
-                                "logprobs=0 gives each sampled token's logprob")
         return super().unsupported()
+
+    def top_n(self) -> int | None:
+        # logprobs=0: each sampled token's logprob only (no alternatives asked for)
+        return self.logprobs if self.logprobs else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each text or token ids. Raises ``ValueError`` for an empty list."""
@@ -210,10 +218,9 @@ class ChatCompletionRequest(OpenAIRequest):
     documents: list[dict[str, Any]] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.top_logprobs:
-            return "top_logprobs", (f"top_logprobs={self.top_logprobs} asks for alternatives, "
-                                    "which this server does not give yet; logprobs=true gives "
-                                    "each sampled token's logprob")
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", (f"top_logprobs={self.top_logprobs} needs logprobs=true "
+                                    "(as OpenAI and vLLM)")
         if self.continue_final_message:
             return "continue_final_message", "continue_final_message is not supported"
         if self.chat_template is not None:
@@ -224,6 +231,14 @@ class ChatCompletionRequest(OpenAIRequest):
                                    "rendered into the prompt and the model's text comes back "
                                    "as content (tool_choice 'none')")
         return super().unsupported()
+
+    def top_n(self) -> int | None:
+        if not (self.logprobs and self.top_logprobs):
+            return None
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got "
+                             f"{self.top_logprobs!r}")
+        return self.top_logprobs
 
     def max_new_tokens(self) -> int:
         if self.max_completion_tokens is not None:

@@ -198,9 +198,12 @@ def _failed(outs: list[GenerationOutput]) -> GenerationOutput | None:
 
 # ---- SGLang's answer shape ----------------------------------------------------------------
 def finish_reason(out: GenerationOutput) -> dict[str, Any]:
-    """SGLang's ``finish_reason``: ``stop`` (an EOS or stop token, ``matched``), ``length``
-    (``max_new_tokens`` or the context), ``abort`` (aborted; a policy-lag stop too)."""
+    """SGLang's ``finish_reason``: ``stop`` (``matched``: the stop string, else the EOS or
+    stop token id), ``length`` (``max_new_tokens`` or the context), ``abort`` (aborted; a
+    policy-lag stop too)."""
     if out.finish_reason == "stop":
+        if isinstance(out.stop_reason, str):
+            return {"type": "stop", "matched": out.stop_reason}
         return {"type": "stop", "matched": out.token_ids[-1] if out.token_ids else None}
     if out.finish_reason == "length":
         return {"type": "length", "length": len(out.token_ids)}
@@ -210,12 +213,18 @@ def finish_reason(out: GenerationOutput) -> dict[str, Any]:
 
 
 def meta_info(rid: str, prompt_len: int | None, ids: list[int], logprobs: list[float] | None,
-              out: GenerationOutput | None, version: int) -> dict[str, Any]:
+              out: GenerationOutput | None, version: int, top_n: int = 0) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": rid, "finish_reason": None if out is None else finish_reason(out),
         "prompt_tokens": prompt_len, "completion_tokens": len(ids), "weight_version": version}
     if logprobs is not None:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, ids)]
+    if logprobs is not None and out is not None and top_n:
+        # SGLang's shape: per position the N most likely, most likely first, each
+        # [logprob, token id, null] (the emitted token only when it is among them)
+        meta["output_top_logprobs"] = [
+            [[lp, t, None] for t, lp in sorted(alt.items(), key=lambda kv: -kv[1])[:top_n]]
+            for alt in out.top_logprobs]
     if out is not None:  # ours: per-token versions and speculation counters
         meta["token_weight_versions"] = list(out.token_weight_versions)
         meta["num_draft_tokens"] = out.num_draft_tokens
@@ -223,12 +232,14 @@ def meta_info(rid: str, prompt_len: int | None, ids: list[int], logprobs: list[f
     return meta
 
 
-def sglang_result(rid: str, out: GenerationOutput, return_logprob: bool) -> dict[str, Any]:
+def sglang_result(rid: str, out: GenerationOutput, return_logprob: bool, top_n: int = 0
+                  ) -> dict[str, Any]:
+    """``top_n``: the request's ``top_logprobs_num`` (``SamplingParams.logprobs``)."""
     ids = list(out.token_ids)
     return {"text": out.text, "output_ids": ids,
             "meta_info": meta_info(rid, len(out.prompt_token_ids), ids,
                                    list(out.logprobs) if return_logprob else None, out,
-                                   out.weight_version)}
+                                   out.weight_version, top_n)}
 
 
 # ---- body parsing -------------------------------------------------------------------------
@@ -469,7 +480,7 @@ def mount(app: FastAPI) -> None:
             outs = await run_jobs(jobs, request)
             if isinstance(outs, Response):
                 return outs
-            results = [sglang_result(rid, o, logprob[i])
+            results = [sglang_result(rid, o, logprob[i], job.params.logprobs or 0)
                        for i, job in enumerate(jobs) for rid, o in zip(job.sample_ids, outs[i])]
             return json_response(results if listed else results[0])
         # Streamed as SGLang does by default: every chunk carries the text and ids so far.
@@ -486,7 +497,8 @@ def mount(app: FastAPI) -> None:
             ids.extend(out.new_token_ids)
             final = out.output
             if final is not None:
-                chunk = sglang_result(out.request_id, final, logprob[i])
+                chunk = sglang_result(out.request_id, final, logprob[i],
+                                      jobs[i].params.logprobs or 0)
             else:
                 text = None if tok is None else await asyncio.to_thread(tok.decode, ids)
                 prompt = jobs[i].prompt  # a text's length is known once it finished

@@ -2,10 +2,10 @@
 
 Strict as ``specengine.server.schemas`` (unknown fields and wrong types are named), but a bad
 SGLang body is a 400, as SGLang answers it. SGLang's defaults apply where its body leaves a
-field out (``max_new_tokens`` 128). Sampling fields the engine does not have yet are refused
-with a 400 naming them rather than ignored; a field is passed on as soon as
-``SamplingParams`` has it (``stop``, ``min_p``, ``min_new_tokens`` as ``min_tokens``, the
-penalties), so they need no change here when they land.
+field out (``max_new_tokens`` 128). ``stop`` (a str or a list), ``min_p`` and
+``min_new_tokens`` (as ``min_tokens``) pass through to ``SamplingParams``, and so do the
+penalties, whose ``ValueError`` (not implemented: any value but the off one) is a 400 naming
+them; ``top_logprobs_num`` with ``return_logprob`` is ``SamplingParams.logprobs``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from specengine.sampling import MAX_INT32, MAX_INT64, SamplingParams
+from specengine.sampling import MAX_INT32, MAX_INT64, MAX_TOP_LOGPROBS, SamplingParams
 from specengine.server.schemas import MAX_REQUEST_ID_CHARS
 from specengine.weights.protocol import MAX_TIMEOUT_S
 
@@ -117,7 +117,7 @@ class SGLangGenerateRequest(BaseModel):
                                   ) | None = None
     return_logprob: _one_or_list(bool, list[bool]) = False
     logprob_start_len: _one_or_list(int, list[int]) = -1  # -1 only: output tokens' logprobs
-    top_logprobs_num: _one_or_list(int, list[int]) = 0  # 0 only (no alternatives yet)
+    top_logprobs_num: _one_or_list(int, list[int]) = 0  # with return_logprob: top-N per token
     stream: bool = False
     rid: _one_or_list(str, list[str]) | None = None
     k: int | Literal["auto"] | None = None
@@ -139,9 +139,9 @@ class SGLangGenerateRequest(BaseModel):
         if any(v != -1 for v in self._each(self.logprob_start_len)):
             raise ValueError("logprob_start_len: only -1 (logprobs of the output tokens) is "
                              "supported")
-        if any(v != 0 for v in self._each(self.top_logprobs_num)):
-            raise ValueError("top_logprobs_num: top-N alternatives are not supported yet; "
-                             "leave it out (return_logprob gives each sampled token's)")
+        if any(not 0 <= v <= MAX_TOP_LOGPROBS for v in self._each(self.top_logprobs_num)):
+            raise ValueError(f"top_logprobs_num: an int in [0, {MAX_TOP_LOGPROBS}] (top "
+                             "alternatives per token)")
         rids = [r for r in self._each(self.rid) if r is not None]
         if any(not r or len(r) > MAX_REQUEST_ID_CHARS for r in rids):
             raise ValueError(f"rid: 1 to {MAX_REQUEST_ID_CHARS} characters")
@@ -170,13 +170,17 @@ class SGLangGenerateRequest(BaseModel):
 
     def per_prompt(self) -> list[tuple[SamplingParams, bool, str | None]]:
         """``(params, return_logprob, rid)`` of each prompt (``ValueError`` for a bad
-        sampling field)."""
+        sampling field). ``top_logprobs_num`` counts only with ``return_logprob`` (as SGLang):
+        it becomes ``SamplingParams.logprobs``."""
         sps = self._each(self.sampling_params)
         out = []
-        for i, (sp, lp, rid) in enumerate(zip(sps, self._each(self.return_logprob),
-                                               self._each(self.rid))):
+        for i, (sp, lp, rid, top) in enumerate(zip(sps, self._each(self.return_logprob),
+                                                    self._each(self.rid),
+                                                    self._each(self.top_logprobs_num))):
             try:
                 params = (sp or SGLangSamplingParams()).to_params()
+                if lp and top:
+                    params = dataclasses.replace(params, logprobs=top)
             except ValueError as e:
                 where = f"prompt {i}: " if self.is_batch else ""
                 raise ValueError(f"{where}{e}") from None
