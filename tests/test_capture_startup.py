@@ -31,6 +31,7 @@ from specengine.core.graphs import (
     StepClock,
     build_graph_runner,
 )
+from specengine.core.step_types import VerifyShape
 
 
 def emulated(monkeypatch: pytest.MonkeyPatch, factory: Any = ReplayingGraph) -> None:
@@ -428,6 +429,6 @@ def test_no_drafter_captures_k0_only(monkeypatch: pytest.MonkeyPatch) -> None:
     emulated(monkeypatch)
     engine = SpecEngine(DEFAULT_TARGET, device="cpu", cuda_graphs=True, graph_buckets=(1, 2),
                         max_batch_size=2, capture="startup")
-    assert sorted(engine.graphs._graphs) == [("verify", 1, 1, None, False),
-                                             ("verify", 2, 1, None, False)]
+    assert sorted(engine.graphs._graphs) == [VerifyShape(rows, 1, None, False).graph_keys["verify"]
+                                             for rows in (1, 2)]
     assert graphs_module.GraphStats(()).graph_bytes == 0
