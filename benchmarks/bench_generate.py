@@ -5,6 +5,11 @@ Two modes:
 * ``bundled`` (CPU or GPU): the bundled arithmetic pair (Qwen3 target + EAGLE-3 head) on
   held-out prompts of its task, k ∈ {0, 1, 3, 5, 7}, batch ∈ {1, 8, 64, 256}: real acceptance,
   real speedup over ``k=0`` on the same engine.
+* ``--peer hf`` (bundled mode; on by default where transformers is installed, ``--peer none``
+  to leave it out): transformers' own batched greedy ``generate`` (fp32, left-padded) on the
+  same prompts at batch ``--peer-batch`` as a row next to specengine k=0, the n-gram drafter at
+  k=3 and the EAGLE-3 head at k=3, interleaved rounds, medians, greedy outputs compared
+  (``hf_peer.py``). ``--peer-only``: that table alone.
 * ``step-cost`` (GPU): the per-step cost at 8B shapes with random weights
   (``load_format="dummy"``): the time of one target verify pass over k+1 tokens per sequence
   relative to a 1-token decode, batch × context × k. Together with a measured mean accepted
@@ -13,6 +18,7 @@ Two modes:
 Usage::
 
     python benchmarks/bench_generate.py --mode bundled [--batches 1 8] [--ks 0 3]
+    OMP_NUM_THREADS=1 python benchmarks/bench_generate.py --peer-only --peer-rounds 5
     python benchmarks/bench_generate.py --mode step-cost --model-shape llama-8b
 """
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import logging
 import tempfile
@@ -79,6 +86,20 @@ def bench_bundled(args: argparse.Namespace) -> list[dict]:
                 bookkeeping_s=best.time_bookkeeping_s,
             ))
     return rows
+
+
+def bench_peer(args: argparse.Namespace) -> list[dict]:
+    """``--peer hf``: the interleaved table of ``hf_peer.py`` on the bundled pair."""
+    from hf_peer import run_peer
+
+    from specengine.arith_task import EOS, PAD, VOCAB, encode, heldout_prompts
+    from specengine.cli import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    prompts = [encode(p) for p in heldout_prompts(args.peer_batch, seed=7)]
+    return run_peer(device=args.device, batch=args.peer_batch, max_tokens=args.max_tokens,
+                    rounds=args.peer_rounds, target=str(DEFAULT_TARGET), draft=str(DEFAULT_DRAFT),
+                    prompts=prompts, eos_id=VOCAB.index(EOS), pad_id=VOCAB.index(PAD),
+                    progress=lambda m: print(m, flush=True))
 
 
 def _time_cuda(fn, repeats: int) -> float:
@@ -166,6 +187,8 @@ def plot(rows: list[dict], path: Path) -> None:
     except ImportError:
         logging.warning("matplotlib not installed: no plot")
         return
+    if not rows:
+        return
     fig, ax = plt.subplots(figsize=(7, 4))
     if rows[0]["mode"] == "bundled":
         for batch in sorted({r["batch"] for r in rows}):
@@ -196,17 +219,40 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--device", default=None)
+    p.add_argument("--peer", choices=["hf", "none"],
+                   default="hf" if importlib.util.find_spec("transformers") else "none",
+                   help="bundled mode: transformers' batched generate as a row (default where "
+                        "transformers is installed)")
+    p.add_argument("--peer-only", action="store_true", help="the peer table alone")
+    p.add_argument("--peer-batch", type=int, default=16)
+    p.add_argument("--peer-rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads on CPU (the peer protocol: one)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/generate.json"))
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    rows = bench_bundled(args) if args.mode == "bundled" else bench_step_cost(args)
-    print_table(rows)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(args.threads)
+    if args.peer_only and args.peer == "none":
+        raise SystemExit("--peer-only needs --peer hf (and transformers installed)")
+    rows: list[dict] = []
+    if args.mode == "bundled" and args.peer == "hf":
+        rows = bench_peer(args)
+        print_table([{k: v for k, v in r.items() if k != "mismatches"} for r in rows])
+    if args.mode == "step-cost":
+        rows = bench_step_cost(args)
+    elif not args.peer_only:
+        sweep = bench_bundled(args)
+        print_table(sweep)
+        rows += sweep
+    if args.mode == "step-cost":
+        print_table(rows)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(started=started, device=device, mode=args.mode,
                                         rows=rows), indent=1))
-    plot(rows, args.out.with_suffix(".png"))
+    plot([r for r in rows if r["mode"] != "peer-hf"], args.out.with_suffix(".png"))
     print(f"wrote {args.out}")
 
 

@@ -19,7 +19,9 @@ a few sub-steps run as subprocesses with their own timeouts, which add up to at 
 - ``e2e``: the host overhead of a decode step (bundled pair), the 8B step cost with dummy
   weights (``bench_generate.py --mode step-cost``) and whole 8B steps with an EAGLE-3-shaped
   head (``bench_host_overhead.py --model llama-8b``);
-- ``peers``: FlashInfer side by side (``peers_flashinfer.py``; needs FlashInfer).
+- ``peers``: FlashInfer side by side (``peers_flashinfer.py``; needs FlashInfer), and
+  transformers' batched ``generate`` next to specengine k=0 / n-gram k=3 / EAGLE-3 k=3 on the
+  bundled pair (``bench_generate.py --peer-only``; needs transformers), greedy outputs equal.
 
 Every row (check, result, figure, target, PASS/FAIL/SKIP/INFO) is written to ``--out`` the
 moment it is known: ``rows.jsonl`` and ``table.md``, flushed per row, and each sub-step's log
@@ -62,7 +64,7 @@ build first; if time runs short, stop after any command: what ran is already in 
   python benchmarks/gpu_check.py --only micro --out "$OUT"
   python benchmarks/gpu_check.py --only e2e --out "$OUT"
   python benchmarks/gpu_check.py --only compile --out "$OUT"
-  python benchmarks/gpu_check.py --only peers --out "$OUT"   # only with FlashInfer carried in
+  python benchmarks/gpu_check.py --only peers --out "$OUT"   # FlashInfer rows need it carried in
 
 (SPECENGINE_CUDA_ARCHS=90a: H100/H200 only, a faster build; leave it out to build for B200
 too.) Then copy each command's $OUT/results_section.md into benchmarks/RESULTS.md: the
@@ -162,7 +164,11 @@ PHASES: dict[str, list[Step]] = {
                                   "64"), 210, gr.parse_head_steps, "8B + EAGLE-3 step"),
     ],
     "peers": [Step("flashinfer", _bench("peers_flashinfer.py"), 300, gr.parse_peers,
-                   "FlashInfer peers", ("flashinfer",))],
+                   "FlashInfer peers", ("flashinfer",)),
+              Step("hf_generate", [PY, str(HERE / "bench_generate.py"), "--peer-only",
+                                   "--peer-batch", "16", "--peer-rounds", "5", "--max-tokens",
+                                   "64", "--out", "{out}/generate.json"], 200,
+                   gr.parse_hf_peer, "vs transformers generate", ("transformers",))],
 }
 STEPS = [step for steps in PHASES.values() for step in steps]
 

@@ -335,6 +335,25 @@ def parse_peers(run: StepRun) -> list[Row]:
     return out
 
 
+def parse_hf_peer(run: StepRun) -> list[Row]:
+    """``bench_generate.py --peer-only``: each configuration's tokens/s over transformers'
+    batched ``generate`` (reported), and its greedy outputs against transformers' (identical
+    token ids, else FAIL with the first difference)."""
+    data = _load(run, "generate")
+    if data is None:
+        return failure_rows(run, "vs transformers generate")
+    out = []
+    for r in data["rows"]:
+        if r.get("mode") != "peer-hf":
+            continue
+        step = f", {r['tokens_per_step']:.2f} tok/step" if r.get("tokens_per_step") else ""
+        out.append(Row(f"vs transformers: {r['config']} B={r['batch']}",
+                       f"{r['vs_transformers']:.2f}x transformers",
+                       f"{r['tokens_per_s']:.0f} tok/s{step}; {r['outputs']}"[:120],
+                       "greedy ids identical", "PASS" if r["identical"] else "FAIL"))
+    return out or failure_rows(run, "vs transformers generate")
+
+
 def parse_moe(run: StepRun) -> list[Row]:
     """``bench_moe.py``: the fused MoE kernel against the per-expert PyTorch loop (PASS when
     faster at every size), its time over the HBM floor at 1-token decode, and the experts a

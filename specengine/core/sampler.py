@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specengine.core.greedy_sampler import greedy_chain_sample
 from specengine.core.sequence import Sequence
 from specengine.core.transfer import to_device
 
@@ -92,6 +93,14 @@ class Sampler:
         params: SamplingTensors,
         draft_index: Tensor | None = None,  # [V] int32: draft_probs over a draft vocabulary
     ) -> SamplerOutput:
+        if (self.kernel_backend == "torch" and tree_parents is None
+                and target_logits.device.type == "cpu"
+                and not params.temperature.numpy().any()):
+            # All rows greedy on the CPU: the same outputs in ~20 whole-batch operators
+            # instead of the reference's general race (greedy_sampler's docstring). Reading
+            # the temperatures is a memory read here, not a device sync (CPU only).
+            return SamplerOutput(*greedy_chain_sample(target_logits, draft_token_ids,
+                                                      num_draft_tokens))
         if self.kernel_backend == "torch":
             from specengine.kernels.reference import rejection_sample
         else:
