@@ -39,6 +39,7 @@ from specengine.core.sequence import SeqStatus, Sequence
 from specengine.core.step import append_step, speculative_step
 from specengine.core.transfer import to_host
 from specengine.drafters.base import Drafter
+from specengine.model.expert_load import enable_expert_load
 from specengine.outputs import GenerationOutput, RequestOutput
 from specengine.sampling import SamplingParams
 from specengine.tokenizer import TextTokenizer
@@ -113,6 +114,8 @@ class EngineCore:
         self._ended: list[RequestState] = []
         self._run: RunStats | None = None  # the current busy span
         self.last_run = RunStats(end=time.perf_counter())
+        # MoE targets: experts touched per pass kind, counted on the device (stats read it)
+        self.expert_load = enable_expert_load(runner.model, self.device)
 
     # ---- requests ----------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -211,7 +214,9 @@ class EngineCore:
         if not self.requests:
             return []
         if self._run is None:
-            self._run = RunStats()
+            self._run = RunStats(expert_load=self.expert_load)
+            if self.expert_load is not None:  # a new span counts from zero (a device op)
+                self.expert_load.reset()
         run = self._run
         outputs = [self._report(req, released=True) for req in self._ended]
         self._ended.clear()
@@ -340,7 +345,13 @@ class EngineCore:
     def _prefill(self, seqs: tuple[Sequence, ...], observe: bool, version: int) -> None:
         """Prompt pass + first token; the drafter catches up only when some request will
         draft (a k=0 baseline on an engine with a drafter costs exactly a plain engine's)."""
-        logits, target_out = self.runner.prefill(seqs, observe)  # [B, V]
+        if self.expert_load is not None:
+            self.expert_load.prefill = True
+        try:
+            logits, target_out = self.runner.prefill(seqs, observe)  # [B, V]
+        finally:
+            if self.expert_load is not None:
+                self.expert_load.prefill = False
         empty = torch.zeros(len(seqs), 0, dtype=torch.int64, device=self.device)
         zeros = torch.zeros(len(seqs), dtype=torch.int32, device=self.device)
         out = self.sampler(logits[:, None, :], empty, zeros, None, None,
@@ -408,6 +419,7 @@ class EngineCore:
         self.graphs.verifier.state.clear()
         if self._run is not None:
             self._run.end = self._run.end or time.perf_counter()
+            self._run.freeze_expert_load()  # a device copy: the next span resets the counters
             self.last_run, self._run = self._run, None
 
 
