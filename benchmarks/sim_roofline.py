@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specengine.core.cost_model import expected_distinct_experts
+
 BF16 = 2  # bytes
 
 
@@ -68,15 +70,17 @@ class Shape:
             p = 3 * self.hidden * self.intermediate
             return p, p
         expert = 3 * self.hidden * self.expert_intermediate
-        touched = self.experts * (1 - (1 - self.top_k / self.experts) ** tokens)
+        touched = expected_distinct_experts(tokens, self.experts, self.top_k)
         return touched * expert + self.hidden * self.experts, self.top_k * expert
 
 
-# Qwen3 configs (config.json of Qwen/Qwen3-8B, Qwen3-32B, Qwen3-235B-A22B); the MoE model's
-# `intermediate` is the EAGLE-3 head's MLP width assumed for it.
+# Qwen3 configs (config.json of Qwen/Qwen3-8B, Qwen3-32B, Qwen3-30B-A3B, Qwen3-235B-A22B); the
+# MoE models' `intermediate` is the EAGLE-3 head's MLP width assumed for them.
 SHAPES = {
     "8B": Shape("Qwen3-8B", 36, 4096, 12288, 32, 8, 128, 151936),
     "32B": Shape("Qwen3-32B", 64, 5120, 25600, 64, 8, 128, 151936),
+    "30B-A3B": Shape("Qwen3-30B-A3B", 48, 2048, 6144, 32, 4, 128, 151936, experts=128,
+                     top_k=8, expert_intermediate=768),
     "235B-A22B": Shape("Qwen3-235B-A22B", 94, 4096, 12288, 64, 4, 128, 151936, experts=128,
                        top_k=8, expert_intermediate=1536),
 }

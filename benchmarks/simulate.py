@@ -17,8 +17,10 @@ measured rollouts on this machine, then project to named GPUs and model shapes.
    with the fitted cost, the run's acceptance per position (``engine.stats``; each
    sequence's own, shrunk toward it, decides its drafts: the slowest sequences set the tail)
    and completion lengths. Verdict: within 10 %.
-3. **Project** (``sim_roofline``): Qwen3-8B and Qwen3-235B-A22B (``--shapes``) on H100, H200,
-   B200 with the workloads below (acceptance profiles, lengths, batch: assumptions, printed),
+3. **Project** (``sim_roofline``): Qwen3-8B, Qwen3-30B-A3B and Qwen3-235B-A22B (``--shapes``)
+   on H100, H200, B200 with the workloads below (acceptance profiles, lengths, batch:
+   assumptions, printed); a MoE verify pass of ``T`` tokens reads the weights of the
+   ``cost_model.expected_distinct_experts(T, E, top_k)`` experts its tokens route to,
    then the RL step-speedup bound ``S <= 1 / (R_gen / alpha + 1 - R_gen)``.
 
 Usage::
@@ -58,7 +60,9 @@ WORKLOADS = {
                      median=3000, sigma=0.7, cap=16384),
 }
 # sequences per engine (a sweep), GPUs (tensor parallel)
-BATCH = {"8B": ((64, 256, 1024), 1), "32B": ((128,), 1), "235B-A22B": ((512,), 8)}
+# (30B-A3B: 61 GB of bf16 weights leave an H100 ~15 GB of KV, ~150k tokens)
+BATCH = {"8B": ((64, 256, 1024), 1), "32B": ((128,), 1), "30B-A3B": ((64, 128), 1),
+         "235B-A22B": ((512,), 8)}
 # Measured by the paper behind this project (Qwen3-8B, from issue 14), for comparison.
 PAPER_8B = "RL-Zero: k=3 1.77x, k=7 1.21x; RL-Think: k=5 0.84x; n-gram drafts 0.5-0.7x"
 
@@ -217,7 +221,8 @@ def main() -> None:
     ap.add_argument("--cal-ks", type=int, nargs="+", default=[0, 1, 3, 5])
     ap.add_argument("--val-seqs", type=int, nargs="+", default=[8, 32, 64])
     ap.add_argument("--val-ks", type=int, nargs="+", default=[0, 2, 3, 5])
-    ap.add_argument("--shapes", nargs="+", default=["8B", "235B-A22B"], choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=["8B", "30B-A3B", "235B-A22B"],
+                    choices=list(SHAPES))
     ap.add_argument("--gpus", nargs="+", default=list(GPUS), choices=list(GPUS))
     ap.add_argument("--proj-repeats", type=int, default=2)
     ap.add_argument("--skip-measure", action="store_true", help="projections only")

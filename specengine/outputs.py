@@ -84,6 +84,10 @@ class RequestOutput:
             raise ValueError("RequestOutput.output is set exactly when the request finished")
 
 
+def _ratio(num: int, den: int) -> float:
+    return num / den if den else 0.0
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """Counters of the last ``generate`` call, or with the step API of the steps since the
@@ -111,6 +115,34 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     num_shared_blocks: int = 0
+    # MoE targets (docs/design.md §21): per pass kind (prefill, 1-token decode, verify of
+    # k+1 tokens per sequence) the MoE layer passes, the distinct experts they touched
+    # (summed over layers and passes: each expert whose weights a pass read) and the real
+    # tokens they routed (padded static rows excluded). Zero for dense models.
+    moe_prefill_layer_passes: int = 0
+    moe_prefill_experts: int = 0
+    moe_prefill_tokens: int = 0
+    moe_decode_layer_passes: int = 0
+    moe_decode_experts: int = 0
+    moe_decode_tokens: int = 0
+    moe_verify_layer_passes: int = 0
+    moe_verify_experts: int = 0
+    moe_verify_tokens: int = 0
+
+    @property
+    def experts_per_decode(self) -> float:
+        """Distinct experts a 1-token decode pass touched, averaged over layers and passes."""
+        return _ratio(self.moe_decode_experts, self.moe_decode_layer_passes)
+
+    @property
+    def experts_per_verify(self) -> float:
+        """Distinct experts a verify pass touched, averaged over layers and passes."""
+        return _ratio(self.moe_verify_experts, self.moe_verify_layer_passes)
+
+    @property
+    def experts_per_prefill(self) -> float:
+        """Distinct experts a prefill pass touched, averaged over layers and passes."""
+        return _ratio(self.moe_prefill_experts, self.moe_prefill_layer_passes)
 
     @property
     def num_computed_prompt_tokens(self) -> int:

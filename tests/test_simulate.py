@@ -5,6 +5,7 @@ step-speedup bound. No timing."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from sim_model import (  # noqa: E402
     step_speedup_bound,
 )
 from sim_roofline import GPUS, SHAPES, RooflineCost  # noqa: E402
+
+from specengine.core.cost_model import expected_distinct_experts  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -202,3 +205,55 @@ def test_roofline_by_hand() -> None:
         assert (RooflineCost(GPUS["B200"], s).step_time(b, k, 1000 * b)
                 <= cost.step_time(b, k, 1000 * b))
     assert math.isfinite(cost.prefill_time(8, 2048))
+
+
+def _distinct_by_enumeration(num_tokens: int, num_experts: int, top_k: int) -> float:
+    """The mean number of distinct experts over every routing of ``num_tokens`` tokens, each
+    to a ``top_k``-subset of ``num_experts`` (all equally likely): exact, no sampling."""
+    subsets = list(itertools.combinations(range(num_experts), top_k))
+    total = count = 0
+    for routing in itertools.product(subsets, repeat=num_tokens):
+        total += len(set().union(*routing))
+        count += 1
+    return total / count
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k",
+                         [(1, 5, 2), (2, 5, 2), (3, 5, 2), (2, 6, 3), (3, 4, 1), (2, 7, 7)])
+def test_expected_distinct_experts_by_enumeration(num_tokens: int, num_experts: int,
+                                                  top_k: int) -> None:
+    got = expected_distinct_experts(num_tokens, num_experts, top_k)
+    assert got == pytest.approx(_distinct_by_enumeration(num_tokens, num_experts, top_k))
+
+
+def test_expected_distinct_experts_limits_and_errors() -> None:
+    assert expected_distinct_experts(0, 128, 8) == 0.0
+    assert expected_distinct_experts(1, 128, 8) == pytest.approx(8.0)  # one token: its top-k
+    # a verify pass of 4 tokens (k=3) touches more than one token does, fewer than 4·top_k
+    four = expected_distinct_experts(4, 128, 8)
+    assert 8.0 < four < 32.0
+    assert expected_distinct_experts(10**6, 128, 8) == pytest.approx(128.0)
+    for bad in [dict(num_experts=4, top_k=5), dict(num_experts=4, top_k=0),
+                dict(num_experts=0, top_k=1)]:
+        with pytest.raises(ValueError, match="top_k"):
+            expected_distinct_experts(3, **bad)
+    with pytest.raises(ValueError, match="num_tokens"):
+        expected_distinct_experts(-1, 8, 2)
+
+
+@pytest.mark.parametrize("shape", ["30B-A3B", "235B-A22B"])
+def test_roofline_moe_reads_expected_distinct_experts(shape: str) -> None:
+    """The simulator's MoE projection reads the weights of exactly the expected distinct
+    experts of a pass's tokens (plus the router), and uses top_k experts' FLOPs per token."""
+    s = SHAPES[shape]
+    assert s.experts == 128 and s.top_k == 8
+    expert = 3 * s.hidden * s.expert_intermediate
+    for tokens in (1, 4, 64 * 4, 512 * 8):
+        touched = expected_distinct_experts(tokens, s.experts, s.top_k)
+        assert s.mlp_params(tokens) == pytest.approx(
+            (touched * expert + s.hidden * s.experts, s.top_k * expert))
+    # verify of k=3 at batch 1 reads ~3.6x the expert weights of a 1-token decode, so it
+    # costs a MoE target relatively more than a dense one of the same width
+    cost, dense = RooflineCost(GPUS["H100"], s), RooflineCost(GPUS["H100"], SHAPES["8B"])
+    assert (cost.verify_time(1, 3, 0) / cost.verify_time(1, 0, 0)
+            > dense.verify_time(1, 3, 0) / dense.verify_time(1, 0, 0))

@@ -76,6 +76,21 @@ def expected_by_k(conditional: Sequence[float], k_max: int) -> np.ndarray:
                                                                    dtype=float)))])
 
 
+def expected_distinct_experts(num_tokens: float, num_experts: int, top_k: int) -> float:
+    """Experts a MoE layer's pass over ``num_tokens`` tokens touches (and so whose weights it
+    reads) when each token routes to ``top_k`` distinct experts of ``num_experts`` uniformly
+    and independently: an expert is missed by one token with probability ``1 - top_k / E``,
+    by all ``n`` with ``(1 - top_k / E)^n``, so by linearity ``E·(1 - (1 - top_k / E)^n)``.
+    One token reads ``top_k`` experts; a verify pass of ``B·(k + 1)`` tokens reads up to all
+    ``E``: why speculation's extra tokens cost a MoE target more than a dense one."""
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise ValueError(f"need 1 <= top_k <= num_experts, got top_k={top_k}, "
+                         f"num_experts={num_experts}")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+
+
 def draft_features(batch: float, k: float) -> list[float]:
     d = 1.0 if k > 0 else 0.0
     return [1.0, batch, d, d * batch, k, k * batch]

@@ -42,6 +42,7 @@ from specengine.core.token_logprobs import record_top_logprobs
 from specengine.core.transfer import to_host
 from specengine.core.verify import raw_top, top_logprobs
 from specengine.drafters.base import Drafter
+from specengine.model.expert_load import enable_expert_load
 from specengine.outputs import GenerationOutput, RequestOutput
 from specengine.sampling import SamplingParams
 from specengine.tokenizer import TextTokenizer
@@ -116,6 +117,8 @@ class EngineCore:
         self._ended: list[RequestState] = []
         self._run: RunStats | None = None  # the current busy span
         self.last_run = RunStats(end=time.perf_counter())
+        # MoE targets: experts touched per pass kind, counted on the device (stats read it)
+        self.expert_load = enable_expert_load(runner.model, self.device)
 
     # ---- requests ----------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -216,7 +219,9 @@ class EngineCore:
         if not self.requests:
             return []
         if self._run is None:
-            self._run = RunStats()
+            self._run = RunStats(expert_load=self.expert_load)
+            if self.expert_load is not None:  # a new span counts from zero (a device op)
+                self.expert_load.reset()
         run = self._run
         outputs = [self._report(req, released=True) for req in self._ended]
         self._ended.clear()
@@ -345,7 +350,13 @@ class EngineCore:
     def _prefill(self, seqs: tuple[Sequence, ...], observe: bool, version: int) -> None:
         """Prompt pass + first token; the drafter catches up only when some request will
         draft (a k=0 baseline on an engine with a drafter costs exactly a plain engine's)."""
-        logits, target_out = self.runner.prefill(seqs, observe)  # [B, V]
+        if self.expert_load is not None:
+            self.expert_load.prefill = True
+        try:
+            logits, target_out = self.runner.prefill(seqs, observe)  # [B, V]
+        finally:
+            if self.expert_load is not None:
+                self.expert_load.prefill = False
         wants_top = any(s.params.logprobs is not None for s in seqs)
         raw = raw_top(logits[:, None, :]) if wants_top else None  # before masks: raw logits
         with torch.inference_mode():
@@ -435,6 +446,7 @@ class EngineCore:
         self.graphs.verifier.state.clear()
         if self._run is not None:
             self._run.end = self._run.end or time.perf_counter()
+            self._run.freeze_expert_load()  # a device copy: the next span resets the counters
             self.last_run, self._run = self._run, None
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from specengine.core.model_runner import PrefillCounts
 from specengine.core.sequence import Sequence
+from specengine.model.expert_load import KINDS, ExpertLoad
 from specengine.outputs import EngineStats
 from specengine.tree import MAX_TREE_NODES
 
@@ -87,6 +88,29 @@ class RunStats:
     num_prompt_tokens: int = 0  # prefills: tokens held, reused, blocks shared (§17)
     num_cached_prompt_tokens: int = 0
     num_shared_blocks: int = 0
+    #: a MoE target's live expert-load counters (the engine's; reset when this span began),
+    #: then at the span's end a device copy of them (the next span resets the live ones)
+    expert_load: ExpertLoad | None = None
+    expert_counts: Any = None
+
+    def freeze_expert_load(self) -> None:
+        """Keep this span's expert counts (a device-side copy: no sync)."""
+        if self.expert_load is not None and self.expert_counts is None:
+            self.expert_counts = self.expert_load.counts.clone()
+
+    def _expert_fields(self) -> dict[str, int]:
+        """``EngineStats``' MoE fields: one host read of the device counters (when stats are
+        asked for, never inside a step)."""
+        if self.expert_load is None:
+            return {}
+        counts = (self.expert_counts if self.expert_counts is not None
+                  else self.expert_load.counts).tolist()
+        out = {}
+        for kind, (passes, experts, tokens) in zip(KINDS, counts):
+            out[f"moe_{kind}_layer_passes"] = passes
+            out[f"moe_{kind}_experts"] = experts
+            out[f"moe_{kind}_tokens"] = tokens
+        return out
 
     def add_prefill(self, counts: PrefillCounts) -> None:
         """Count one prefill pass (``ModelRunner.last_prefill``)."""
@@ -128,6 +152,7 @@ class RunStats:
             num_cached_prompt_tokens=self.num_cached_prompt_tokens,
             num_shared_blocks=self.num_shared_blocks,
             auto_k_steps=tuple(self.auto_k_steps),
+            **self._expert_fields(),
         )
 
 

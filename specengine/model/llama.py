@@ -273,6 +273,8 @@ class CausalLM(nn.Module):
                                self.model.embed_tokens if cfg.tie_word_embeddings else None)
         #: HF name -> this rank's slice of that tensor, for the tensors that are split
         self.tp_shards: dict[str, Any] = {}
+        #: MoE expert-load counters (``model.expert_load.enable_expert_load``); None: off
+        self.expert_load: Any = None
         if tp is not None:
             from specengine.model.weight_names import hf_named_tensors
 
@@ -300,6 +302,8 @@ class CausalLM(nn.Module):
     def _forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor,
                  meta: AttentionMetadata, backend: AttentionBackend,
                  aux_layers: tuple[int, ...]) -> tuple[Tensor, list[Tensor]]:
+        if self.expert_load is not None:  # which rows are real, which kind of pass
+            self.expert_load.begin_pass(meta.slot_mapping, meta.max_q_len)
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb.cos_sin(positions, h.dtype)
         return run_layers(self.model.layers, self.model.norm, h, cos, sin, kv_cache, meta,

@@ -119,11 +119,15 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = (nn.Linear(hidden_size, 1, bias=False)
                                    if shared_expert is not None else None)
         self.register_load_state_dict_pre_hook(_load_hf_names)
+        #: expert-load counters (``model.expert_load``), set by the engine; None: not counted
+        self.expert_load: Any = None
 
     def forward(self, x: Tensor, backend: AttentionBackend | None = None) -> Tensor:
         """``x [T, H]`` → ``[T, H]``. Every shape is fixed by ``T``: no host sync, so a decode
         or verify pass stays CUDA-graph capturable."""
         router_logits = F.linear(x, self.gate.weight)  # [T, E], activation dtype as HF
+        if self.expert_load is not None:
+            self.expert_load.count(router_logits, self.top_k)
         w13, w2 = self.experts.w13, self.experts.w2
         if backend is None:
             out = reference.moe_forward(x, router_logits, w13, w2, self.top_k, self.renormalize)
