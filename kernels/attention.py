@@ -169,6 +169,7 @@ class Tiles:
     qt: int  # queries per tile
     block_n: int  # keys per tile
     num_warps: int
+    num_stages: int = 3  # Triton's default software-pipelining depth
 
 
 def tiles(max_q_len: int, group: int, head_dim: int, ieee: bool, tree: bool) -> Tiles:
@@ -188,7 +189,18 @@ def tiles(max_q_len: int, group: int, head_dim: int, ieee: bool, tree: bool) -> 
     # sm_100a into spilling with 4 warps, so it gets 8 like the larger tiles.
     rows = block_m * head_dim
     num_warps = 8 if rows > 64 * 128 or (tree and rows >= 64 * 128) else 4
-    return Tiles(block_m, max(1, block_m // group), block_n, num_warps)
+    # Pipeline depth: the default 3 keeps two K/V tiles in flight, which on Triton 3.6 (what
+    # torch 2.11 installs) spills the fp32 tiles (tf32x3 holds hi/lo copies of each operand)
+    # and the 16-row tree tile on sm_90a; Triton 3.9 fits them all. 2 stages fit the 32-row
+    # fp32 tiles (249 registers); the 16-row fp32 decode tile still spills at 2 and fits at 1
+    # (186 registers, 2 blocks/SM); the 16-row bf16 tree tile fits at 2 (163 registers).
+    # Everything else keeps the default (scripts/compile_kernels.py checks both Tritons).
+    num_stages = 3
+    if ieee:
+        num_stages = 2 if block_m > 16 else 1
+    elif tree and block_m <= 16:
+        num_stages = 2
+    return Tiles(block_m, max(1, block_m // group), block_n, num_warps, num_stages)
 
 
 def paged_attention(
@@ -265,7 +277,7 @@ def paged_attention(
         block_tables.stride(0), stride_mt, stride_mw,
         GROUP=group, QT=qt, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d,
         BLOCK_SIZE=block_size, TREE=tree_mask is not None, SPLIT=split,
-        IEEE=ieee, num_warps=shape.num_warps,
+        IEEE=ieee, num_warps=shape.num_warps, num_stages=shape.num_stages,
     )
     if split:
         combine_splits(part, lse, out)

@@ -48,6 +48,58 @@ class Launch:
     kwargs: dict
 
 
+@dataclass(frozen=True)
+class SmLimits:
+    """Per-SM resources that bound how many blocks (Triton programs) run at once. sm_90 and
+    sm_100 share them (NVIDIA's Hopper and Blackwell tuning guides, the CUDA C++ programming
+    guide's compute-capability table and its occupancy calculator)."""
+
+    registers: int = 65_536  # 32-bit registers per SM, in 4 sub-partitions of 16,384
+    sub_partitions: int = 4  # a warp's registers come from one sub-partition
+    register_unit: int = 256  # registers are allocated per warp in units of 256
+    shared_bytes: int = 228 * 1024  # shared memory per SM (the largest carve-out)
+    shared_per_block: int = 227 * 1024  # the most one block may use
+    shared_reserved: int = 1024  # the CUDA runtime keeps 1 KB per resident block
+    shared_unit: int = 128  # shared memory is allocated in 128-byte units
+    max_blocks: int = 32
+    max_threads: int = 2048  # 64 warps
+
+
+SM_LIMITS = {90: SmLimits(), 100: SmLimits()}
+
+
+def blocks_per_sm(registers: int, num_warps: int, shared_bytes: int,
+                  limits: SmLimits = SmLimits()) -> tuple[int, str]:
+    """Resident blocks per SM and the resource that bounds them (``threads``, ``registers``,
+    ``smem`` or ``blocks``), as the CUDA occupancy calculator computes it:
+
+    - threads: ``max_threads // (32 · num_warps)``;
+    - registers: a warp takes ``ceil(32 · registers / 256) · 256`` registers from one
+      sub-partition of ``65,536 / 4``; warps that fit = ``4 · (16,384 // per_warp)``, blocks =
+      that ``// num_warps``;
+    - smem: each block takes its bytes plus the runtime's 1 KB, rounded up to 128 B, of 228 KB;
+      a block over 227 KB cannot launch (0);
+    - and at most 32 blocks.
+    """
+    if registers < 1 or num_warps < 1 or shared_bytes < 0:
+        raise ValueError(f"need registers >= 1, num_warps >= 1, shared_bytes >= 0; got "
+                         f"{registers}, {num_warps}, {shared_bytes}")
+    unit = limits.register_unit
+    per_warp = -(-32 * registers // unit) * unit
+    warps_by_regs = limits.sub_partitions * (limits.registers // limits.sub_partitions
+                                             // per_warp)
+    bounds = {"threads": limits.max_threads // (32 * num_warps),
+              "registers": warps_by_regs // num_warps,
+              "blocks": limits.max_blocks}
+    if shared_bytes > limits.shared_per_block:
+        bounds["smem"] = 0
+    elif shared_bytes:
+        per_block = -(-(shared_bytes + limits.shared_reserved) // limits.shared_unit)
+        bounds["smem"] = limits.shared_bytes // (per_block * limits.shared_unit)
+    limiter = min(bounds, key=lambda k: bounds[k])
+    return bounds[limiter], limiter
+
+
 def parse_ptxas_log(text: str) -> dict[str, int]:
     """Registers, stack frame and spill bytes from ``ptxas -v`` output of one entry function."""
     used, spill = _USED.findall(text), _SPILL.findall(text)
@@ -119,6 +171,9 @@ def compile_launch(launch: Launch, capability: int) -> dict:
     stats = parse_ptxas_log(out.getvalue())
     stats["shared_bytes"] = int(compiled.metadata.shared)
     stats["num_warps"] = int(compiled.metadata.num_warps)
+    stats["num_stages"] = int(compiled.metadata.num_stages)
+    stats["blocks_per_sm"], stats["occupancy_limit"] = blocks_per_sm(
+        stats["registers"], stats["num_warps"], stats["shared_bytes"], SM_LIMITS[capability])
     return stats
 
 
@@ -179,7 +234,8 @@ def _work(job: tuple[int, int]) -> tuple[int, int, dict | str, float]:
 
 
 def _table(rows: list[dict], capability: int) -> str:
-    head = f"{'kernel':<24} {'configuration':<58} {'regs':>5} {'spill st/ld B':>14} {'smem B':>8}"
+    head = (f"{'kernel':<24} {'configuration':<58} {'regs':>5} {'spill st/ld B':>14} "
+            f"{'smem B':>8} {'w/s':>4} {'blocks/SM':>15}")
     lines = [f"== sm_{capability}a ==", head, "-" * len(head)]
     for r in rows:
         if r["target"] != f"sm_{capability}a":
@@ -189,8 +245,10 @@ def _table(rows: list[dict], capability: int) -> str:
             continue
         spill = f"{r['spill_stores']}/{r['spill_loads']}"
         flag = "  <-- SPILLS" if r["spill_stores"] or r["spill_loads"] else ""
+        occupancy = f"{r['blocks_per_sm']} ({r['occupancy_limit']})"
         lines.append(f"{r['kernel']:<24} {r['config'][:58]:<58} {r['registers']:>5} "
-                     f"{spill:>14} {r['shared_bytes']:>8}{flag}")
+                     f"{spill:>14} {r['shared_bytes']:>8} "
+                     f"{r['num_warps']:>2}/{r['num_stages']:<1} {occupancy:>15}{flag}")
     return "\n".join(lines)
 
 
@@ -229,8 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     _LAUNCHES[:] = launches
     jobs = [(i, c) for i in range(len(launches)) for c in opts.targets]
-    log.info("compiling %d kernel variants for %s with %d processes", len(launches),
-             ", ".join(f"sm_{c}a" for c in opts.targets), opts.jobs)
+    import triton
+
+    log.info("compiling %d kernel variants for %s with %d processes, Triton %s from %s",
+             len(launches), ", ".join(f"sm_{c}a" for c in opts.targets), opts.jobs,
+             triton.__version__, Path(triton.__file__).parent)
     results = []
     with contextlib.ExitStack() as stack:
         if opts.jobs > 1:
@@ -256,10 +317,14 @@ def main(argv: list[str] | None = None) -> int:
         elif result["spill_stores"] or result["spill_loads"]:
             errors.append(f"{row['kernel']} [{row['config']}] on {row['target']} spills "
                           f"{result['spill_stores']} B stores / {result['spill_loads']} B loads")
+    print(f"Triton {triton.__version__}; w/s: num_warps/num_stages; blocks/SM: resident "
+          "blocks per SM from registers, warps and shared memory (blocks_per_sm), with the "
+          "resource that bounds them", end="\n\n")
     for capability in opts.targets:
         print(_table(rows, capability), end="\n\n")
     opts.json.parent.mkdir(parents=True, exist_ok=True)
-    opts.json.write_text(json.dumps({"rows": rows, "errors": errors}, indent=1))
+    opts.json.write_text(json.dumps({"triton": triton.__version__, "rows": rows,
+                                     "errors": errors}, indent=1))
     log.info("%d compiles in %.0f s; table in %s", len(rows), time.perf_counter() - start,
              opts.json)
     for e in errors:

@@ -51,8 +51,37 @@ def test_parse_ptxas_log() -> None:
         parse(log + log)  # two entry functions in one module: ambiguous
 
 
+def test_blocks_per_sm_arithmetic() -> None:
+    """Hand-computed occupancy at the sm_90a / sm_100a limits (65,536 registers in 4
+    sub-partitions, 256-register warp units, 228 KB shared memory with 1 KB reserved per
+    block and 227 KB per block at most, 2,048 threads, 32 blocks)."""
+    blocks = _script_module().blocks_per_sm
+    # 164 registers -> 168 x 32 = 5,376 per warp; 16,384 // 5,376 = 3 warps per
+    # sub-partition, 12 per SM, 3 blocks of 4 warps (shared memory: 233,472 // 40,448 = 5).
+    assert blocks(164, 4, 39_424) == (3, "registers")
+    # 249 -> 256 x 32 = 8,192 per warp: 2 per sub-partition, 8 per SM: 2 blocks of 4 warps.
+    assert blocks(249, 4, 73_728) == (2, "registers")
+    assert blocks(255, 8, 0) == (1, "registers")
+    # 64 registers, 4 warps (8 blocks by registers, 16 by threads); 100,000 B + 1 KB rounds
+    # up to 101,120 B: 233,472 // 101,120 = 2 blocks.
+    assert blocks(64, 4, 100_000) == (2, "smem")
+    assert blocks(64, 4, 114 * 1024) == (1, "smem")  # 2 would fit but for the runtime's 1 KB
+    assert blocks(64, 4, 227 * 1024) == (1, "smem")  # the most one block may use
+    assert blocks(64, 4, 227 * 1024 + 1) == (0, "smem")  # cannot launch at all
+    # 41 registers -> 1,312 per warp, rounded up to 1,536: 10 warps per sub-partition, 40
+    # per SM, 20 blocks of 2 warps (24 without the 256-register unit).
+    assert blocks(41, 2, 0) == (20, "registers")
+    # 200 -> 6,400 per warp: 2 per sub-partition, 8 per SM (65,536 // 6,400 would say 10).
+    assert blocks(200, 1, 0) == (8, "registers")
+    assert blocks(32, 4, 2048) == (16, "threads")  # 2,048 threads // 128
+    assert blocks(16, 1, 0) == (32, "blocks")  # 64 by threads and registers, capped at 32
+    with pytest.raises(ValueError, match="registers >= 1"):
+        blocks(0, 4, 0)
+
+
 @pytest.mark.skipif(_ptxas_path() is None, reason="Triton's bundled ptxas is unavailable")
 def test_compile_combine_kernel_for_sm90(tmp_path: Path) -> None:
+    module = _script_module()
     out = tmp_path / "table.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
@@ -69,4 +98,9 @@ def test_compile_combine_kernel_for_sm90(tmp_path: Path) -> None:
         assert isinstance(row["registers"], int) and 0 < row["registers"] <= 255, row
         assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
         assert row["shared_bytes"] >= 0
+        assert (row["blocks_per_sm"], row["occupancy_limit"]) == module.blocks_per_sm(
+            row["registers"], row["num_warps"], row["shared_bytes"])
+        assert row["blocks_per_sm"] >= 1
+    assert table["triton"]
     assert "sm_90a" in proc.stdout and "_combine_kernel" in proc.stdout  # the printed table
+    assert "blocks/SM" in proc.stdout
