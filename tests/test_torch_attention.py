@@ -40,37 +40,3 @@ def test_matches_reference(tree: bool, hq: int, hkv: int) -> None:
             d**-0.5)
     torch.testing.assert_close(padded_paged_attention(*args), reference.paged_attention(*args),
                                atol=1e-5, rtol=1e-5)
-
-
-def test_plan_reused_only_for_the_same_metadata() -> None:
-    """The per-pass plan (gather indices, mask) is kept between calls: a second layer with the
-    same metadata reuses it; metadata rewritten in place behind torch's back (through numpy,
-    as the batch state and ``_C`` write, no version bump) or a new block size must not."""
-    import specengine.model.torch_attention as ta
-
-    g = torch.Generator().manual_seed(0)
-    bs, hkv, d = 4, 2, 8
-    k_cache = torch.randn(16, bs, hkv, d, generator=g)
-    v_cache = torch.randn(16, bs, hkv, d, generator=g)
-    tables = torch.tensor([[0, 1, 2, -1], [3, 4, -1, -1]], dtype=torch.int32)
-    ctx = torch.tensor([6, 3], dtype=torch.int32)
-    indptr = torch.tensor([0, 2, 3], dtype=torch.int32)
-    q = torch.randn(3, 4, d, generator=g)
-
-    def check() -> None:
-        args = (q, k_cache, v_cache, tables, ctx, indptr, None, d**-0.5)
-        torch.testing.assert_close(padded_paged_attention(*args),
-                                   reference.paged_attention(*args), atol=1e-5, rtol=1e-5)
-
-    check()
-    first = ta._last_plan
-    check()
-    assert ta._last_plan is first  # the second layer of a pass: the same plan
-    tables.numpy()[0, :3] = [5, 6, 7]  # next step, same buffers, no version bump
-    ctx.numpy()[1] = 4
-    check()
-    assert ta._last_plan is not first
-    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)  # valid for 4 and 2
-    check()
-    k_cache, v_cache = k_cache.view(32, 2, hkv, d), v_cache.view(32, 2, hkv, d)  # block size 2
-    check()  # the same metadata, another block size: another plan

@@ -82,6 +82,9 @@ class Sampler:
     def __init__(self, kernel_backend: str, device: torch.device) -> None:
         self.kernel_backend = kernel_backend
         self.device = device
+        #: all-greedy chains on the CPU take ``greedy_chain_sample`` (a choice read from the
+        #: rows' temperatures: off for passes that are captured, ``core.graphs``)
+        self.greedy_shortcut = True
 
     def __call__(
         self,
@@ -93,7 +96,7 @@ class Sampler:
         params: SamplingTensors,
         draft_index: Tensor | None = None,  # [V] int32: draft_probs over a draft vocabulary
     ) -> SamplerOutput:
-        if (self.kernel_backend == "torch" and tree_parents is None
+        if (self.greedy_shortcut and self.kernel_backend == "torch" and tree_parents is None
                 and target_logits.device.type == "cpu"
                 and not params.temperature.numpy().any()):
             # All rows greedy on the CPU: the same outputs in ~20 whole-batch operators

@@ -29,7 +29,7 @@ def padded_paged_attention(
     group = num_q_heads // num_kv_heads
     if num_tokens == 0:
         return torch.empty_like(q)
-    plan = _plan(block_tables, context_lens, qo_indptr, tree_mask, block_size)
+    plan = _build_plan(block_tables, context_lens, qo_indptr, tree_mask, block_size)
     if plan is None:
         return torch.empty_like(q)
     max_q, q_valid, q_index, slots, mask = plan
@@ -46,37 +46,11 @@ def padded_paged_attention(
     return out[q_valid].to(q.dtype)  # rows in (sequence, query) order = token order
 
 
-# The last call's plan: every decoder layer of a forward pass attends with the same metadata,
-# so on the CPU the gather indices and the mask (~40 operators and two host reads) are built
-# once per pass, not once per layer. A hit needs equal contents (copies are kept and compared
-# with ``torch.equal``): identity or version counters would miss writes made through numpy or
-# ``_C`` into a reused buffer. Only for CPU tensors, where comparing is a memory read; on a
-# GPU it would be a host sync per layer, so the plan is always built there.
-_last_plan: tuple | None = None
-
-
-def _plan(block_tables: Tensor, context_lens: Tensor, qo_indptr: Tensor,
-          tree_mask: Tensor | None, block_size: int) -> tuple | None:
-    """(max_q, q_valid [B, Qm], q_index [B, Qm], slots [B, Km], mask [B, Qm, Km]) of a pass,
-    None when no sequence has a query."""
-    global _last_plan
-    if context_lens.device.type != "cpu":
-        return _build_plan(block_tables, context_lens, qo_indptr, tree_mask, block_size)
-    inputs = (block_tables, context_lens, qo_indptr, tree_mask)
-    last = _last_plan
-    if last is not None and last[1] == block_size and all(
-            (a is None and b is None) or (a is not None and b is not None
-                                          and a.shape == b.shape and a.dtype == b.dtype
-                                          and torch.equal(a, b))
-            for a, b in zip(last[0], inputs)):
-        return last[2]
-    plan = _build_plan(block_tables, context_lens, qo_indptr, tree_mask, block_size)
-    _last_plan = (tuple(None if t is None else t.clone() for t in inputs), block_size, plan)
-    return plan
-
-
 def _build_plan(block_tables: Tensor, context_lens: Tensor, qo_indptr: Tensor,
                 tree_mask: Tensor | None, block_size: int) -> tuple | None:
+    """(max_q, q_valid [B, Qm], q_index [B, Qm], slots [B, Km], mask [B, Qm, Km]) of a pass,
+    None when no sequence has a query. Built at every layer: reusing it across a pass's
+    layers by comparing the metadata would branch on data inside a captured pass."""
     dev = context_lens.device
     num_seqs = context_lens.shape[0]
     q_lens = (qo_indptr[1:] - qo_indptr[:-1]).long()  # [B]

@@ -19,13 +19,12 @@ import dataclasses
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import Response
 
 from specengine.async_engine import AsyncSpecEngine
 from specengine.config import MAX_K
@@ -44,6 +43,7 @@ from specengine.server.schemas import (
     UpdateWeightsFromDistributedRequest,
 )
 from specengine.server.sglang_api import mount as mount_sglang
+from specengine.server.streams import EventStream, unless_disconnected
 from specengine.weights.staged import StagedUpdate
 
 logger = logging.getLogger(__name__)
@@ -99,45 +99,12 @@ def _step_dict(out: RequestOutput) -> dict[str, Any]:
             "output": None if out.output is None else dataclasses.asdict(out.output)}
 
 
-class _EventStream(StreamingResponse):
-    """Closes its event generator however the response ends (a client that went away
-    cancels the send, possibly while the generator waits at a ``yield``), so the request is
-    aborted now rather than when the generator is collected."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[union-attr]
-
-
 async def _final(stream: AsyncIterator[RequestOutput]) -> GenerationOutput:
     async with contextlib.aclosing(stream):  # type: ignore[type-var]
         async for out in stream:
             if out.output is not None:
                 return out.output
     raise AssertionError("a stream ends with a finished output")  # pragma: no cover
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone (the body was read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(work: Awaitable[T], request: Request) -> T | None:
-    """``await work``, or cancel it (its request is aborted) and return None when the client
-    disconnects first: nobody would read the answer."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    return None if task.cancelled() else task.result()
 
 
 async def _events(state: ServerState, rid: str, stream: AsyncIterator[RequestOutput],
@@ -234,10 +201,10 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
         state.live.add(rid)
         if not body.stream:
             try:
-                out = await _unless_disconnected(_final(stream), request)
+                done, out = await unless_disconnected(_final(stream), request)
             finally:
                 state.live.discard(rid)
-            if out is None:
+            if not done or out is None:
                 state.metrics.disconnects.inc()
                 return Response(status_code=499)  # client closed the request; unread
             state.metrics.observe_finished(out)
@@ -246,15 +213,15 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
                 return json_response({"error": failed_message(rid, out)}, status_code=500)
             return json_response(output_dict(rid, out))
         try:  # bad input fails here, before any byte is sent
-            first = await _unless_disconnected(anext(stream), request)
+            done, first = await unless_disconnected(anext(stream), request)
         except BaseException:
             state.live.discard(rid)
             raise
-        if first is None:  # the client left while the request waited for its first step
+        if not done or first is None:  # the client left while it waited for its first step
             state.live.discard(rid)
             state.metrics.disconnects.inc()
             return Response(status_code=499)
-        return _EventStream(_events(state, rid, stream, first), media_type="text/event-stream",
+        return EventStream(_events(state, rid, stream, first), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache"})
 
     @app.post("/abort")

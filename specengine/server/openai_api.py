@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from specengine.chat_template import ChatTemplateError
@@ -70,6 +70,7 @@ from specengine.server.openai_schemas import (
     CompletionRequest,
     OpenAIRequest,
 )
+from specengine.server.streams import EventStream, unless_disconnected
 from specengine.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
@@ -195,40 +196,8 @@ def _reshape(status: int, body: bytes) -> tuple[int, bytes]:
 
 
 # ---- streams ------------------------------------------------------------------------------
-class EventStream(StreamingResponse):
-    """Closes its event generator however the response ends (a client that went away
-    cancels the send), so the requests are aborted now rather than when it is collected."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[union-attr]
-
-
 def _event(obj: object) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone (the body was read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(work: Awaitable[T], request: Request) -> tuple[bool, T | None]:
-    """``(True, await work)``, or ``(False, None)`` with ``work`` cancelled (its requests
-    aborted) when the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    return (False, None) if task.cancelled() else (True, task.result())
 
 
 class IncrementalText:
@@ -445,7 +414,7 @@ class OpenAIServer:
         ids = job.all_ids()
         self.state.live.update(ids)
         try:
-            done, groups = await _unless_disconnected(
+            done, groups = await unless_disconnected(
                 _all_or_none([group(p, s) for p, s in enumerate(self._streams(job))]), request)
         except REFUSALS as exc:
             raise refusal(exc, body, default_param(body)) from None
@@ -621,7 +590,7 @@ class OpenAIServer:
             await asyncio.gather(*pumps, return_exceptions=True)
 
         try:
-            done, _ = await _unless_disconnected(asyncio.gather(*admitted), request)
+            done, _ = await unless_disconnected(asyncio.gather(*admitted), request)
         except REFUSALS as exc:
             await stop()
             raise refusal(exc, body, default_param(body)) from None

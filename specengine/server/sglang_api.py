@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
@@ -54,6 +54,7 @@ from specengine.server.sglang_schemas import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedSGLang,
 )
+from specengine.server.streams import EventStream, unless_disconnected
 from specengine.weights.sglang_receiver import NamedGroup, stage_broadcast_update
 from specengine.weights.staged import StagedUpdate, staged
 
@@ -151,24 +152,6 @@ async def _collect(state: Any, jobs: list[Job]) -> list[list[GenerationOutput]]:
     return [[f[s] for s in sorted(f)] for f in finals]
 
 
-async def _unless_disconnected(work: Awaitable[T], request: Request) -> T | None:
-    """``await work``, or cancel it (aborting its requests) and return None when the client
-    disconnects first (the body was read already)."""
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    return None if task.cancelled() else task.result()
-
-
 def json_response(obj: object, status_code: int = 200) -> Response:
     # Python's encoder, as the app's: a (rare) -inf logprob is written as -Infinity.
     return Response(json.dumps(obj), status_code=status_code, media_type="application/json")
@@ -180,16 +163,6 @@ def output_dict(request_id: str, out: GenerationOutput) -> dict[str, Any]:
 
 def _event(obj: object) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-
-class _EventStream(StreamingResponse):
-    """Closes its generator however the response ends (a client that left aborts now)."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[union-attr]
 
 
 def _failed(outs: list[GenerationOutput]) -> GenerationOutput | None:
@@ -405,10 +378,10 @@ def mount(app: FastAPI) -> None:
                        ) -> list[list[GenerationOutput]] | Response:
         _claim(state, jobs)
         try:
-            outs = await _unless_disconnected(_collect(state, jobs), request)
+            done, outs = await unless_disconnected(_collect(state, jobs), request)
         finally:
             _release(state, jobs)
-        if outs is None:
+        if not done or outs is None:
             state.metrics.disconnects.inc()
             return Response(status_code=499)  # the client closed the request; unread
         bad = _failed([o for group in outs for o in group])
@@ -426,12 +399,12 @@ def mount(app: FastAPI) -> None:
         _claim(state, jobs)
         merged = _merged(state, jobs)
         try:
-            first = await _unless_disconnected(anext(merged), request)
+            done, first = await unless_disconnected(anext(merged), request)
         except BaseException:
             await merged.aclose()
             _release(state, jobs)
             raise
-        if first is None:
+        if not done or first is None:
             await merged.aclose()
             _release(state, jobs)
             state.metrics.disconnects.inc()
@@ -464,7 +437,7 @@ def mount(app: FastAPI) -> None:
                 yield _event({"error": str(exc), "status_code": status})
             finally:
                 _release(state, jobs)
-        return _EventStream(events(), media_type="text/event-stream",
+        return EventStream(events(), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache"})
 
     async def sglang_generate(body: SGLangGenerateRequest, request: Request) -> Response:
