@@ -246,6 +246,23 @@ void bind_kv_ops(py::module_& m) {
       "Host compact_kv over caches at `cache_ptrs` (every layer's K then V). IndexError for a "
       "slot >= num_slots, ValueError for repeated destinations or unordered moves. Use "
       "kernels.kv_cache.compact_kv.");
+  m.def(
+      "check_compact_kv",
+      [](uintptr_t src, uintptr_t dst, bool slots_int64, int64_t num_pairs, int64_t num_slots) {
+        specengine::CompactKVParams p{};
+        p.src_slots = reinterpret_cast<const void*>(src);
+        p.dst_slots = reinterpret_cast<const void*>(dst);
+        p.slots_are_int64 = slots_int64;
+        p.num_pairs = num_pairs;
+        p.num_slots = num_slots;
+        py::gil_scoped_release nogil;
+        specengine::check_compaction(p);
+      },
+      py::arg("src_slots_ptr"), py::arg("dst_slots_ptr"), py::arg("slots_are_int64"),
+      py::arg("num_pairs"), py::arg("num_slots"),
+      "compact_kv_host's checks alone on host slot arrays: IndexError for a slot >= num_slots, "
+      "ValueError for repeated destinations or unordered moves. The CUDA launcher runs it on "
+      "slots that come from the host (on the device they cannot be checked without a sync).");
 #if defined(SPECENGINE_WITH_CUDA)
   m.def(
       "reshape_and_cache_cuda",

@@ -223,6 +223,9 @@ void reshape_and_cache_host(const ReshapeAndCacheParams& p);
 // Throws std::out_of_range for a slot >= num_slots and std::invalid_argument for duplicate
 // destinations or moves that are not ordered (see above); nothing is written then.
 void compact_kv_host(const CompactKVParams& p);
+// The checks of compact_kv_host alone, on host slot arrays (p.caches is not read): what the
+// CUDA launcher runs first when the slots come from the host.
+void check_compaction(const CompactKVParams& p);
 
 #if defined(SPECENGINE_WITH_CUDA) || defined(__CUDACC__)
 void reshape_and_cache_cuda(const ReshapeAndCacheParams& p, uintptr_t stream);

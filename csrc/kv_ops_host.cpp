@@ -44,6 +44,8 @@ void compact_kv_loop(const CompactKVParams& p) {
   }
 }
 
+}  // namespace
+
 // Bounds, distinct destinations and the ordered-moves precondition of kv_ops.h.
 void check_compaction(const CompactKVParams& p) {
   std::unordered_set<int64_t> all_dst;  // every destination, moving or not
@@ -70,8 +72,6 @@ void check_compaction(const CompactKVParams& p) {
     written.insert(dst);
   }
 }
-
-}  // namespace
 
 void reshape_and_cache_host(const ReshapeAndCacheParams& p) {
   for (int64_t t = 0; t < p.num_tokens; ++t) {

@@ -148,9 +148,17 @@ def compact_kv_cache(
     ptrs, table, (num_heads, head_dim, elem, num_slots) = cache
     if on_device:
         dev = slots.contiguous()
-    elif table is not None:  # host slots to the device without blocking (page-locked staging)
-        dev = torch.from_numpy(np.ascontiguousarray(slots)).pin_memory().to(
-            kv.device, non_blocking=True)
+    elif table is not None:
+        # Host slots are checked here, where reading them costs no sync (bounds, distinct
+        # destinations, ordered moves: a bad pair raises with nothing written, as on the
+        # CPU); then to the device without blocking (page-locked staging).
+        slots = np.ascontiguousarray(slots)
+        try:
+            _C.check_compact_kv(slots.ctypes.data, slots.ctypes.data + 8 * n, True, n,
+                                num_slots)
+        except (IndexError, ValueError) as e:
+            raise type(e)(f"compact_kv: {e}") from None
+        dev = torch.from_numpy(slots).pin_memory().to(kv.device, non_blocking=True)
     else:
         dev = None
         slots = np.ascontiguousarray(slots)

@@ -267,3 +267,26 @@ def test_compact_kv_cache_equals_reference_per_layer(dtype: torch.dtype, h: int,
         with pytest.raises(exc, match=match):
             kv.compact_kv_cache(*args)
     assert_same(kvt, before)
+
+
+def test_host_slot_checks_that_the_cuda_launcher_runs_first() -> None:
+    """``_C.check_compact_kv`` (what ``compact_kv_cache`` runs on host slots before the CUDA
+    launch, whose kernel can only skip a bad pair) refuses what the host kernel refuses and
+    passes what it accepts; negative pairs are padding."""
+    from specengine import _C
+
+    def check(src: list[int], dst: list[int], num_slots: int = 16) -> None:
+        a = np.ascontiguousarray(np.array([src, dst], dtype=np.int64))
+        _C.check_compact_kv(a.ctypes.data, a.ctypes.data + 8 * len(src), True, len(src),
+                            num_slots)
+
+    check([5, 6, 2], [3, 4, 2])  # ordered, distinct, in range (the last pair stays)
+    check([-1, 9], [2, -1])  # padding pairs are skipped
+    with pytest.raises(IndexError, match=r"dst_slots\[1\] = 16"):
+        check([5, 6], [3, 16])
+    with pytest.raises(IndexError, match=r"src_slots\[0\] = 40"):
+        check([40], [3])
+    with pytest.raises(ValueError, match="repeats an earlier destination"):
+        check([5, 6], [3, 3])
+    with pytest.raises(ValueError, match="must be ordered"):
+        check([5, 3], [3, 1])  # the second pair reads slot 3 after the first wrote it

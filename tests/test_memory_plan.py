@@ -134,8 +134,11 @@ def test_qwen3_8b_eagle3_on_an_80gb_card(pair: tuple[Path, Path]) -> None:
     assert plan.used_bytes <= plan.budget_bytes < plan.used_bytes + 16 * 151_552
     # The graph budget's bytes: activations (a capture's warm-up and the graphs' pool) plus
     # the graphs and static buffers.
+    # the graphs and static buffers, and the budget's remainder (under one KV block at 8B).
+    assert 0 <= plan.unused_bytes < 16 * 151_552
     assert plan.graph_budget_bytes == prefill + verify + plan.draft_probs_bytes \
-        + plan.shared_output_bytes + plan.graph_output_bytes + plan.fixed_buffer_bytes
+        + plan.shared_output_bytes + plan.graph_output_bytes + plan.fixed_buffer_bytes \
+        + plan.budget_bytes - plan.used_bytes
 
 
 def test_the_plan_and_the_engine_agree_on_k_max(pair: tuple[Path, Path]) -> None:
@@ -480,3 +483,22 @@ def test_a_k_past_the_buffer_still_equals_eager(tiny_checkpoint: Path) -> None:
     wide = [key for key in verifier._probs if key[1] == 10]
     assert wide and all(verifier._probs[key].untyped_storage().data_ptr()
                         != verifier._probs_all.untyped_storage().data_ptr() for key in wide)
+
+
+def test_a_small_model_may_capture_into_what_the_plan_leaves_unused() -> None:
+    """The bundled pair on an 80 GiB card: its KV cache stops at max_batch_size full sequences,
+    so nearly all of the budget is unused, and the graph budget includes it. Before, the budget
+    was the planned activations and buffers alone (tens of MB), less than two captures
+    reserved on an H200, and every shape after the startup's first ran eagerly."""
+    from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    cfg = EngineConfig(model=str(DEFAULT_TARGET), draft=str(DEFAULT_DRAFT), device="cuda",
+                       dtype="bfloat16", cuda_graphs=True, graph_buckets=BUCKETS,
+                       max_batch_size=256)
+    target = ModelConfig.from_dir(DEFAULT_TARGET)
+    plan = plan_memory(target, cfg, 80 * GIB, DrafterFacts.from_draft(cfg.draft, target, 2))
+    assert plan.kv_tokens == cfg.max_batch_size * (cfg.max_model_len + 17) // 16 * 16
+    assert plan.activation_bytes + plan.static_bytes < 1 * GIB  # what the budget was
+    assert plan.unused_bytes == plan.budget_bytes - plan.used_bytes > 60 * GIB
+    assert plan.graph_budget_bytes == plan.activation_bytes + plan.static_bytes \
+        + plan.unused_bytes

@@ -241,11 +241,20 @@ class MemoryPlan:
             self.fixed_buffer_bytes
 
     @property
+    def unused_bytes(self) -> int:
+        """The budget no part takes: the KV cache stops at ``max_batch_size`` full sequences
+        (and at whole blocks), so on a small model most of the card is left over."""
+        return max(0, self.budget_bytes - self.used_bytes)
+
+    @property
     def graph_budget_bytes(self) -> int:
         """What captures may reserve (the graph budget's default on CUDA): the activations
-        (a capture's warm-up runs eagerly, its graph keeps a private pool) and the graphs and
-        static buffers (see the module docstring)."""
-        return self.activation_bytes + self.static_bytes
+        (a capture's warm-up runs eagerly, its graph keeps a private pool), the graphs and
+        static buffers (see the module docstring), and what the plan leaves unused. Without
+        that last term a small model's budget is a few tens of MB, less than the caching
+        allocator's segments for two captures, and nothing past the startup's first shapes
+        would be captured (seen on an H200 with the bundled pair: every shape ran eagerly)."""
+        return self.activation_bytes + self.static_bytes + self.unused_bytes
 
     @property
     def budget_bytes(self) -> int:
