@@ -523,6 +523,7 @@ def test_readme_example_runs_as_written(served) -> None:
     ns: dict[str, object] = {"__name__": "readme_example"}
     exec(compile(code, "README.md (Use it from your RL framework)", "exec"), ns)
     group, chat = ns["group"], ns["chat"]
+    assert ns["model"] == "arith-target"  # as its comment says
     assert len(group.choices) == 4 and {c.finish_reason for c in group.choices} == {"stop"}
     assert all(c.num_accepted_tokens > 0 for c in group.choices)  # k=3 drafts, accepted
     assert chat.choices[0].message.content.endswith("A:857")

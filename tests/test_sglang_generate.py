@@ -421,3 +421,88 @@ def test_top_logprobs_num_equals_generation_output(served, reference) -> None:
     status, out = post_json(served, "/generate", {
         "text": LONG, "top_logprobs_num": 3, "sampling_params": {"max_new_tokens": 4}})
     assert status == 200 and "output_top_logprobs" not in out["meta_info"]
+
+
+def _stream_and_answer(port: int, body: dict[str, Any]) -> tuple[list[dict[str, Any]],
+                                                                  dict[str, Any]]:
+    """The chunks of ``body`` streamed, and its non-streamed answer."""
+    events = sse(port, {**body, "stream": True})
+    assert events[-1] == "[DONE]", events[-1]
+    status, answer = post_json(port, "/generate", body)
+    assert status == 200, answer
+    return events[:-1], answer
+
+
+def _assert_stream_is_the_answer(chunks: list[dict[str, Any]], answer: dict[str, Any]
+                                 ) -> None:
+    """SGLang's default stream (cumulative text and ids) ends in exactly the non-streamed
+    answer, and every chunk is a prefix of it: what a client showed is never taken back."""
+    final = chunks[-1]
+    assert final["text"] == answer["text"] and final["output_ids"] == answer["output_ids"]
+    assert final["meta_info"]["finish_reason"] == answer["meta_info"]["finish_reason"]
+    assert final["meta_info"]["completion_tokens"] == len(answer["output_ids"])
+    deltas = []
+    for prev, cur in zip([{"text": "", "output_ids": []}, *chunks], chunks):
+        assert cur["text"].startswith(prev["text"]), (prev["text"], cur["text"])
+        assert cur["output_ids"][:len(prev["output_ids"])] == prev["output_ids"]
+        assert cur["meta_info"]["completion_tokens"] == len(cur["output_ids"])
+        deltas.append(cur["text"][len(prev["text"]):])
+    assert "".join(deltas) == answer["text"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def _stop_across_a_chunk(port: int, reference: SpecEngine) -> tuple[str, int]:
+    """A stop string of three tokens of LONG's greedy text whose first occurrence spans a
+    chunk boundary of the k=3 stream, and the number of tokens before it."""
+    chunks = sse(port, {"text": LONG, "k": 3, "stream": True, "sampling_params": {
+        "max_new_tokens": 64, "temperature": 0.0}})[:-1]
+    ids = chunks[-1]["output_ids"]
+    tok = reference.tokenizer
+    assert tok is not None
+    text = tok.decode(ids)
+    offsets = [len(tok.decode(ids[:j])) for j in range(len(ids) + 1)]
+    bounds = [len(c["output_ids"]) for c in chunks[:-1]]
+    for b in sorted(bounds, key=lambda b: abs(b - len(ids) // 2)):  # the middle ones first
+        lo, hi = b - 2, b + 1  # tokens b-2, b-1 (ending a chunk) and b (starting the next)
+        if lo < 1 or hi >= len(ids):
+            continue
+        stop = text[offsets[lo]:offsets[hi]]
+        if len(stop) >= 3 and text.find(stop) == offsets[lo]:
+            return stop, lo
+    raise AssertionError(f"no stop string spans a chunk boundary of {bounds} in {text!r}")
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_streamed_stop_string_is_held_back_and_ends_as_the_answer(served, reference, k
+                                                                  ) -> None:
+    stop, before = _stop_across_a_chunk(served, reference)
+    want = reference.generate([LONG], k=0, sampling=SamplingParams(
+        temperature=0.0, max_tokens=64, stop=(stop,)))[0]
+    assert want.stop_reason == stop and not want.text.endswith(stop[0])  # type: ignore
+    body = {"text": LONG, "k": k, "sampling_params": {
+        "max_new_tokens": 64, "temperature": 0.0, "stop": ["@@@@", stop]}}
+    chunks, answer = _stream_and_answer(served, body)
+    assert answer["text"] == want.text and answer["output_ids"] == list(want.token_ids)
+    assert answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    # the stop string's first token was streamed before the token that completed it
+    assert any(len(c["output_ids"]) > before for c in chunks[:-1]), k
+    _assert_stream_is_the_answer(chunks, answer)
+    # SGLang's no_stop_trim keeps the matched string (vLLM's include_stop_str_in_output)
+    body["sampling_params"]["no_stop_trim"] = True  # type: ignore[index]
+    chunks, answer = _stream_and_answer(served, body)
+    assert answer["text"] == want.text + stop  # type: ignore[operator]
+    assert answer["output_ids"] == list(want.token_ids)
+    _assert_stream_is_the_answer(chunks, answer)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_stop_string_that_never_occurs_streams_the_whole_text(served, reference, k) -> None:
+    want = reference.generate([LONG], k=0, sampling=SamplingParams(
+        temperature=0.0, max_tokens=64))[0]
+    assert want.text
+    never = want.text[-3:] + "\N{SNOWMAN}"  # its start ends the text: held back, then given
+    chunks, answer = _stream_and_answer(served, {"text": LONG, "k": k, "sampling_params": {
+        "max_new_tokens": 64, "temperature": 0.0, "stop": never}})
+    assert answer["text"] == want.text and answer["output_ids"] == list(want.token_ids)
+    assert answer["meta_info"]["finish_reason"]["matched"] == want.token_ids[-1]
+    _assert_stream_is_the_answer(chunks, answer)

@@ -183,3 +183,40 @@ def test_bad_init_bodies_are_refused_naming_the_field(body: dict, words: str) ->
             assert client.health()["status"] == "ok"
     finally:
         asyncio.run(aeng.close())
+
+
+def test_nccl_without_cuda_is_refused_before_the_rendezvous_and_gloo_then_works() -> None:
+    """``backend: "nccl"`` on a server that cannot use it (the engine on the CPU; a torch
+    without NCCL) is a 400 naming why, answered before any rendezvous (nobody listens at the
+    master port: had it tried, it would fail only after ``timeout_s``), and it leaves nothing
+    behind: the same group name then joins over gloo and an update goes through."""
+    name = "nccl_then_gloo"
+    part = [(n, t) for n, t in new_weights(seed=9).items() if ".layers.0.mlp." in n]
+    with serve_process() as (proc, port, log):
+        master = free_port()
+        body = {"master_address": "127.0.0.1", "master_port": master, "rank_offset": 1,
+                "world_size": 2, "group_name": name, "backend": "nccl", "timeout_s": 30}
+        status, answer = post(port, "/init_weights_update_group", body)
+        assert status == 400 and not answer["success"], answer
+        assert "backend='nccl' cannot be used here" in answer["message"], answer
+        assert "the engine runs on cpu" in answer["message"], answer
+        if not dist.is_nccl_available():
+            assert "built without NCCL" in answer["message"], answer
+
+        init = Background(lambda: post(port, "/init_weights_update_group", {
+            **body, "backend": "gloo"}), WAIT_S)
+        pg = init_custom_process_group(f"tcp://127.0.0.1:{master}", 2, 0, name,
+                                       timedelta(seconds=WAIT_S))
+        status, answer = init.result()  # type: ignore[misc]
+        assert status == 200 and answer["success"], answer
+        call = Background(lambda: post(port, "/update_weights_from_distributed", {
+            **announce(part), "group_name": name}), WAIT_S)
+        for _, t in part:
+            dist.broadcast(t.contiguous(), src=0, group=pg)
+        status, answer = call.result()  # type: ignore[misc]
+        assert status == 200 and answer["weight_version"] == 1, answer
+        status, answer = post(port, "/destroy_weights_update_group", {"group_name": name})
+        assert status == 200 and answer["success"], answer
+        dist.destroy_process_group(pg)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0, "".join(log)

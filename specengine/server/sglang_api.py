@@ -44,6 +44,7 @@ from specengine.engine import SpecEngine
 from specengine.outputs import GenerationOutput, RequestOutput
 from specengine.sampling import SamplingParams
 from specengine.server.errors import describe_validation, status_for
+from specengine.server.openai_api import IncrementalText
 from specengine.server.schemas import GenerateRequest, UpdateWeightsFromDistributedRequest
 from specengine.server.sglang_schemas import (
     UNION_TAGS,
@@ -457,23 +458,31 @@ def mount(app: FastAPI) -> None:
                        for i, job in enumerate(jobs) for rid, o in zip(job.sample_ids, outs[i])]
             return json_response(results if listed else results[0])
         # Streamed as SGLang does by default: every chunk carries the text and ids so far.
+        # The text is the OpenAI stream's (IncrementalText): it holds back a possible stop
+        # string's start (and a cut UTF-8 character), so every chunk's text is a prefix of
+        # the next one's and of the final, cut text, which the last chunk carries whole.
         offsets = [0]
         for job in jobs[:-1]:
             offsets.append(offsets[-1] + job.params.n)
         ids_so_far: dict[str, list[int]] = {}
+        texts: dict[str, IncrementalText] = {}
         tok = aeng.engine.tokenizer
 
-        async def sglang_event(i: int, out: RequestOutput) -> dict[str, Any]:
+        def sglang_event(i: int, out: RequestOutput) -> dict[str, Any]:
             ids = ids_so_far.setdefault(out.request_id, [])
-            if out.restarted:  # the engine restarted this sample (a policy-lag reset)
-                ids.clear()
+            if out.restarted or out.request_id not in texts:
+                ids.clear()  # a restart (a policy-lag reset) voids what came before
+                stops = jobs[i].params.stop
+                texts[out.request_id] = IncrementalText(
+                    tok, True, max(map(len, stops)) - 1 if stops else 0)
             ids.extend(out.new_token_ids)
             final = out.output
             if final is not None:
                 chunk = sglang_result(out.request_id, final, logprob[i],
                                       jobs[i].params.logprobs or 0)
             else:
-                text = None if tok is None else await asyncio.to_thread(tok.decode, ids)
+                texts[out.request_id].push(out.new_token_ids)
+                text = None if tok is None else texts[out.request_id].text
                 prompt = jobs[i].prompt  # a text's length is known once it finished
                 chunk = {"text": text, "output_ids": list(ids),
                          "meta_info": meta_info(out.request_id, len(prompt) if isinstance(

@@ -5,7 +5,8 @@ SGLang body is a 400, as SGLang answers it. SGLang's defaults apply where its bo
 field out (``max_new_tokens`` 128). ``stop`` (a str or a list), ``min_p`` and
 ``min_new_tokens`` (as ``min_tokens``) pass through to ``SamplingParams``, and so do the
 penalties, whose ``ValueError`` (not implemented: any value but the off one) is a 400 naming
-them; ``top_logprobs_num`` with ``return_logprob`` is ``SamplingParams.logprobs``.
+them; ``no_stop_trim`` is ``include_stop_str_in_output``; ``top_logprobs_num`` with
+``return_logprob`` is ``SamplingParams.logprobs``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ _OPTIONAL_FIELDS = {"stop": ("stop", None), "min_p": ("min_p", 0.0),
                     "min_new_tokens": ("min_tokens", 0),
                     "frequency_penalty": ("frequency_penalty", 0.0),
                     "presence_penalty": ("presence_penalty", 0.0),
-                    "repetition_penalty": ("repetition_penalty", 1.0)}
+                    "repetition_penalty": ("repetition_penalty", 1.0),
+                    "no_stop_trim": ("include_stop_str_in_output", False)}
 
 
 def _one_or_list(one: Any, many: Any, is_many: Any = None) -> Any:
@@ -72,6 +74,7 @@ class SGLangSamplingParams(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
+    no_stop_trim: bool | None = None  # SGLang's: the text keeps the matched stop string
 
     def to_params(self) -> SamplingParams:
         """The engine's ``SamplingParams``; ``ValueError`` (a 400) naming a field the engine

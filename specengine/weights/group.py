@@ -12,7 +12,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -170,15 +171,23 @@ def _wait_listening(address: str, port: int, deadline: float) -> None:
 
 def nccl_group(store: dist.Store, rank: int, world_size: int,
                 opts: dist.ProcessGroupNCCL.Options) -> dist.ProcessGroup:
-    """A ``ProcessGroupNCCL`` whose watchdog, on a timed-out or failed collective, aborts the
-    communicator but does not take the process down (its default, 3, does): the dead peer
-    must surface as this group's error in ``wait``, with the engine still serving on its
-    old weights. The mode is read in the constructor, so it is set for this group only."""
+    """A ``ProcessGroupNCCL`` made under :func:`nccl_errors_not_fatal`."""
+    with nccl_errors_not_fatal():
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+
+
+@contextmanager
+def nccl_errors_not_fatal() -> Iterator[None]:
+    """Around the construction of a ``ProcessGroupNCCL``: its watchdog, on a timed-out or
+    failed collective, aborts the communicator but does not take the process down (its
+    default, 3, does): the dead peer must surface as this group's error in ``wait``, with
+    the engine still serving on its old weights. The mode is read in the constructor, so it
+    is set for that group only."""
     key = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
     prev = os.environ.get(key)
     os.environ[key] = "2"  # CleanUpOnly
     try:
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        yield
     finally:
         if prev is None:
             del os.environ[key]

@@ -13,7 +13,12 @@ What RL frameworks that drive SGLang (slime, AReaL, verl, OpenRLHF, SkyRL) do, l
 
 :class:`NamedGroup` joins such a group as rank ``rank_offset`` the same way (torch's own
 constructor, so the store keys are whatever torch uses, equal on both sides for the same
-torch). :func:`stage_broadcast_update` receives one update off the step loop, all or nothing:
+torch). Over NCCL the engine must be on CUDA in a torch with NCCL (refused before the
+rendezvous otherwise), tensors are received on the engine's device, the communicator is made
+lazily by the first broadcast (as SGLang's), and a dead learner aborts the communicator without
+taking the server down (``group.nccl_errors_not_fatal``).
+
+:func:`stage_broadcast_update` receives one update off the step loop, all or nothing:
 
 - the names, dtypes and shapes are checked against the model (``check_entries``, the rules of
   every other update path) before any byte arrives;
@@ -47,6 +52,7 @@ from specengine.model.config import CheckpointError
 from specengine.model.loader import check_entries, format_errors
 from specengine.model.weight_names import hf_named_tensors
 from specengine.weights.finite import check_finite_tensors
+from specengine.weights.group import nccl_errors_not_fatal
 from specengine.weights.protocol import MAX_TIMEOUT_S, MAX_WORLD_SIZE, WeightSyncError
 from specengine.weights.receiver import check_allowed, load_in_process, update_target
 
@@ -93,8 +99,16 @@ class NamedGroup:
             raise ValueError("group_name must be a non-empty string")
         if not 0 < timeout_s <= MAX_TIMEOUT_S:
             raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
-        if backend == "nccl" and device.type != "cuda":
-            raise ValueError("backend='nccl' needs the engine on CUDA; use backend='gloo'")
+        if backend == "nccl":
+            # Checked before the rendezvous: a group that cannot be made must not leave the
+            # learner waiting in its own half of it (nor leave a name or store behind here).
+            why = [w for bad, w in (
+                (device.type != "cuda", f"the engine runs on {device.type}, and NCCL moves "
+                                        "CUDA tensors"),
+                (not dist.is_nccl_available(), "this torch was built without NCCL")) if bad]
+            if why:
+                raise ValueError(f"backend='nccl' cannot be used here: {'; '.join(why)}; use "
+                                 "backend='gloo'")
         self.rank, self.world_size, self.name, self.backend = rank, world_size, group_name, backend
         self.timeout = timedelta(seconds=timeout_s)
         self.device = device if backend == "nccl" else torch.device("cpu")
@@ -111,9 +125,15 @@ class NamedGroup:
             # torch renamed pg_options to backend_options (2.6); pass whichever it takes.
             params = inspect.signature(c10d._new_process_group_helper).parameters
             options = "backend_options" if "backend_options" in params else "pg_options"
-            self.pg, _ = c10d._new_process_group_helper(
-                world_size, rank, [], dist.Backend(backend), store, group_name=group_name,
-                timeout=self.timeout, **{options: None})
+            # No device_id (as SGLang's group): with one, NCCL would connect eagerly, here,
+            # and this call would wait for the learner's side of ncclCommInitRank, which a
+            # learner that awaits this endpoint's answer first only reaches at its first
+            # broadcast. Without it the communicator is made by the first broadcast, on the
+            # device of the tensor it receives (``device``, the engine's).
+            with nccl_errors_not_fatal():  # a dead learner is this group's error, not ours
+                self.pg, _ = c10d._new_process_group_helper(
+                    world_size, rank, [], dist.Backend(backend), store, group_name=group_name,
+                    timeout=self.timeout, **{options: None})
             c10d._world.pg_group_ranks[self.pg] = {i: i for i in range(world_size)}
         except (RuntimeError, dist.DistError, TimeoutError, ValueError) as e:
             raise WeightSyncError(
@@ -193,11 +213,20 @@ def stage_broadcast_update(engine: SpecEngine, group: NamedGroup, names: Sequenc
         logger.warning("refused a weight update over group %r (its %d broadcasts drained): %s",
                        group.name, len(meta), refusal)
         raise refusal
-    received = []
-    for name, dtype, shape in meta:
-        t = torch.empty(shape, dtype=dtype, device=group.device)
+    try:
+        # Every buffer before the first broadcast (the peak is the same: all are held until
+        # the commit). Over NCCL they are device memory beside the KV cache, and running out
+        # half-way would leave the learner's remaining broadcasts to the next update.
+        received = [(name, torch.empty(shape, dtype=dtype, device=group.device))
+                    for name, dtype, shape in meta]
+    except torch.OutOfMemoryError as e:
+        _drain(group, meta)
+        raise WeightSyncError(
+            f"no room on {group.device} for this update's "
+            f"{sum(_numel(s) * d.itemsize for _, d, s in meta)} bytes: refused, its "
+            f"broadcasts drained (send it in smaller parts): {e}") from e
+    for _, t in received:
         group.broadcast(t)
-        received.append((name, t))
     if check_finite:
         check_finite_tensors(received)  # WeightSyncError naming the first bad tensor
     return lambda e: load_in_process(e, received, "policy", version, check_finite=False)
@@ -228,7 +257,13 @@ def _sizes(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequenc
 def _drain(group: NamedGroup, meta: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
     """Receive every announced tensor into one reused scratch buffer and drop it."""
     sizes = [_numel(s) * d.itemsize for _, d, s in meta]
-    scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=group.device)
+    try:
+        scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=group.device)
+    except torch.OutOfMemoryError as e:  # nothing can receive them: the learner's next
+        group.out_of_step = f"no room to drain a refused update: {e}"  # broadcast is stray
+        raise WeightSyncError(f"update refused and not drained, the group {group.name!r} is "
+                              f"now out of step (destroy it and init a new one): no room on "
+                              f"{group.device} for its largest tensor: {e}") from e
     for (_, dtype, shape), nbytes in zip(meta, sizes):
         # A fresh allocation is aligned for every dtype; the view has the learner's layout.
         group.broadcast(scratch[:nbytes].view(dtype).view(shape))
