@@ -213,20 +213,11 @@ def stage_broadcast_update(engine: SpecEngine, group: NamedGroup, names: Sequenc
         logger.warning("refused a weight update over group %r (its %d broadcasts drained): %s",
                        group.name, len(meta), refusal)
         raise refusal
-    try:
-        # Every buffer before the first broadcast (the peak is the same: all are held until
-        # the commit). Over NCCL they are device memory beside the KV cache, and running out
-        # half-way would leave the learner's remaining broadcasts to the next update.
-        received = [(name, torch.empty(shape, dtype=dtype, device=group.device))
-                    for name, dtype, shape in meta]
-    except torch.OutOfMemoryError as e:
-        _drain(group, meta)
-        raise WeightSyncError(
-            f"no room on {group.device} for this update's "
-            f"{sum(_numel(s) * d.itemsize for _, d, s in meta)} bytes: refused, its "
-            f"broadcasts drained (send it in smaller parts): {e}") from e
-    for _, t in received:
+    received = []
+    for name, dtype, shape in meta:
+        t = torch.empty(shape, dtype=dtype, device=group.device)
         group.broadcast(t)
+        received.append((name, t))
     if check_finite:
         check_finite_tensors(received)  # WeightSyncError naming the first bad tensor
     return lambda e: load_in_process(e, received, "policy", version, check_finite=False)
@@ -257,13 +248,7 @@ def _sizes(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequenc
 def _drain(group: NamedGroup, meta: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
     """Receive every announced tensor into one reused scratch buffer and drop it."""
     sizes = [_numel(s) * d.itemsize for _, d, s in meta]
-    try:
-        scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=group.device)
-    except torch.OutOfMemoryError as e:  # nothing can receive them: the learner's next
-        group.out_of_step = f"no room to drain a refused update: {e}"  # broadcast is stray
-        raise WeightSyncError(f"update refused and not drained, the group {group.name!r} is "
-                              f"now out of step (destroy it and init a new one): no room on "
-                              f"{group.device} for its largest tensor: {e}") from e
+    scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=group.device)
     for (_, dtype, shape), nbytes in zip(meta, sizes):
         # A fresh allocation is aligned for every dtype; the view has the learner's layout.
         group.broadcast(scratch[:nbytes].view(dtype).view(shape))
