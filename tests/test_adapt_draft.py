@@ -110,7 +110,7 @@ def test_every_position_with_a_known_next_token_is_trained(static: bool) -> None
     for s, prompt, out in zip(seqs, prompts, outs):
         full = prompt + list(out.token_ids)
         _, _, _, targets = ad.trainer.batch(ad.buffer, [s])
-        p, n = len(prompt), len(full)
+        p = len(prompt)
         for d in range(3):
             want = sum(t in in_vocab for t in full[p + 1 + d:])
             assert int((targets[d] >= 0).sum()) == want, (d, len(out.token_ids))
