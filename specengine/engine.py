@@ -541,8 +541,9 @@ class SpecEngine:
 
     def adapt_draft(self, steps: int = DEFAULT_ADAPT_STEPS,
                     lr: float = DEFAULT_ADAPT_LR) -> AdaptResult:
-        """Train the EAGLE-3 head in place for ``steps`` AdamW steps at ``lr`` on the rollouts
-        it kept (target features + the policy's tokens; EAGLE-3's unrolled training loss).
+        """Train the EAGLE-3 head (or MTP layer) in place for ``steps`` AdamW steps at ``lr``
+        on the rollouts it kept (target features + the policy's tokens; EAGLE-3's unrolled
+        training loss).
         Needs ``draft_options={"adapt_buffer_tokens": N}`` (keep the last N positions);
         ``"adapt_every": N`` also adapts after every N finished requests by itself. The
         policy is never touched and the head's tensors keep their ``data_ptr``; output stays

@@ -84,12 +84,37 @@ def test_buffer_holds_the_targets_features_and_the_policys_tokens(static: bool) 
     for s, prompt, out in zip(sorted(seqs, key=lambda s: s.seq_id), PROMPTS, outs):
         full = prompt + list(out.token_ids)
         n = len(s.rows)
-        assert s.num_prompt_tokens == len(prompt) and n >= len(full) - 4
+        assert s.num_prompt_tokens == len(prompt) and n == len(full) - 1  # 0 .. len - 2
         assert buf.tokens[s.rows].tolist() == full[1: n + 1]
         with torch.no_grad():
             hs = hf(torch.tensor([full]), output_hidden_states=True).hidden_states
         want = torch.cat([hs[i][0, :n] for i in layers], dim=-1)
         torch.testing.assert_close(buf.feats[s.rows], want, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_every_position_with_a_known_next_token_is_trained(static: bool) -> None:
+    """Hand count on three tiny rollouts (``max_tokens`` 4, 5, 6 at k=3: the last step of each
+    is cut mid-chain): a sequence of ``L`` tokens with a prompt of ``P`` trains, at depth
+    ``d``, anchors ``i = P-1 .. L-3-d`` (anchor ``i`` predicts ``x_{i+d+2}``), i.e. the
+    tokens ``x_{P+1+d} .. x_{L-1}`` that have a draft id. Before the fix the step in which a
+    sequence ended was never buffered, so its last 1..k+1 positions were missing."""
+    engine = engine_with_buffer(static)
+    prompts = PROMPTS[10:13]
+    outs = engine.generate(prompts, k=3, sampling=[
+        SamplingParams(temperature=1.0, seed=7, max_tokens=m) for m in (4, 5, 6)])
+    ad = engine.drafter.adapter
+    seqs = sorted(ad.trainable(), key=lambda s: s.seq_id)
+    assert len(seqs) == 3
+    in_vocab = set(engine.drafter.module.draft_to_target.tolist())
+    for s, prompt, out in zip(seqs, prompts, outs):
+        full = prompt + list(out.token_ids)
+        _, _, _, targets = ad.trainer.batch(ad.buffer, [s])
+        p = len(prompt)
+        for d in range(3):
+            want = sum(t in in_vocab for t in full[p + 1 + d:])
+            assert int((targets[d] >= 0).sum()) == want, (d, len(out.token_ids))
+    assert sum(len(o.token_ids) for o in outs) == 15  # the hand count's premise
 
 
 def test_training_loss_unrolls_the_head_as_drafting_does() -> None:

@@ -16,6 +16,12 @@ overwritten is skipped (its later entries would see an attention context they ne
 inference), and its remaining entries are dead until the ring overwrites them. A position
 written twice (a re-prefill after preemption, a KV recompute after a weight update) keeps its
 newest features.
+
+A sequence that ends in a step writes no head entry (it drafts no more), but the positions it
+verified in that step are training data like any other: :func:`capture_finished` (eager) and
+:func:`capture_static` buffer them too, from the position after the sequence's last buffered
+one (``FeatureBuffer.next_position``) up to its last kept token, so every position whose next
+token is known reaches training.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specengine.core.sequence import Sequence
+from specengine.core.sequence import SeqStatus, Sequence
 from specengine.core.step_types import ForwardOutput
 from specengine.core.transfer import to_device
 
@@ -61,6 +67,9 @@ class FeatureBuffer:
         self.stamps = np.zeros(capacity, dtype=np.int64)  # write order (newest wins)
         self.head = 0  # next ring row to write
         self.num_written = 0
+        # Per sequence id, the position after its newest buffered one: where the entries of
+        # the step in which it ends start (forgotten when the drafter releases it).
+        self.next_position: dict[int, int] = {}
 
     def __len__(self) -> int:
         """Entries held (live or dead)."""
@@ -69,6 +78,11 @@ class FeatureBuffer:
     def clear(self) -> None:
         self.seq_ids[:] = -1
         self.head = self.num_written = 0
+        self.next_position.clear()
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence was released: no more entries of it will come."""
+        self.next_position.pop(seq_id, None)
 
     def add(self, seq_ids: np.ndarray, positions: np.ndarray, prompt_lens: np.ndarray,
             feats: Tensor, tokens: Tensor) -> None:
@@ -99,6 +113,9 @@ class FeatureBuffer:
         self.stamps[idx] = self.num_written + np.arange(n)
         self.head = (self.head + n) % self.capacity
         self.num_written += n
+        # each call's entries come sequence by sequence, positions ascending: their last ones
+        ends = np.flatnonzero(np.r_[seq_ids[1:] != seq_ids[:-1], True])
+        self.next_position.update(zip(seq_ids[ends].tolist(), (positions[ends] + 1).tolist()))
 
     def sequences(self) -> list[BufferedSeq]:
         """Every buffered sequence that starts at position 0, cut at its first gap."""
@@ -132,14 +149,53 @@ def capture_eager(buffer: FeatureBuffer, seqs: list[Sequence], positions: list[n
                feats, ids)
 
 
+def finished_entries(buffer: FeatureBuffer, seq: Sequence, num_rows: int) -> int:
+    """Entries of ``seq``'s last step to buffer when it ended in that step: its positions
+    ``next_position .. len - 2`` (``len - 1 - next_position`` of them: fewer than the
+    ``num_rows`` accepted rows when a stop token, ``max_tokens`` or a stop string cut the
+    step's tokens). 0 for a running sequence, one never buffered, or counts that do not fit
+    the step (a step it was not observed in: its rows are not those positions)."""
+    if seq.status is not SeqStatus.FINISHED:
+        return 0
+    start = buffer.next_position.get(seq.seq_id)
+    if start is None:
+        return 0
+    n = len(seq) - 1 - start
+    return n if 0 < n <= num_rows else 0
+
+
+def capture_finished(buffer: FeatureBuffer, drafter: FeatureDrafter, seqs: tuple[Sequence, ...],
+                     target: ForwardOutput, accepted_rows: list[list[int]]) -> None:
+    """The entries of the sequences that ended in the eager step just verified
+    (:func:`finished_entries`): the target's features of their first accepted rows, each with
+    the token that followed."""
+    done, positions, rows, tokens = [], [], [], []
+    for b, seq in enumerate(seqs):
+        n = finished_entries(buffer, seq, len(accepted_rows[b]))
+        if n:
+            start = len(seq) - 1 - n
+            done.append(seq)
+            positions.append(np.arange(start, start + n, dtype=np.int64))
+            rows.extend(target.qo_indptr[b] + r for r in accepted_rows[b][:n])
+            tokens.extend(seq.token_slice(start + 1, start + 1 + n))
+    if not done:
+        return
+    feats = drafter.features(target, to_device(np.array(rows, np.int64), target.hidden.device))
+    capture_eager(buffer, done, positions, feats,
+                  to_device(np.array(tokens, np.int64), drafter.device))
+
+
 def capture_static(buffer: FeatureBuffer, drafter: FeatureDrafter, seqs: tuple[Sequence, ...],
                    out: VerifyOutput, shape: VerifyShape, num_accepted: np.ndarray,
                    live: np.ndarray) -> None:
     """The entries the static catch-up pass just wrote (``StaticFeatureChain.observe``): row
-    ``b``'s accepted rows ``j = 0 .. num_accepted[b]`` (live rows only) at positions
-    ``len - num_accepted - 2 + j``. Host arithmetic and one non-blocking index copy."""
+    ``b``'s accepted rows ``j = 0 .. num_accepted[b]`` at positions
+    ``len - num_accepted - 2 + j`` (a row that ended this step: its first
+    :func:`finished_entries` rows). Host arithmetic and one non-blocking index copy."""
     n = shape.num_tokens
     counts = np.where(live, num_accepted + 1, 0).astype(np.int64)
+    for b in np.flatnonzero(~live).tolist():
+        counts[b] = finished_entries(buffer, seqs[b], int(num_accepted[b]) + 1)
     total = int(counts.sum())
     if total == 0:
         return

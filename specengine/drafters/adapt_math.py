@@ -45,6 +45,14 @@ class HeadMath:
     def _w(self, p: dict[str, Tensor], name: str) -> Tensor | None:
         return p.get(name)
 
+    def to_draft(self, device: torch.device) -> Tensor | None:
+        """Target id -> draft id (``-100``: no draft id, no loss) for the loss's targets;
+        None where the head's logits are over the target vocabulary (MTP)."""
+        d2t = self.head.draft_to_target
+        out = torch.full((self.head.vocab_size,), -100, dtype=torch.int64, device=device)
+        out[d2t] = torch.arange(d2t.numel(), device=device)
+        return out
+
     def qkv(self, p: dict[str, Tensor], ids: Tensor, hidden: Tensor, positions: Tensor
             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``ids [B, T]``, ``hidden [B, T, 3H or H]``, ``positions [T]`` → q ``[B, T, Hq, D]``,

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from specengine.drafters.adapt import BufferedSeq, FeatureBuffer
+from specengine.drafters.adapt_math import HeadMath
 from specengine.drafters.draft_trainer import DraftTrainer, HeadOptimizer
 
 if TYPE_CHECKING:
@@ -70,11 +71,12 @@ class DraftAdapter:
     step (a random subset of sequences when the buffer holds more)."""
 
     def __init__(self, drafter: Eagle3Drafter, capacity: int, depth: int = 3,
-                 batch_tokens: int = 8192, seed: int = 0) -> None:
+                 batch_tokens: int = 8192, seed: int = 0, math: HeadMath | None = None
+                 ) -> None:
         self.drafter = drafter
         self.buffer = FeatureBuffer(capacity, drafter.device)
         self.trainer = DraftTrainer(drafter.module, drafter.embed, drafter.device, depth,
-                                    batch_tokens, seed)
+                                    batch_tokens, seed, math)
         self.math = self.trainer.math
         self.optimizer: HeadOptimizer | None = None  # built at the first adapt
 
@@ -134,13 +136,13 @@ class OnlineAdaptation:
     adapt_every = 0
 
     def init_adaptation(self, buffer_tokens: int, every: int, steps: int, lr: float,
-                        batch_tokens: int) -> None:
+                        batch_tokens: int, math: HeadMath | None = None) -> None:
         self.adapt_every, self.adapt_steps, self.adapt_lr = every, steps, lr
         self._num_finished = 0  # finished requests since the last automatic adaptation
         if buffer_tokens or every:
             self.adapter = DraftAdapter(self,  # type: ignore[arg-type]
                                         buffer_tokens or DEFAULT_ADAPT_BUFFER_TOKENS,
-                                        batch_tokens=batch_tokens)
+                                        batch_tokens=batch_tokens, math=math)
             self.capture = self.adapter.buffer
 
     def adapt(self, steps: int = DEFAULT_ADAPT_STEPS, lr: float = DEFAULT_ADAPT_LR

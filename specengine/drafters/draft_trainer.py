@@ -1,6 +1,6 @@
 """The EAGLE-3 head's training loop, shared by online adaptation (``engine.adapt_draft``,
 ``drafters/adapt_train.py``) and offline training (``specengine train-draft``,
-``train/train_draft.py``): batches of buffered sequences (target features and the policy's
+``train/offline.py``): batches of buffered sequences (target features and the policy's
 tokens, ``drafters/adapt.py``), the unrolled training-time-test loss of
 ``drafters/adapt_math.py`` and :class:`HeadOptimizer` (Adam over float32 masters).
 
@@ -37,9 +37,12 @@ class DraftTrainer:
     ``batch_tokens`` positions. ``depth``: unrolled draft steps of the loss."""
 
     def __init__(self, head: nn.Module, embed: nn.Embedding, device: torch.device,
-                 depth: int = 3, batch_tokens: int = 8192, seed: int = 0) -> None:
+                 depth: int = 3, batch_tokens: int = 8192, seed: int = 0,
+                 math: HeadMath | None = None) -> None:
         self.head, self.device = head, device
-        self.math = HeadMath(head, embed)
+        # the head's forward as differentiable maths: EAGLE-3's by default, MTP's
+        # (``drafters/mtp_math.py``) for an MTP layer
+        self.math = math if math is not None else HeadMath(head, embed)
         self.depth, self.batch_tokens = depth, batch_tokens
         self.rng = np.random.default_rng(seed)
 
@@ -85,15 +88,14 @@ class DraftTrainer:
         feats = source.feats[rows_src].to(dev).float()
         tok = torch.where(valid, source.tokens[rows_src].to(dev), 0)  # tok[:, i] = x_{i+1}
         ids = torch.cat([tok, tok.new_zeros(len(seqs), depth)], dim=1)
-        head = self.head
-        to_draft = torch.full((head.vocab_size,), -100, dtype=torch.int64, device=dev)
-        to_draft[head.draft_to_target] = torch.arange(head.draft_to_target.numel(), device=dev)
+        to_draft = self.math.to_draft(dev)
         targets = []
         for d in range(depth):
             # anchor i's depth-d target is x_{i+d+2} = ids[:, i+d+1]; chains start at
             # i >= prompt_len - 1 and the target must exist
             ok = (j[None, :] >= first[:, None]) & (j[None, :] + d + 1 < lens[:, None])
-            tg = to_draft[ids[:, d + 1: d + 1 + t]]
+            tg = ids[:, d + 1: d + 1 + t]
+            tg = tg if to_draft is None else to_draft[tg]
             targets.append(torch.where(torch.from_numpy(ok).to(dev), tg, -100))
         return feats, ids, valid, targets
 

@@ -322,11 +322,13 @@ class Eagle3Drafter(OnlineAdaptation, FeatureDrafter):
         return ids
 
 
-def eagle3_drafter(drafter: Drafter | None) -> Eagle3Drafter:
-    """The engine's EAGLE-3 drafter (alone or in a ``(HEAD_DIR, "suffix")`` pair)."""
+def eagle3_drafter(drafter: Drafter | None) -> OnlineAdaptation:
+    """The engine's EAGLE-3 (or MTP) drafter (alone or in a ``(HEAD_DIR, "suffix")`` pair):
+    the drafters with online adaptation."""
     neural = getattr(drafter, "neural", drafter)  # HybridDrafter keeps it as .neural
-    if not isinstance(neural, Eagle3Drafter):
+    if not isinstance(neural, OnlineAdaptation):
         what = "no drafter" if drafter is None else f"a {type(drafter).__name__}"
-        raise ValueError(f"adapt_draft trains an EAGLE-3 head, but this engine has {what} "
-                         "(create it with draft=HEAD_DIR or (HEAD_DIR, 'suffix'))")
+        raise ValueError(f"adapt_draft trains an EAGLE-3 head (or an MTP layer), but this "
+                         f"engine has {what} (create it with draft=HEAD_DIR, 'mtp' or "
+                         "(HEAD_DIR, 'suffix'))")
     return neural

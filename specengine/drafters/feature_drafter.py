@@ -171,6 +171,8 @@ class FeatureDrafter(Drafter):
         st = self._states.pop(seq.seq_id, None)
         if st is not None:
             self.kv_cache.free(st)  # type: ignore[arg-type]
+        if self.capture is not None:
+            self.capture.forget(seq.seq_id)
 
     @torch.inference_mode()
     def _forward(self, states: list[FeatureState], ctx: list[int], ids: Tensor,
@@ -205,6 +207,10 @@ class FeatureDrafter(Drafter):
         """Write the entries of the positions the target just verified (its features of the
         accepted rows, each with the token that followed)."""
         live = [b for b, s in enumerate(seqs) if s.status is not SeqStatus.FINISHED]
+        if self.capture is not None and len(live) < len(seqs):
+            from specengine.drafters.adapt import capture_finished
+
+            capture_finished(self.capture, self, seqs, target, accepted_rows)
         if not live:
             return
         shared = self.shared_tables

@@ -15,6 +15,10 @@ final-norm hidden state ``h_i`` and the next token ``x_{i+1}``:
 and ``lm_head(g_i)`` predicts ``x_{i+2}``. Drafting feeds ``g_i`` back in place of
 ``h_{i+1}``. The layer keeps its own one-layer paged KV cache; entries written with a drafted
 hidden state are overwritten with the target's once the target has verified the position.
+
+Online adaptation (``adapt_*`` draft options, ``engine.adapt_draft``) and offline training
+(``specengine train-draft --arch mtp``) train the layer with EAGLE-3's unrolled loss, the
+layer's maths in ``drafters/mtp_math.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,15 @@ import torch
 from torch import Tensor, nn
 
 from specengine.core.step_types import ForwardOutput
+from specengine.drafters.adapt_train import (
+    DEFAULT_ADAPT_BATCH_TOKENS,
+    DEFAULT_ADAPT_LR,
+    DEFAULT_ADAPT_STEPS,
+    OnlineAdaptation,
+    check_adapt_options,
+)
 from specengine.drafters.feature_drafter import FeatureDrafter
+from specengine.drafters.mtp_math import MTPMath
 from specengine.model.attention import AttentionBackend, AttentionMetadata
 from specengine.model.config import ModelConfig
 from specengine.model.llama import DecoderLayer, RMSNorm, run_layers
@@ -76,15 +88,26 @@ class MTPModule(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self._shared[1](hidden).float()
 
+    @property
+    def lm_head(self) -> nn.Module:
+        """The target's LM head (shared, never trained)."""
+        return self._shared[1]
 
-class MTPDrafter(FeatureDrafter):
+
+class MTPDrafter(OnlineAdaptation, FeatureDrafter):
     """Drafts with the target checkpoint's MTP layer (``draft="mtp"``). Greedy point masses by
     default; ``sample=True`` samples chain drafts like :class:`DraftModelDrafter`. It reads the
-    target's final-norm hidden states."""
+    target's final-norm hidden states. The ``adapt_*`` options are the EAGLE-3 drafter's
+    (a rollout buffer, ``engine.adapt_draft``, the automatic mode)."""
 
-    def __init__(self, ctx: DraftContext, *, sample: bool = False) -> None:
+    def __init__(self, ctx: DraftContext, *, sample: bool = False,
+                 adapt_buffer_tokens: int = 0, adapt_every: int = 0,
+                 adapt_steps: int = DEFAULT_ADAPT_STEPS, adapt_lr: float = DEFAULT_ADAPT_LR,
+                 adapt_batch_tokens: int = DEFAULT_ADAPT_BATCH_TOKENS) -> None:
         from specengine.model.loader import iter_checkpoint, load_named_tensors
 
+        check_adapt_options(adapt_buffer_tokens, adapt_every, adapt_steps, adapt_lr,
+                            adapt_batch_tokens)
         cfg, mc = ctx.config, ctx.model_config
         num_layers = mc.num_mtp_layers
         if num_layers != 1:
@@ -101,6 +124,9 @@ class MTPDrafter(FeatureDrafter):
         tensors = ((n, t) for n, t in iter_checkpoint(cfg.model) if n.startswith(MTP_PREFIX))
         load_named_tensors(module, tensors, strict=True)
         super().__init__(ctx, module, mc.num_kv_heads, mc.head_dim, sample=sample)
+        self.embed = ctx.model.model.embed_tokens
+        self.init_adaptation(adapt_buffer_tokens, adapt_every, adapt_steps, adapt_lr,
+                             adapt_batch_tokens, MTPMath(module, self.embed))
 
     def features(self, target: ForwardOutput, rows: Tensor) -> Tensor:
         return target.hidden[rows]

@@ -30,12 +30,15 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFor
 
     t = sub.add_parser(
         "train-draft", formatter_class=formatter,
-        help="train an EAGLE-3 head for a policy on its own rollouts",
+        help="train an EAGLE-3 head (or the checkpoint's MTP layer) for a policy on its own "
+             "rollouts",
         description="Roll out the prompts with the engine (the policy itself), keep the "
                     "target features its drafter's catch-up pass computes, train an EAGLE-3 "
                     "head with the unrolled loss of online adaptation, write it in the "
                     "published layout to --out and evaluate it on held-out prompts "
-                    "(docs/design.md §18, offline training).")
+                    "(docs/design.md §18, offline training). --arch mtp trains the target "
+                    "checkpoint's own MTP layer the same way and writes the checkpoint, its "
+                    "mtp.* weights trained, to --out (serve it with --model OUT --draft mtp).")
     t.add_argument("--model", type=Path, default=None, metavar="DIR",
                    help="target checkpoint dir, HF layout (default: the bundled arithmetic "
                         "model)")
@@ -46,15 +49,20 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFor
                    help="where the trained head (and checkpoints, eval.json) go")
     t.add_argument("--prompt-column", default=DEFAULT_PROMPT_COLUMN,
                    help="JSONL field / Parquet column of the prompts (strings or chats)")
+    t.add_argument("--arch", choices=("eagle3", "mtp"), default=C.arch,
+                   help="eagle3: an EAGLE-3 head; mtp: the target's own MTP layer (a target "
+                        "with mtp_num_hidden_layers: 1), written as a copy of the checkpoint")
     t.add_argument("--init", type=Path, default=None, metavar="HEAD_DIR",
-                   help="warm-start from this EAGLE-3 head (default: a fresh head)")
+                   help="warm-start from this EAGLE-3 head (default: a fresh head); --arch "
+                        "mtp: from this checkpoint's mtp.* weights (default: the target's)")
     t.add_argument("--samples-per-prompt", type=_positive(1), default=C.samples_per_prompt)
     t.add_argument("--temperature", type=float, default=C.temperature,
                    help="rollout temperature (0 = greedy)")
     t.add_argument("--max-tokens", type=_positive(1), default=C.max_tokens,
                    help="most new tokens per rollout")
     t.add_argument("--gen-k", type=_positive(1), default=None,
-                   help="draft length while generating (default: 3 with --init, else 1)")
+                   help="draft length while generating (default: 3 with --init or --arch mtp, "
+                        "else 1)")
     t.add_argument("--draft-vocab-size", type=_positive(1), default=C.draft_vocab_size,
                    help="fresh head: keep the most frequent generated tokens (capped at the "
                         "target's vocab)")
@@ -90,7 +98,7 @@ def main(args: argparse.Namespace, default_model: Path) -> int:
     try:
         cfg = TrainDraftConfig(
             model=args.model or default_model, prompts=args.prompts, out=args.out,
-            prompt_column=args.prompt_column, init=args.init,
+            prompt_column=args.prompt_column, arch=args.arch, init=args.init,
             samples_per_prompt=args.samples_per_prompt, temperature=args.temperature,
             max_tokens=args.max_tokens, gen_k=args.gen_k,
             draft_vocab_size=args.draft_vocab_size, epochs=args.epochs, lr=args.lr,
@@ -108,7 +116,11 @@ def main(args: argparse.Namespace, default_model: Path) -> int:
           + (f", loss {res.losses[0][1]:.3f} -> {res.losses[-1][1]:.3f}" if res.losses else "")
           + f"; generate {res.generate_s:.0f} s, train {res.train_s:.0f} s, "
             f"evaluate {res.eval_s:.0f} s")
-    print(f"wrote the EAGLE-3 head to {res.out} (use it with --draft {res.out})")
+    if cfg.arch == "mtp":
+        print(f"wrote the checkpoint with the trained MTP layer to {res.out} (use it with "
+              f"--model {res.out} --draft mtp)")
+    else:
+        print(f"wrote the EAGLE-3 head to {res.out} (use it with --draft {res.out})")
     if res.evaluation is not None:
         print(format_table(res.evaluation))
         print(f"evaluation written to {res.out / 'eval.json'}")

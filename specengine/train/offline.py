@@ -1,4 +1,5 @@
-"""``specengine train-draft``: train an EAGLE-3 head for a policy on its own rollouts.
+"""``specengine train-draft``: train an EAGLE-3 head (or, ``arch="mtp"``, the target
+checkpoint's own MTP layer) for a policy on its own rollouts.
 
 1. **Data.** The prompts (``train/data.py``) minus ``holdout`` held-out ones are rolled out
    by the engine itself, the policy at ``temperature`` (``samples_per_prompt`` samples each,
@@ -20,8 +21,16 @@
    Every ``save_every`` steps a checkpoint (masters, Adam moments, the step) replaces the
    previous one; the batch order of each epoch is a function of (``seed``, epoch), so a
    resumed run takes the same steps as an uninterrupted one.
+MTP (``arch="mtp"``) runs the same steps on the layer the target checkpoint holds: the
+rollouts draft with it (``init``: a checkpoint dir whose ``mtp.*`` weights replace it first,
+e.g. an earlier run's output), the buffer keeps the target's final-norm hidden states, and the
+loss is the same unrolled loss over the layer's maths (``drafters/mtp_math.py``); there is no
+draft vocabulary.
+
 4. **Output.** The head in the published layout in ``out`` (``SpecEngine(model, draft=out)``
-   loads it), then greedy rollouts of the held-out prompts at k = 0 and k = 1..5:
+   loads it; ``arch="mtp"``: the target checkpoint with the trained MTP layer,
+   ``train/mtp_init.py``, which ``SpecEngine(out, draft="mtp")`` loads), then greedy
+   rollouts of the held-out prompts at k = 0 and k = 1..5:
    acceptance per draft position, mean accepted length and whether each k reproduced k = 0,
    printed as a table and written to ``out/eval.json`` (and ``out/eval.png`` when matplotlib
    is installed).
@@ -48,6 +57,7 @@ from torch import Tensor, nn
 from specengine.drafters.adapt import BufferedSeq, FeatureBuffer
 from specengine.drafters.draft_trainer import DraftTrainer, HeadOptimizer
 from specengine.drafters.eagle3 import aux_layer_inputs
+from specengine.drafters.mtp_math import MTPMath
 from specengine.model.config import CheckpointError
 from specengine.model.loader import checkpoint_files
 from specengine.train.data import DEFAULT_PROMPT_COLUMN, read_prompts, tokenize_prompts
@@ -59,6 +69,13 @@ from specengine.train.head_init import (
     read_head,
     write_head,
 )
+from specengine.train.mtp_init import (
+    build_mtp,
+    check_mtp_init,
+    check_mtp_target,
+    read_mtp_tensors,
+    write_mtp_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +86,9 @@ WARMUP_FRACTION = 0.05
 FINAL_LR_FRACTION = 0.1
 GEN_BATCH = 256  # sequences per generate call (the engine's default max_batch_size)
 # Settings a resumed run must share with the run that wrote the checkpoint.
-RESUME_KEYS = ("epochs", "lr", "batch_tokens", "ttt_steps", "seed", "draft_vocab_size", "init")
+RESUME_KEYS = ("epochs", "lr", "batch_tokens", "ttt_steps", "seed", "draft_vocab_size", "init",
+               "arch")
+ARCHS = ("eagle3", "mtp")
 
 
 @dataclass(frozen=True)
@@ -80,11 +99,13 @@ class TrainDraftConfig:
     prompts: Path
     out: Path
     prompt_column: str = DEFAULT_PROMPT_COLUMN
+    arch: str = "eagle3"  # "mtp": the target checkpoint's MTP layer
     init: Path | None = None
     samples_per_prompt: int = 1
     temperature: float = 1.0
     max_tokens: int = 256
-    gen_k: int | None = None  # draft length while generating (None: 3 with init, else 1)
+    gen_k: int | None = None  # draft length while generating (None: 3 with init or mtp,
+    #                          else 1)
     draft_vocab_size: int = 32000
     epochs: int = 4
     lr: float = 3e-3
@@ -122,6 +143,8 @@ class TrainDraftConfig:
             raise ValueError(f"train-draft: lr must be a finite number > 0, got {self.lr!r}")
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
             raise ValueError(f"train-draft: temperature must be >= 0, got {self.temperature!r}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"train-draft: arch must be one of {ARCHS}, got {self.arch!r}")
         if self.resume and self.overwrite:
             raise ValueError("train-draft: --resume continues the run in the output dir and "
                              "--overwrite deletes it: give one of them")
@@ -304,17 +327,21 @@ def _progress(total: int, desc: str, enabled: bool, initial: int = 0) -> Any:
                 if desc == "train" else "prompt", dynamic_ncols=True)
 
 
-def _engine(cfg: TrainDraftConfig, draft: Path | None, **kw: Any) -> Any:
+def _engine(cfg: TrainDraftConfig, draft: Path | str | None, model: Path | None = None,
+            **kw: Any) -> Any:
     from specengine.engine import SpecEngine
 
-    return SpecEngine(cfg.model, draft=None if draft is None else str(draft),
+    return SpecEngine(model or cfg.model, draft=None if draft is None else str(draft),
                       device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
                       num_threads=cfg.num_threads, **kw)
 
 
-def generate_set(cfg: TrainDraftConfig, prompts: list[list[int]], gen_head: Path,
-                 vocab_size: int) -> GeneratedSet:
-    """Roll out ``prompts`` with the engine, keeping what its catch-up pass computes."""
+def generate_set(cfg: TrainDraftConfig, prompts: list[list[int]], gen_head: Path | str,
+                 vocab_size: int, init_tensors: dict[str, Tensor] | None = None
+                 ) -> GeneratedSet:
+    """Roll out ``prompts`` with the engine, keeping what its catch-up pass computes.
+    ``gen_head``: the draft (a head dir, or ``"mtp"``); ``init_tensors`` replace the MTP
+    layer's weights first."""
     from specengine.sampling import SamplingParams
 
     n = cfg.samples_per_prompt
@@ -323,8 +350,10 @@ def generate_set(cfg: TrainDraftConfig, prompts: list[list[int]], gen_head: Path
     capacity = per_call * n * longest  # a whole call's sequences fit: none loses its start
     engine = _engine(cfg, gen_head, max_batch_size=max(GEN_BATCH, n),
                      draft_options={"adapt_buffer_tokens": capacity})
+    if init_tensors is not None:
+        engine.load_weights(init_tensors, which="draft")
     buffer = engine.drafter.adapter.buffer
-    k = cfg.gen_k or (3 if cfg.init is not None else 1)
+    k = cfg.gen_k or (3 if cfg.init is not None or cfg.arch == "mtp" else 1)
     data = GeneratedSet(counts=np.zeros(vocab_size, dtype=np.int64))
     bar = _progress(len(prompts), "generate", cfg.progress)
     t0, num_new = time.perf_counter(), 0
@@ -358,7 +387,9 @@ def evaluate(cfg: TrainDraftConfig, prompts: list[list[int]]) -> dict[str, Any]:
     """Greedy rollouts of ``prompts`` with the head in ``cfg.out`` at k = 0 and 1..5."""
     from specengine.sampling import SamplingParams
 
-    engine = _engine(cfg, cfg.out, max_batch_size=max(1, min(len(prompts), GEN_BATCH)))
+    batch = max(1, min(len(prompts), GEN_BATCH))
+    engine = (_engine(cfg, "mtp", cfg.out, max_batch_size=batch) if cfg.arch == "mtp"
+              else _engine(cfg, cfg.out, max_batch_size=batch))
     params = SamplingParams(temperature=0.0, max_tokens=cfg.eval_max_tokens or cfg.max_tokens)
     try:
         base = engine.generate(prompts, k=0, sampling=params)
@@ -431,17 +462,26 @@ def _split(prompts: list[list[int]], holdout: int | None, seed: int
 
 
 def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainDraftResult:
-    """Generate, train and evaluate an EAGLE-3 head (module docstring). Give a
+    """Generate, train and evaluate an EAGLE-3 head or MTP layer (module docstring). Give a
     :class:`TrainDraftConfig` or its fields as keywords. Bad input raises ``ValueError``
     (``CheckpointError`` for a head or checkpoint that does not fit) before the output dir is
     touched."""
     cfg = cfg if cfg is not None else TrainDraftConfig(**kwargs)
     if not cfg.model.is_dir():
         raise ValueError(f"--model {cfg.model}: no such directory")
+    if cfg.out.resolve() == cfg.model.resolve():
+        raise ValueError(f"--out {cfg.out} is the --model dir: give another dir (the model is "
+                         "read, never written)")
     target_cfg = read_config(cfg.model)
+    mtp = cfg.arch == "mtp"
+    if mtp:
+        check_mtp_target(cfg.model, target_cfg)
     resume_from = _prepare_out(cfg)
-    init_cfg = None
-    if cfg.init is not None:
+    init_cfg = init_tensors = None
+    if mtp and cfg.init is not None:
+        init_tensors = read_mtp_tensors(cfg.init)
+        check_mtp_init(cfg.model, init_tensors, cfg.init)
+    elif cfg.init is not None:
         init_cfg = read_config(cfg.init)
         check_head_fits(init_cfg, target_cfg, cfg.init)
     ckpt_dir = cfg.out / CHECKPOINT_DIR
@@ -452,7 +492,9 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
         prompts = tokenize_prompts(cfg.model, read_prompts(cfg.prompts, cfg.prompt_column))
         train_prompts, holdout = _split(prompts, cfg.holdout, cfg.seed)
         with tempfile.TemporaryDirectory(prefix="specengine-gen-head-") as tmp:
-            if cfg.init is not None:
+            if mtp:
+                gen_head: Path | str = "mtp"
+            elif cfg.init is not None:
                 gen_head = cfg.init
             else:  # a random head that only drives the capture (k=1)
                 torch.manual_seed(cfg.seed)
@@ -460,7 +502,7 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
                 write_head(build_head(gen_cfg, embed, torch.device("cpu")), gen_cfg, tmp,
                            torch.float32)
                 gen_head = Path(tmp)
-            data = generate_set(cfg, train_prompts, gen_head, vocab)
+            data = generate_set(cfg, train_prompts, gen_head, vocab, init_tensors)
         data.holdout = holdout
         if cfg.overwrite and cfg.out.exists():  # only once the rollouts succeeded
             shutil.rmtree(cfg.out) if cfg.out.is_dir() else cfg.out.unlink()
@@ -473,6 +515,7 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
         num_train_prompts, start = len(train_prompts), 0
     else:
         saved = json.loads((ckpt_dir / "settings.json").read_text())
+        saved.setdefault("arch", "eagle3")  # runs from before --arch
         now = _settings(cfg)
         diff = {k: (saved.get(k), now[k]) for k in RESUME_KEYS if saved.get(k) != now[k]}
         if diff:
@@ -485,7 +528,12 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
     device = torch.device(cfg.device if cfg.device not in (None, "auto") else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
     embed = embed.to(device)
-    if cfg.init is not None:
+    math = None
+    if mtp:
+        head = build_mtp(cfg.model, embed, device, init_tensors if init_tensors is not None
+                         else read_mtp_tensors(cfg.model, "--model"))
+        math = MTPMath(head, embed)
+    elif cfg.init is not None:
         head_cfg, head = read_head(cfg.init, embed, device)
     else:
         head_cfg = fresh_config(target_cfg, min(vocab, cfg.draft_vocab_size), "bfloat16")
@@ -496,7 +544,7 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
     if resume_from is not None:
         opt.load_state_dict(load_file(str(resume_from), device=str(device)))
     trainer = DraftTrainer(head, embed, device, depth=cfg.ttt_steps,
-                           batch_tokens=cfg.batch_tokens, seed=cfg.seed)
+                           batch_tokens=cfg.batch_tokens, seed=cfg.seed, math=math)
     schedule = [b for e in range(cfg.epochs)
                 for b in epoch_batches(data.seqs, cfg.batch_tokens, cfg.seed, e)]
     total = len(schedule)
@@ -525,12 +573,16 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
         bar.close()
     train_s = time.perf_counter() - t1
     opt.sync_out()
-    save_dtype = getattr(torch, str(target_cfg.get("torch_dtype") or target_cfg.get("dtype")
-                                    or "bfloat16"), torch.bfloat16)
-    if cfg.init is not None and init_cfg is not None:
-        head_cfg = init_cfg
-    write_head(head, head_cfg, cfg.out, save_dtype)
-    logger.info("wrote the head to %s after %d steps (%.1f s)", cfg.out, total, train_s)
+    if mtp:  # the target checkpoint, its mtp.* tensors trained (same names and dtypes)
+        write_mtp_checkpoint(cfg.model, head, cfg.out)
+    else:
+        save_dtype = getattr(torch, str(target_cfg.get("torch_dtype") or target_cfg.get("dtype")
+                                        or "bfloat16"), torch.bfloat16)
+        if cfg.init is not None and init_cfg is not None:
+            head_cfg = init_cfg
+        write_head(head, head_cfg, cfg.out, save_dtype)
+    logger.info("wrote the %s to %s after %d steps (%.1f s)", "checkpoint with the trained "
+                "MTP layer" if mtp else "head", cfg.out, total, train_s)
     t2 = time.perf_counter()
     evaluation = None
     if data.holdout:
