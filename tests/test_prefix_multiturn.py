@@ -250,3 +250,45 @@ def test_static_head_names_no_block_of_a_k0_turn() -> None:
     got = run(on, prompts, k=3)
     assert on.stats.num_cached_prompt_tokens == 0
     assert_same(got, run(off, prompts, k=3))
+
+
+def test_eager_head_names_only_entries_its_catch_up_wrote() -> None:
+    """The head's catch-up skips a sequence's finishing step, so its entries of that step's
+    positions hold the step's tree drafts: its own blocks are named up to its last catch-up.
+    Turn 1 is 106 + 40 = 146 tokens and its last step starts before position 144: the target
+    names 9 blocks, the head 8, and turn 2's hit is cut to the 8 both hold (naming the head's
+    9th changes turn 2's acceptance: 21 steps instead of 20)."""
+    on = SpecEngine(DEFAULT_TARGET, DEFAULT_DRAFT, **KW)
+    off = SpecEngine(DEFAULT_TARGET, DEFAULT_DRAFT, enable_prefix_caching=False, **KW)
+    turn1, kw = [arith_prompt(1, 106)], {"k": 3, "tree": TREE}
+    first = run(on, turn1, **kw)
+    assert len(on.kv_cache.prefix) == 145 // BS and len(on.drafter.prefix.cache) == 8
+    prompts = [turn1[0] + list(first[0].token_ids) + NEW[0]]
+    got = run(on, prompts, **kw)
+    assert got[0].num_cached_tokens == 8 * BS
+    assert_same(got, run(off, prompts, **kw))
+
+
+def test_eager_head_names_nothing_past_a_skipped_catch_up() -> None:
+    """A step whose catch-up the head skips (as a k="auto" step at k = 0 does; here its
+    ``observe`` is skipped once, at the 8th call) leaves entries unwritten: the head's
+    blocks are named only up to there (its later catch-ups do not fill the gap), so turn 2's
+    hit stops there and its acceptance equals the cache-off engine's (naming past the gap:
+    39 steps instead of 21)."""
+    on = SpecEngine(DEFAULT_TARGET, DEFAULT_DRAFT, **KW)
+    off = SpecEngine(DEFAULT_TARGET, DEFAULT_DRAFT, enable_prefix_caching=False, **KW)
+    drafter, calls = on.drafter, []
+    observe = drafter.observe
+
+    def skipping(seqs: tuple, target: object, rows: list) -> None:
+        calls.append(1)
+        if len(calls) != 8:
+            observe(seqs, target, rows)
+
+    drafter.observe = skipping
+    first = run(on, TURN1[:1], k=3)
+    del drafter.observe
+    prompts = [TURN1[0] + list(first[0].token_ids) + NEW[0]]
+    got = run(on, prompts, k=3)
+    assert 0 < got[0].num_cached_tokens < (len(prompts[0]) - len(NEW[0]) - 1) // BS * BS
+    assert_same(got, run(off, prompts, k=3))
