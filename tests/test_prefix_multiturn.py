@@ -292,3 +292,49 @@ def test_eager_head_names_nothing_past_a_skipped_catch_up() -> None:
     got = run(on, prompts, k=3)
     assert 0 < got[0].num_cached_tokens < (len(prompts[0]) - len(NEW[0]) - 1) // BS * BS
     assert_same(got, run(off, prompts, k=3))
+
+
+# ---- over HTTP ---------------------------------------------------------------------------------
+def test_openai_chat_second_turn_reports_cached_tokens() -> None:
+    """Two chat turns through the real ``openai`` client against a live server (EAGLE-3,
+    k=3): turn 2's ``usage.prompt_tokens_details.cached_tokens`` (vLLM's field) counts turn
+    1's prompt and answer, in full blocks, and its answer equals a cache-off engine's."""
+    import asyncio
+
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("jinja2")
+    from server_helpers import WAIT_S, bundled_engine, running_server
+
+    from specengine import AsyncSpecEngine
+
+    rng, text = random.Random(6), ""
+    while len(text) < 110:  # solved problems, then a question: "Q:" + content
+        prompt, completion = task.make_problem(rng)
+        text += prompt + completion
+    content = text[2:] + task.make_problem(rng)[0]
+    aeng = AsyncSpecEngine(bundled_engine(), max_waiting=8)
+    try:
+        with running_server(aeng) as (server, _client):
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1",
+                                   api_key="none", max_retries=0, timeout=WAIT_S)
+            model = client.models.list().data[0].id
+            kw = dict(model=model, temperature=0, max_tokens=64,
+                      extra_body={"k": 3, "return_token_ids": True})
+            messages = [{"role": "user", "content": content}]
+            one = client.chat.completions.create(messages=messages, **kw)
+            assert one.usage.prompt_tokens_details.cached_tokens == 0
+            messages += [{"role": "assistant", "content": one.choices[0].message.content},
+                         {"role": "user", "content": "361+220="}]
+            two = client.chat.completions.create(messages=messages, **kw)
+    finally:
+        asyncio.run(aeng.close())
+    turn1 = list(one.prompt_token_ids) + list(one.choices[0].token_ids)
+    assert list(two.prompt_token_ids[: len(turn1)]) == turn1  # the template re-renders it
+    cached = two.usage.prompt_tokens_details.cached_tokens
+    # every full block of turn 1 but its newest token's (the head caught up on them all)
+    assert cached == (len(turn1) - 1) // BS * BS >= 0.9 * len(turn1)
+    off = SpecEngine(DEFAULT_TARGET, draft=DEFAULT_DRAFT, device="cpu", kernel_backend="torch",
+                     kv_cache_tokens=4096, enable_prefix_caching=False)
+    want = off.generate([list(two.prompt_token_ids)], k=3,
+                        sampling=SamplingParams(temperature=0.0, max_tokens=64))[0]
+    assert list(two.choices[0].token_ids) == list(want.token_ids)
