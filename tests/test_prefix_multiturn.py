@@ -141,6 +141,25 @@ def test_mtp_turn_two_is_served_from_the_cache(tmp_path: Path) -> None:
         check_two_turns(on, off, [9 * BS, 10 * BS], k=2)
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "static"])
+def test_small_lm_turn_two_reuses_its_own_blocks(cuda_graphs: bool) -> None:
+    """The target as its own small-LM draft (every greedy draft is accepted unless the draft
+    reads K/V it did not write): its own cache names turn 1's blocks up to its last cached
+    token, so its turn-2 prompt pass reuses them, and every draft is still accepted."""
+    on = SpecEngine(DEFAULT_TARGET, str(DEFAULT_TARGET), cuda_graphs=cuda_graphs, **KW)
+    off = SpecEngine(DEFAULT_TARGET, str(DEFAULT_TARGET), cuda_graphs=cuda_graphs,
+                     enable_prefix_caching=False, **KW)
+    first = run(on, TURN1, k=3)
+    before = on.drafter.prefix.num_reused_tokens
+    prompts = turn2(TURN1, first)
+    got = run(on, prompts, k=3)
+    assert_same(got, run(off, prompts, k=3))
+    assert all(o.num_accepted_tokens == o.num_draft_tokens > 0 for o in got)
+    # (the LM's K/V of turn 1 ends a token or two before its newest: 9 and 10 blocks)
+    assert on.drafter.prefix.num_reused_tokens - before == (9 + 10) * BS
+    assert_no_leak(on)
+
+
 def test_ngram_turn_two_is_served_from_the_cache() -> None:
     """n-gram drafts (no KV of their own): verify writes the KV of rejected drafts into the
     slots after the accepted path; none of them is named."""
@@ -177,7 +196,8 @@ def run_with_update(engine: SpecEngine, prompts: list[list[int]], update_after: 
     return [done[i] for i in ids]
 
 
-@pytest.mark.parametrize("draft", [None, DEFAULT_DRAFT], ids=["k0", "eagle3"])
+@pytest.mark.parametrize("draft", [None, DEFAULT_DRAFT, str(DEFAULT_TARGET)],
+                         ids=["k0", "eagle3", "small_lm"])
 def test_a_turn_spanning_a_weight_update_names_nothing(draft: str | None) -> None:
     """Turn 1's KV before the update is of the old weights: none of its blocks may be named
     at its end (for the target or the head), so turn 2 is computed whole and equals a fresh
@@ -186,7 +206,7 @@ def test_a_turn_spanning_a_weight_update_names_nothing(draft: str | None) -> Non
     eng = SpecEngine(DEFAULT_TARGET, draft, **KW)
     first = run_with_update(eng, TURN1, update_after=4, **kw)
     assert len(eng.kv_cache.prefix) == 0
-    if draft is not None:
+    if draft is not None:  # nor the drafter's own blocks
         assert len(eng.drafter.prefix.cache) == 0
     prompts = turn2(TURN1, first)
     got = run(eng, prompts, **kw)
