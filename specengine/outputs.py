@@ -40,8 +40,14 @@ class GenerationOutput:
     #: N most likely tokens and the generated one under the policy's raw distribution
     #: (log-softmax of the logits at that position, before temperature and filters); else ()
     top_logprobs: tuple[dict[int, float], ...] = ()
+    #: prompt tokens whose KV its first prefill took from the prefix cache (vLLM's
+    #: ``num_cached_tokens``; a group sample borrowing a sibling's pass counts 0)
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.num_cached_tokens <= len(self.prompt_token_ids):
+            raise ValueError(f"num_cached_tokens must be in [0, {len(self.prompt_token_ids)}] "
+                             f"(the prompt's length), got {self.num_cached_tokens!r}")
         if not isinstance(self.sample_index, int) or self.sample_index < 0:
             raise ValueError(f"sample_index must be an int >= 0, got {self.sample_index!r}")
         if len(self.token_ids) != len(self.logprobs):

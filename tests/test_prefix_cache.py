@@ -161,7 +161,7 @@ def test_weight_update_clears_the_cache(tiny_checkpoint: Path, tmp_path: Path) -
     prompt = list(range(3, 60))
     sampled = SamplingParams(temperature=1.0, max_tokens=8, seed=11, ignore_eos=True, n=2)
     eng.generate([prompt], sampling=sampled)
-    assert len(eng.kv_cache.prefix) == 3
+    assert len(eng.kv_cache.prefix) == 3 + 2  # the prompt's 3 blocks, each sample's 4th
     eng.load_weights(new)
     assert len(eng.kv_cache.prefix) == 0
     got = eng.generate([prompt], sampling=sampled)

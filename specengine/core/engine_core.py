@@ -187,12 +187,31 @@ class EngineCore:
 
     def release(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.RUNNING:
+            self._cache_blocks(seq)
             self.scheduler.finish(seq)  # frees its blocks, leaves the running list
         else:  # waiting (never admitted, or preempted): it holds no blocks
             self.scheduler.waiting.remove(seq)
             self.kv_cache.free(seq)
         if self.drafter is not None:
             self.drafter.release(seq)
+
+    def _cache_blocks(self, seq: Sequence) -> None:
+        """Before a finished or aborted running ``seq`` frees its blocks: name its full
+        blocks of valid KV, generated tokens included, in the prefix cache
+        (``KVCache.cache_finished``), so a conversation's next turn prefills only the new
+        turn. The target's KV is valid up to the position before the newest token. When a
+        feature drafter's entries live in these blocks (the static path), they are valid
+        there too only if it caught up on every pass of the sequence: a fixed k > 0 (a k = 0
+        step, or an auto one, may skip its catch-up). A drafter's own cache names its blocks
+        in its ``release``."""
+        kv = self.kv_cache
+        if kv.prefix is None:
+            return
+        if kv.names_need_draft:
+            req = self._by_seq.get(seq.seq_id)
+            if req is None or req.k <= 0 or req.auto:
+                return
+        kv.cache_finished(seq, len(seq) - 1)
 
     def abort_all(self) -> None:
         """Drop every request and free its blocks (after an error, or on shutdown)."""
@@ -393,6 +412,7 @@ class EngineCore:
         if seq.status is not SeqStatus.FINISHED:
             return RequestOutput(req.request_id, new, False, restarted=restarted)
         if not released:
+            self._cache_blocks(seq)
             self.scheduler.finish(seq)
         if self.drafter is not None:
             self.drafter.release(seq)
@@ -436,6 +456,7 @@ class EngineCore:
             stop_reason=stop_reason,
             top_logprobs=(tuple(seq.top_logprobs[: seq.num_generated])
                           if seq.params.logprobs is not None else ()),
+            num_cached_tokens=seq.num_prefix_cached_tokens,
         )
 
     def _end_run_if_idle(self) -> None:

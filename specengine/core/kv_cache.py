@@ -79,6 +79,9 @@ class KVCache:
         self.allocator = _C.BlockAllocator(num_blocks)
         self.prefix = PrefixCache(self.allocator, block_size) if prefix_caching else None
         self.pending: dict[int, PrefillPlan] = {}  # seq_id -> plan of this step's prefill
+        # seq_id -> the prefix cache's epoch when the sequence's KV started (its admission):
+        # a finished sequence's blocks are named only if no weight update came since.
+        self.epoch_of: dict[int, int] = {}
         # How the drafter's KV follows the named blocks (:meth:`follow_drafter`).
         self.name_next_token = False
         self.names_need_draft = False
@@ -161,6 +164,8 @@ class KVCache:
                 self.prefix.released(table)
         seq.block_table = []
         seq.num_cached_tokens = 0
+        if self.epoch_of:
+            self.epoch_of.pop(getattr(seq, "seq_id", None), None)
         if self.pending:  # (drafters free their own states here too: no seq_id)
             self.pending.pop(getattr(seq, "seq_id", None), None)
 
@@ -188,7 +193,8 @@ class KVCache:
         n, bs = len(seq), self.block_size
         full = n // bs
         src = leader.block_table[full] if n % bs else None
-        return PrefillPlan(seq, leader.block_table[:full], n, leader=leader, copy_src=src)
+        return PrefillPlan(seq, leader.block_table[:full], n, leader=leader, copy_src=src,
+                           epoch=self.prefix.epoch if self.prefix is not None else 0)
 
     def can_admit(self, plan: PrefillPlan) -> bool:
         taken = self.prefix.num_evictable_in(plan.shared) if self.prefix is not None else 0
@@ -208,6 +214,10 @@ class KVCache:
             seq.block_table = list(plan.shared)
         self.ensure(seq, len(seq))
         seq.num_cached_tokens = plan.num_cached
+        if seq.num_generated == 0:  # its first prefill: what the prefix cache served
+            seq.num_prefix_cached_tokens = plan.num_cached if plan.leader is None else 0
+        if self.prefix is not None:
+            self.epoch_of[seq.seq_id] = plan.epoch
         self.pending[seq.seq_id] = plan
 
     def finish_prefill(self, seqs: tuple[Sequence, ...] | list[Sequence],
@@ -229,6 +239,27 @@ class KVCache:
             seq.num_cached_tokens = len(seq)
         if src:
             self.copy_blocks(src, dst)
+
+    def cache_finished(self, seq: Sequence, num_tokens: int) -> int:
+        """Name the full blocks of a finishing (or aborted) running ``seq`` whose KV is
+        valid, generated tokens included (as vLLM caches every full block), so that a
+        prompt extending its tokens (a conversation's next turn) reuses them. Call before
+        :meth:`free`. ``num_tokens``: how many leading tokens have valid KV in every cache
+        that lives in these blocks (at most ``len(seq) - 1``: a verify step writes the KV of
+        its fed tokens, and after it only the accepted path's is valid, up to the position
+        before the newest token; rejected drafts sit past it). Nothing is named when a
+        weight update came after the sequence's admission (its KV would mix weight
+        versions). Names are the prefill's (``block_hashes``), the next token included when
+        a feature drafter follows. Returns how many blocks were newly named."""
+        if self.prefix is None or self.epoch_of.get(seq.seq_id) != self.prefix.epoch:
+            return 0
+        num_blocks = min(min(num_tokens, len(seq) - 1) // self.block_size, seq.num_blocks)
+        if num_blocks <= 0:
+            return 0
+        # (num_blocks * block_size <= len - 1: the next token of the last block exists)
+        hashes = block_hashes(seq.token_array(), self.block_size, num_blocks,
+                              next_token=self.name_next_token)
+        return self.prefix.register(seq.block_table[:num_blocks], hashes, self.prefix.epoch)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """``kv[:, :, dst[i]] = kv[:, :, src[i]]`` (every layer, K and V)."""

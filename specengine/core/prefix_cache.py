@@ -10,7 +10,9 @@ the sequences that computed it. A cached block whose only reference is the cache
 *evictable*: it counts as free, and :meth:`PrefixCache.evict` hands it back to the allocator,
 least recently released first (a released table's blocks are queued last block first, so a
 prefix outlives its tails). Blocks are registered right after the prefill pass that computed
-them (never from decode steps), so every cached block holds KV of the weights of that step;
+them, and when a sequence finishes (its full blocks of valid KV, generated tokens included,
+unless the weights changed since its admission: ``KVCache.cache_finished``), so every cached
+block holds KV of the current weights;
 :meth:`PrefixCache.clear` runs on every weight update and drops every name (held blocks stay
 with their sequences, unnamed), so no later request can hit KV of older weights.
 

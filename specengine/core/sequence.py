@@ -55,6 +55,9 @@ class Sequence:
         self._counters = [0, 0, 0]
         self._block_table: list[int] = []
         self.num_cached_tokens = 0
+        #: prompt tokens its first prefill took from the prefix cache (vLLM's
+        #: ``num_cached_tokens`` of a request)
+        self.num_prefix_cached_tokens = 0
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
         #: stop-string state (``specengine.stop_strings``; set by the engine when

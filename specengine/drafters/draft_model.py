@@ -97,6 +97,9 @@ class DraftModelDrafter(Drafter):
         self.slots: LMSlots | None = None  # running sequences' states by arena slot
         self._static: StaticLMChain | None = None
         self.prefix: DraftPrefix | None = None  # names of its cached blocks (prefix caching)
+        # seq_id -> the draft prefix cache's epoch when the sequence's state started: its
+        # blocks are named at release only if no weight update came since
+        self._epoch_of: dict[int, int] = {}
 
     def bind_prefix_cache(self, kv_cache: KVCache) -> None:
         """Name the draft cache's full blocks like the target's (its KV depends on the tokens
@@ -133,11 +136,27 @@ class DraftModelDrafter(Drafter):
         return names
 
     def release(self, seq: Sequence) -> None:
+        epoch = self._epoch_of.pop(seq.seq_id, None)
+        name = self.prefix is not None and epoch == self.prefix.cache.epoch
         st = self._detached.pop(seq.seq_id, None)
         if st is not None:
+            if name:
+                self._name_blocks(seq, st.block_table, st.num_cached)
             self.kv_cache.free(st)  # type: ignore[arg-type]
         if self.slots is not None:  # (the sequence has already left its slot)
+            if name:
+                for r in np.flatnonzero(self.slots.owner == seq.seq_id).tolist():
+                    self._name_blocks(seq, self.slots.blocks_of(r),
+                                      int(self.slots.num_cached[r]))
             self.slots.release(seq.seq_id)
+
+    def _name_blocks(self, seq: Sequence, table: list[int], num_cached: int) -> None:
+        """Name the full blocks of a released sequence's K/V of its first ``num_cached``
+        tokens, generated ones included (a conversation's next turn reuses them). Pending
+        drafts and the newest tokens are past ``num_cached``; a stop token inside the
+        accepted drafts can end the sequence before it, hence the cut at its length."""
+        num_blocks = min(min(num_cached, len(seq)) // self.kv_cache.block_size, len(table))
+        self.prefix.register(table, seq.token_ids, num_blocks)  # type: ignore[union-attr]
 
     @property
     def num_states(self) -> int:
@@ -185,6 +204,7 @@ class DraftModelDrafter(Drafter):
             self._catch_up(new, states, upto_last=False)
             if self.prefix is not None:  # K/V of every token but the newest is written
                 for seq, st in zip(new, states):
+                    self._epoch_of[seq.seq_id] = self.prefix.cache.epoch
                     n = len(seq) - 1
                     self.prefix.register(st.block_table, seq.token_ids[:n],
                                          n // self.kv_cache.block_size)

@@ -49,6 +49,10 @@ class FeatureState:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # entries 0..num_cached-1 were written with the target's features
     hidden: Tensor | None = None  # g at position num_cached - 1
+    # Entries 0..num_valid-1 were all written from the target's features (num_cached can
+    # jump past a skipped stretch); the prefix cache's epoch when the state started.
+    num_valid: int = 0
+    epoch: int = -1
 
 
 class FeatureDrafter(Drafter):
@@ -169,10 +173,19 @@ class FeatureDrafter(Drafter):
         if self.shared_tables:
             self._static.release(seq.seq_id)  # type: ignore[union-attr]
         st = self._states.pop(seq.seq_id, None)
-        if st is not None:
-            self.kv_cache.free(st)  # type: ignore[arg-type]
         if self.capture is not None:
             self.capture.forget(seq.seq_id)
+        if st is None:
+            return
+        if self.prefix is not None and st.epoch == self.prefix.cache.epoch:
+            # Name the blocks of entries written from the target's features, generated
+            # positions included (a conversation's next turn reuses them). The entries of the
+            # finishing step are not written (observe skips finished sequences) and those of
+            # its drafts past them never count; entry p reads token p + 1, which exists
+            # since num_valid <= len - 1.
+            num_blocks = min(st.num_valid // self.kv_cache.block_size, len(st.block_table))
+            self.prefix.register(st.block_table, seq.token_ids, num_blocks)
+        self.kv_cache.free(st)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def _forward(self, states: list[FeatureState], ctx: list[int], ids: Tensor,
@@ -219,6 +232,7 @@ class FeatureDrafter(Drafter):
         # before any allocation (which could evict one); its blocks are named after the pass.
         fresh = [] if shared else self._start_states(seqs, live, accepted_rows)
         states, ctx, tokens, positions, rows = [], [], [], [], []
+        intact: list[bool] = []
         for b in live:
             seq, acc = seqs[b], accepted_rows[b]
             start = len(seq) - len(acc) - 1  # position of the first accepted row
@@ -229,6 +243,7 @@ class FeatureDrafter(Drafter):
                 if st.num_cached < start:
                     logger.debug("%s: seq %d misses entries %d..%d", type(self).__name__,
                                  seq.seq_id, st.num_cached, start)
+                intact.append(st.num_valid >= start)  # no stretch skipped before start
                 self.kv_cache.ensure(st, len(seq) - 1)  # type: ignore[arg-type]
                 states.append(st)
             ctx.append(start)
@@ -250,6 +265,8 @@ class FeatureDrafter(Drafter):
         for i, (st, b) in enumerate(zip(states, live)):
             st.num_cached = len(seqs[b]) - 1
             st.hidden = last[i]
+            if intact[i]:  # entries 0..len-2 all written from the target's features
+                st.num_valid = st.num_cached
         for b in fresh:  # entries 0..len-2 written: name the blocks followed by a prompt token
             seq = seqs[b]
             n = len(seq) - 1  # tokens before the one the prefill sampled
@@ -268,9 +285,11 @@ class FeatureDrafter(Drafter):
                 continue
             st = self._states[seq.seq_id] = FeatureState()
             start = len(seq) - len(accepted_rows[b]) - 1
+            if self.prefix is not None:
+                st.epoch = self.prefix.cache.epoch
             if start > 0 and self.prefix is not None:
                 st.block_table = self.prefix.take(seq.token_ids, start)
-                st.num_cached = len(st.block_table) * self.kv_cache.block_size
+                st.num_cached = st.num_valid = len(st.block_table) * self.kv_cache.block_size
             if self.prefix is not None and st.num_cached == start:
                 fresh.append(b)
         return fresh

@@ -500,11 +500,16 @@ class OpenAIServer:
             extra["token_weight_versions"] = list(out.token_weight_versions)
         return extra
 
-    def usage(self, job: Job, outs: Iterable[GenerationOutput]) -> dict[str, int]:
+    def usage(self, job: Job, outs: Iterable[GenerationOutput]) -> dict[str, Any]:
+        outs = list(outs)
         prompt = sum(len(p) for p in job.prompts)  # each prompt once, whatever n
         completion = sum(len(o.token_ids) for o in outs)
+        # vLLM's prompt_tokens_details.cached_tokens: prefix-cache hits, each prompt once
+        # (a group's first sample made the prefill; its siblings borrow it)
+        cached = sum(o.num_cached_tokens for o in outs if o.sample_index == 0)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def completion_answer(self, job: Job, body: CompletionRequest,
                           outs: list[GenerationOutput]) -> dict[str, Any]:
