@@ -91,6 +91,17 @@ def test_single_input_ids_with_logprobs(served, reference) -> None:
     expect(out, want, "sgl-1", logprobs=True)
 
 
+def test_meta_info_counts_the_prompt_tokens_served_from_the_cache(served) -> None:
+    # A 72-token prompt sent twice: the second reuses its full 16-token blocks (the last
+    # token is always computed), as SGLang's meta_info.cached_tokens reports.
+    prompt = [3, 9, 4, 11] * 18
+    body = {"input_ids": prompt, "sampling_params": GREEDY}
+    first = post_json(served, "/generate", body)[1]["meta_info"]["cached_tokens"]
+    status, out = post_json(served, "/generate", body)
+    assert status == 200, out
+    assert first == 0 and out["meta_info"]["cached_tokens"] == (len(prompt) - 1) // 16 * 16
+
+
 def test_batch_of_texts_and_of_ids_in_order(served, reference) -> None:
     texts = ["Q:472*6=", "Q:385+472=", "Q:12+7="]
     sampled = {"max_new_tokens": 10, "temperature": 1.0, "top_k": 8, "sampling_seed": 3}

@@ -191,6 +191,8 @@ def meta_info(rid: str, prompt_len: int | None, ids: list[int], logprobs: list[f
     meta: dict[str, Any] = {
         "id": rid, "finish_reason": None if out is None else finish_reason(out),
         "prompt_tokens": prompt_len, "completion_tokens": len(ids), "weight_version": version}
+    if out is not None:  # SGLang's count of prompt tokens served from the prefix cache
+        meta["cached_tokens"] = out.num_cached_tokens
     if logprobs is not None:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, ids)]
     if logprobs is not None and out is not None and top_n:
