@@ -252,12 +252,14 @@ SuffixCache::SeqDocs& SuffixCache::catch_up(int64_t seq_id, const int64_t* toks,
       doc->start = start;
       sd.glob = doc;
     }
-    sd.glob->live = true;
-    auto at = closed_at_.find(seq_id);
-    if (at != closed_at_.end()) {
-      closed_.erase(at->second);
-      closed_at_.erase(at);
+    if (!sd.glob->live) {  // a live document is never on the closed list: no lookup per step
+      auto at = closed_at_.find(seq_id);
+      if (at != closed_at_.end()) {
+        closed_.erase(at->second);
+        closed_at_.erase(at);
+      }
     }
+    sd.glob->live = true;
     if (sd.glob->seq_end() < n) {
       const int64_t from = sd.glob->seq_end();
       glob_.append(*sd.glob, toks + from, n - from);
@@ -329,58 +331,101 @@ void SuffixCache::release(int64_t seq_id, const int64_t* tokens, int64_t len,
   evict_global();
 }
 
-SuffixDraftC SuffixCache::draft_from(const Trie& trie, const std::vector<int32_t>& frontier,
-                                     int64_t limit) const {
-  SuffixDraftC best;
-  const auto& nodes = trie.nodes;
+void SuffixCache::draft_from(const Trie& trie, const std::vector<int32_t>& frontier,
+                             int64_t limit, SuffixDraftC** best_out,
+                             SuffixDraftC** cur_out) const {
+  // Two buffers trade roles (the walk fills `cur`; a better walk becomes `best`): nothing is
+  // copied or allocated per match length.
+  SuffixDraftC* best = *best_out;
+  SuffixDraftC* cur = *cur_out;
+  best->num_tokens = 0;
+  best->score = 0.0;
+  best->match_len = 0;
+  best->backed_off = false;
+  best->node = -1;
+  const Trie::Node* nodes = trie.nodes.data();
   int64_t longest = static_cast<int64_t>(frontier.size());
   while (longest > 0 && nodes[frontier[longest - 1]].cont == 0) --longest;
-  SuffixDraftC cur;
   for (int64_t m = longest; m >= 1; --m) {
     int64_t cap = static_cast<int64_t>(static_cast<double>(m) * p_.spec_factor + p_.spec_offset +
                                        kCapEps);
     cap = std::min(limit, std::max<int64_t>(0, cap));
-    if (static_cast<double>(cap) <= best.score) break;
+    if (static_cast<double>(cap) <= best->score) break;
     int32_t node = frontier[m - 1];
-    cur.tokens.clear();
-    cur.probs.clear();
+    int64_t n = 0;
     double prob = 1.0, score = 0.0;
-    while (static_cast<int64_t>(cur.tokens.size()) < cap && nodes[node].cont) {
-      const int32_t c = nodes[node].best;
+    while (n < cap && nodes[node].cont) {
+      const Trie::Node& here = nodes[node];
+      const int32_t c = here.best;
       prob *= static_cast<double>(nodes[c].count) /
-              (static_cast<double>(nodes[node].cont) +
-               p_.open_weight * static_cast<double>(nodes[node].count - nodes[node].cont) +
-               p_.smoothing);
+              (static_cast<double>(here.cont) +
+               p_.open_weight * static_cast<double>(here.count - here.cont) + p_.smoothing);
       if (prob < p_.min_prob) break;
-      cur.tokens.push_back(nodes[c].token);
-      cur.probs.push_back(prob);
+      cur->tokens[n] = nodes[c].token;
+      cur->probs[n] = prob;
+      ++n;
       score += prob;
       node = c;
     }
-    if (score > best.score) {
-      best.tokens.swap(cur.tokens);
-      best.probs.swap(cur.probs);
-      best.score = score;
-      best.match_len = m;
-      best.backed_off = m < longest;
-      best.node = frontier[m - 1];
+    if (score > best->score) {
+      std::swap(best, cur);
+      best->num_tokens = n;
+      best->score = score;
+      best->match_len = m;
+      best->backed_off = m < longest;
+      best->node = frontier[m - 1];
     }
   }
-  return best;
+  *best_out = best;
+  *cur_out = cur;
 }
 
-SuffixDraftC SuffixCache::best(SeqDocs& sd, int64_t limit, int* source) {
+const SuffixDraftC& SuffixCache::best(SeqDocs& sd, int64_t limit, int* source) {
   touch(sd.local->prompt);
-  SuffixDraftC d = draft_from(*sd.local->trie, sd.local->frontier, limit);
+  // Each trie's draft lands in one of its two scratch buffers (draft_from swaps its pointers).
+  SuffixDraftC* d = &scratch_[0];
+  SuffixDraftC* d_cur = &scratch_[1];
+  draft_from(*sd.local->trie, sd.local->frontier, limit, &d, &d_cur);
   *source = 0;
   if (sd.glob) {
-    SuffixDraftC g = draft_from(glob_, sd.glob->frontier, limit);
-    if (g.score > d.score) {
-      d = std::move(g);
+    SuffixDraftC* g = &scratch_[2];
+    SuffixDraftC* g_cur = &scratch_[3];
+    draft_from(glob_, sd.glob->frontier, limit, &g, &g_cur);
+    if (g->score > d->score) {
       *source = 1;
+      return *g;
     }
   }
-  return d;
+  return *d;
+}
+
+uint64_t SuffixCache::memo_hash(const MemoKey& k) {
+  uint64_t h = reinterpret_cast<uintptr_t>(k.local);
+  for (const uint64_t v : {static_cast<uint64_t>(static_cast<uint32_t>(k.local_node)),
+                           static_cast<uint64_t>(static_cast<uint32_t>(k.local_size)),
+                           static_cast<uint64_t>(static_cast<uint32_t>(k.glob_node)),
+                           static_cast<uint64_t>(static_cast<uint32_t>(k.glob_size)),
+                           static_cast<uint64_t>(k.limit)}) {
+    h = (h ^ v) * 0x9e3779b97f4a7c15ULL;
+    h ^= h >> 29;
+  }
+  return h;
+}
+
+SuffixCache::MemoKey SuffixCache::memo_key(const SeqDocs& sd, int64_t limit) const {
+  // A document's frontier is the chain of suffixes of its deepest node's string, so that node
+  // and the frontier's length determine it (nothing changes in the tries during a proposal).
+  // The global document holds the same tokens as the per-prompt one, so its part of the key
+  // follows from the rest today; it is kept so the key stays right if the two ever differ.
+  const auto& lf = sd.local->frontier;
+  MemoKey k{sd.local->trie, lf.empty() ? -1 : lf.back(), static_cast<int32_t>(lf.size()), -1, 0,
+            limit};
+  if (sd.glob) {
+    const auto& gf = sd.glob->frontier;
+    k.glob_node = gf.empty() ? -1 : gf.back();
+    k.glob_size = static_cast<int32_t>(gf.size());
+  }
+  return k;
 }
 
 void SuffixCache::propose(const TokenSource& s, const int64_t* num_drafts, int64_t width,
@@ -392,19 +437,41 @@ void SuffixCache::propose(const TokenSource& s, const int64_t* num_drafts, int64
     docs[b] = &catch_up(s.seq_ids[b], s.tokens + s.rows[b] * s.width, s.lens[b],
                         s.num_prompt[b]);
   }
+  size_t slots = 16;
+  while (slots < 2 * static_cast<size_t>(s.batch)) slots *= 2;
+  memo_rows_.assign(slots, -1);
+  memo_keys_.resize(slots);
+  const uint64_t mask = slots - 1;
   for (int64_t b = 0; b < s.batch; ++b) {
     out_counts[b] = out_match[b] = out_flags[b] = 0;
-    std::fill(out_ids + b * width, out_ids + (b + 1) * width, 0);
-    std::fill(out_probs + b * width, out_probs + (b + 1) * width, 0.0);
+    int64_t* ids = out_ids + b * width;
+    double* probs = out_probs + b * width;
+    std::fill(ids, ids + width, 0);
+    std::fill(probs, probs + width, 0.0);
     if (num_drafts[b] <= 0) continue;
-    int source = 0;
-    SuffixDraftC d = best(*docs[b], std::min(num_drafts[b], width), &source);
-    const int64_t n = static_cast<int64_t>(d.tokens.size());
-    for (int64_t j = 0; j < n; ++j) {
-      out_ids[b * width + j] = d.tokens[j];
-      out_probs[b * width + j] = d.probs[j];
+    const int64_t limit = std::min(num_drafts[b], width);
+    const MemoKey key = memo_key(*docs[b], limit);
+    uint64_t i = memo_hash(key) & mask;
+    while (memo_rows_[i] >= 0 && !(memo_keys_[i] == key)) i = (i + 1) & mask;
+    if (memo_rows_[i] >= 0) {  // a sibling at the same nodes: same draft
+      touch(docs[b]->local->prompt);
+      const int64_t a = memo_rows_[i];
+      std::copy(out_ids + a * width, out_ids + (a + 1) * width, ids);
+      std::copy(out_probs + a * width, out_probs + (a + 1) * width, probs);
+      out_counts[b] = out_counts[a];
+      out_match[b] = out_match[a];
+      out_flags[b] = out_flags[a];
+      continue;
     }
-    out_counts[b] = n;
+    memo_rows_[i] = b;
+    memo_keys_[i] = key;
+    int source = 0;
+    const SuffixDraftC& d = best(*docs[b], limit, &source);
+    for (int64_t j = 0; j < d.num_tokens; ++j) {
+      ids[j] = d.tokens[j];
+      probs[j] = d.probs[j];
+    }
+    out_counts[b] = d.num_tokens;
     out_match[b] = d.match_len;
     out_flags[b] = source | (d.backed_off ? 2 : 0);
   }
@@ -431,7 +498,7 @@ void SuffixCache::propose_tree(const TokenSource& s, const int64_t* parents,
   std::vector<int32_t> ranked_node;
   for (int64_t b = 0; b < s.batch; ++b) {
     int source = 0;
-    SuffixDraftC d = best(*docs[b], depth, &source);
+    const SuffixDraftC& d = best(*docs[b], depth, &source);
     const Trie* trie = source == 1 ? &glob_ : docs[b]->local->trie;
     const int64_t n = s.lens[b];
     const int64_t fallback = n > 0 ? s.tokens[s.rows[b] * s.width + n - 1] : 0;

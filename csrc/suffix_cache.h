@@ -105,9 +105,12 @@ struct PromptIndex {
   explicit PromptIndex(const std::string& k, int32_t depth) : key(k), trie(depth) {}
 };
 
+// One trie's best path (fixed arrays: a proposal allocates nothing per sequence).
 struct SuffixDraftC {
-  std::vector<int32_t> tokens;
-  std::vector<double> probs;
+  static constexpr int kMax = 256;  // >= max_depth >= any draft
+  int32_t tokens[kMax];
+  double probs[kMax];
+  int64_t num_tokens = 0;
   double score = 0.0;
   int64_t match_len = 0;
   bool backed_off = false;
@@ -151,9 +154,27 @@ class SuffixCache {
   void touch(PromptIndex* idx) { idx->last_used = ++clock_; }
   void evict_local();
   void evict_global();
-  SuffixDraftC draft_from(const Trie& trie, const std::vector<int32_t>& frontier,
-                          int64_t limit) const;
-  SuffixDraftC best(SeqDocs& sd, int64_t limit, int* source);
+  // The trie's best path below the frontier, in *best (*cur: scratch; the two may swap).
+  void draft_from(const Trie& trie, const std::vector<int32_t>& frontier, int64_t limit,
+                  SuffixDraftC** best, SuffixDraftC** cur) const;
+  // The better of the sequence's two drafts, in scratch_[0..3]; returns the winner.
+  const SuffixDraftC& best(SeqDocs& sd, int64_t limit, int* source);
+  // Sequences of the batch whose documents stand at the same trie nodes (GRPO siblings in
+  // lockstep) get the same draft: the first one's row is copied (propose's memo).
+  struct MemoKey {
+    const Trie* local;
+    int32_t local_node, local_size, glob_node, glob_size;
+    int64_t limit;
+    bool operator==(const MemoKey& o) const {
+      return local == o.local && local_node == o.local_node && local_size == o.local_size &&
+             glob_node == o.glob_node && glob_size == o.glob_size && limit == o.limit;
+    }
+  };
+  static uint64_t memo_hash(const MemoKey& k);
+  MemoKey memo_key(const SeqDocs& sd, int64_t limit) const;
+  std::vector<MemoKey> memo_keys_;
+  std::vector<int64_t> memo_rows_;  // open addressing over batch rows (-1: empty)
+  std::unique_ptr<SuffixDraftC[]> scratch_{new SuffixDraftC[4]};
 
   SuffixParamsC p_;
   std::unordered_map<std::string, std::unique_ptr<PromptIndex>> indexes_;

@@ -208,12 +208,17 @@ def batch_of(seqs: dict[int, tuple[list[int], int]], rng: random.Random
             np.array([seqs[i][1] for i in ids], dtype=np.int64), np.array(ids, dtype=np.int64))
 
 
-def test_cpp_cache_gives_the_reference_proposals() -> None:
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_cpp_cache_gives_the_reference_proposals(lockstep: bool) -> None:
     """Random token streams of running, preempted and finished sequences over a few prompts,
     tight budgets (evictions) and random options: ``_C.SuffixCache`` gives exactly the
     reference's chains (tokens, estimates, match lengths, sources) and trees, and holds the
-    same token counts, step after step."""
+    same token counts, step after step. ``lockstep``: new sequences often fork a running one
+    and identical ones mostly get the same tokens (GRPO siblings standing at the same trie
+    nodes, whose drafts the C++ proposal computes once per batch), asked for different
+    numbers of drafts."""
     rng = random.Random(0)
+    num_shared = 0
     tree = DraftTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
     num_drafted = num_global = 0
     for _ in range(250):
@@ -232,11 +237,18 @@ def test_cpp_cache_gives_the_reference_proposals() -> None:
             while len(seqs) < 5 and rng.random() < 0.5:
                 prompt = rng.choice(prompts)
                 seqs[next_id] = (list(prompt), len(prompt))
+                if lockstep and len(seqs) > 1 and rng.random() < 0.7:
+                    toks, n_prompt = rng.choice(list(seqs.values())[:-1])
+                    seqs[next_id] = (list(toks), n_prompt)
                 next_id += 1
             if not seqs:
                 continue
+            same: dict[tuple[int, ...], list[int]] = {}
             for toks, _ in seqs.values():
-                toks += [rng.randrange(vocab) for _ in range(rng.randrange(0, 4))]
+                new = [rng.randrange(vocab) for _ in range(rng.randrange(0, 4))]
+                if lockstep and rng.random() < 0.8:
+                    new = same.setdefault(tuple(toks), new)
+                toks += new
             src = batch_of(seqs, rng)
             what = rng.random()
             if what < 0.2:
@@ -251,6 +263,11 @@ def test_cpp_cache_gives_the_reference_proposals() -> None:
                 a, b = ref.propose(*src, want), cpp.propose(*src, want)
                 for x, y in zip(a, b):
                     assert x.dtype == y.dtype and np.array_equal(x, y)
+                if lockstep:  # rows at the same place as an earlier row, drafting otherwise
+                    at = [tuple(t) + (n,) for t, n in seqs.values()]
+                    num_shared += sum(
+                        at[j] in at[:j] and a[1][j] != a[1][at.index(at[j])]
+                        for j in range(len(at)))
                 num_drafted += int(a[1].sum())
                 num_global += int((a[4] & 1).sum())
             for i in list(seqs):
@@ -264,6 +281,7 @@ def test_cpp_cache_gives_the_reference_proposals() -> None:
             assert (ref.num_tokens, ref.glob.num_tokens, len(ref.indexes), len(ref.by_seq)) == (
                 cpp.num_tokens, cpp.num_global_tokens, cpp.num_prompts, cpp.num_seqs)
     assert num_drafted > 1000 and num_global > 100  # the comparison saw real drafts of both
+    assert not lockstep or num_shared > 100  # ... and siblings at the same nodes
 
 
 def test_global_trie_drafts_across_prompts() -> None:

@@ -44,7 +44,7 @@ def token_source(seqs: tuple[Sequence, ...]
     copy), else a padded matrix of their lists (sequences outside an engine, tests)."""
     arena = seqs[0].arena if seqs else None
     if arena is not None and all(s.arena is arena for s in seqs):
-        rows = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=len(seqs))
+        rows = np.array([s.slot for s in seqs], dtype=np.int64)
         return arena.tokens, rows, arena.lens[rows], arena.num_prompt[rows]
     arrays = [s.token_array() for s in seqs]
     lens = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(seqs))
@@ -124,7 +124,7 @@ class SuffixDrafter(Drafter):
     # ---- proposals -----------------------------------------------------------------------
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int],
                 tree: DraftTree | None) -> DraftProposal:
-        ids = np.fromiter((s.seq_id for s in seqs), dtype=np.int64, count=len(seqs))
+        ids = np.array([s.seq_id for s in seqs], dtype=np.int64)
         if tree is not None:
             parents = np.asarray(tree.parents, dtype=np.int64)
             ranks = np.asarray(tree.ranks, dtype=np.int64)
@@ -136,7 +136,11 @@ class SuffixDrafter(Drafter):
         want = np.asarray(num_drafts, dtype=np.int64)
         out = self.cache.propose(*token_source(seqs), ids, want)
         self._last = out
-        return DraftProposal(to_device(out[0], self.device), out[1], None)
+        # The C++ call returns fresh arrays that nothing writes to afterwards (``_last`` only
+        # reads them), so on the CPU the tensor may share the array's memory: no copy per step.
+        drafts = (torch.from_numpy(out[0]) if self.device.type == "cpu"
+                  else to_device(out[0], self.device))
+        return DraftProposal(drafts, out[1], None)
 
     @property
     def last_chains(self) -> list[Chain | None]:
