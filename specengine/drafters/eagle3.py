@@ -48,7 +48,7 @@ from specengine.drafters.adapt_train import (
 )
 from specengine.drafters.base import Drafter
 from specengine.drafters.feature_drafter import FeatureDrafter
-from specengine.model.attention import AttentionBackend, AttentionMetadata
+from specengine.model.attention import AttentionBackend, AttentionMetadata, with_pass_plan
 from specengine.model.config import CheckpointError, ModelConfig
 from specengine.model.llama import MLP, Attention, RMSNorm
 from specengine.model.rope import RotaryEmbedding
@@ -127,6 +127,7 @@ class Eagle3Head(nn.Module):
         if hidden.shape[-1] == self.fc.in_features:
             hidden = self.fc(hidden)
         cos, sin = self.rotary_emb.cos_sin(positions, embeds.dtype)
+        meta = with_pass_plan(meta, backend, kv_cache, cos, sin)
         h = self.midlayer(embeds, hidden, cos, sin, kv_cache[0, 0], kv_cache[1, 0], meta, backend)
         return h, []
 

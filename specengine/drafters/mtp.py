@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from specengine.core.step_types import ForwardOutput
 from specengine.drafters.feature_drafter import FeatureDrafter
-from specengine.model.attention import AttentionBackend, AttentionMetadata
+from specengine.model.attention import AttentionBackend, AttentionMetadata, with_pass_plan
 from specengine.model.config import ModelConfig
 from specengine.model.llama import DecoderLayer, RMSNorm, run_layers
 
@@ -71,6 +71,7 @@ class MTPModule(nn.Module):
         m.pre_fc_norm_hidden(hidden.to(m.fc.weight.dtype), backend, out=x[:, h:])
         g = m.fc(x)
         cos, sin = rope.cos_sin(positions, g.dtype)
+        meta = with_pass_plan(meta, backend, kv_cache, cos, sin)
         return run_layers(m.layers, m.norm, g, cos, sin, kv_cache, meta, backend)[0], []
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specengine.kernels import reference
-from specengine.model.attention import AttentionBackend, AttentionMetadata
+from specengine.model.attention import AttentionBackend, AttentionMetadata, with_pass_plan
 from specengine.model.config import ModelConfig
 from specengine.model.moe import MIXTRAL_EXPERT_NAMES, QWEN_EXPERT_NAMES, SparseMoeBlock
 from specengine.model.rope import RotaryEmbedding
@@ -306,6 +306,7 @@ class CausalLM(nn.Module):
             self.expert_load.begin_pass(meta.slot_mapping, meta.max_q_len)
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb.cos_sin(positions, h.dtype)
+        meta = with_pass_plan(meta, backend, kv_cache, cos, sin)
         return run_layers(self.model.layers, self.model.norm, h, cos, sin, kv_cache, meta,
                           backend, aux_layers)
 
