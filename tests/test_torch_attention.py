@@ -117,3 +117,28 @@ def test_torch_backend_builds_one_plan_per_pass() -> None:
     backend = TorchAttentionBackend()
     torch.testing.assert_close(backend.attend(args[0], args[1], args[2], planned, args[-1]),
                                backend.attend(args[0], args[1], args[2], meta, args[-1]))
+
+
+def test_engine_passes_build_their_plan_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the engine (bundled 4-layer target, k=0): one plan per forward pass, none
+    rebuilt per layer, and no layer falls back to planning for itself."""
+    from specengine import SamplingParams, SpecEngine
+    from specengine.assets import DEFAULT_TARGET
+    from specengine.model import torch_attention
+
+    calls = {"plan": 0, "fallback": 0}
+    real = torch_attention.build_pass_plan
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["plan"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_attention, "build_pass_plan", counted)
+    monkeypatch.setattr(torch_attention, "padded_paged_attention",
+                        lambda *a, **k: calls.__setitem__("fallback", 1))
+    engine = SpecEngine(DEFAULT_TARGET, device="cpu", dtype="float32", max_batch_size=4)
+    outs = engine.generate([[5, 6, 7], [8, 9]], k=0,
+                           sampling=SamplingParams(temperature=0.0, max_tokens=4,
+                                                   ignore_eos=True))
+    passes = 1 + max(o.num_steps for o in outs) - 1  # the prefill, then one per decode step
+    assert calls == {"plan": passes, "fallback": 0}

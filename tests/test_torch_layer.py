@@ -31,15 +31,26 @@ def test_rope_and_write_kv_equals_reference(dtype: torch.dtype, qk_norm: bool, h
                            torch.tensor([0, 3, 6], dtype=torch.int32), None, slots, 3, bs,
                            cos, sin)
     assert plan is not None
-    q = rope_and_write_kv(qkv, plan, *caches, hq, hkv, q_w, k_w, 1e-6)
+    with torch.inference_mode():  # (the engine's passes run under it)
+        q = rope_and_write_kv(qkv, plan, *caches, hq, hkv, q_w, k_w, 1e-6)
     q_ref = reference.rope_and_cache(qkv, cos, sin, *want, slots, hq, hkv, q_w, k_w, 1e-6)
     assert torch.equal(q, q_ref)
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
 
 
+@pytest.mark.parametrize("inference", [False, True])  # the engine's passes: one fused op
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_equals_reference(dtype: torch.dtype) -> None:
+def test_rms_norm_equals_reference(dtype: torch.dtype, inference: bool) -> None:
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(7, 128, generator=g) * 4).to(dtype)
-    w = (torch.rand(128, generator=g) + 0.5).to(dtype)
-    assert torch.equal(rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+    with torch.inference_mode(inference):
+        for _ in range(30):
+            h = (128, 96, 32)[_ % 3]  # mean divides by H: powers of two and not
+            x = (torch.randn(7, 4, h, generator=g) * 4).to(dtype)
+            for w in ((torch.rand(h, generator=g) + 0.5).to(dtype),
+                      (torch.rand(4, h, generator=g) + 0.5).to(dtype)):
+                assert torch.equal(rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+                # a column slice, as q/k of a merged QKV output
+                assert torch.equal(rms_norm(x[:, :2], w[..., :2, :] if w.dim() == 2 else w,
+                                            1e-6),
+                                   reference.rms_norm(x[:, :2], w[..., :2, :] if w.dim() == 2
+                                                      else w, 1e-6))

@@ -267,7 +267,8 @@ class Eagle3Drafter(OnlineAdaptation, FeatureDrafter):
         if len(target.aux_hidden) != len(self.aux_layers):
             raise RuntimeError(f"the target pass returned {len(target.aux_hidden)} aux hidden "
                                f"states; the EAGLE-3 head needs layers {self.aux_layers}")
-        return torch.cat([target.aux_hidden[i][rows] for i in self._aux_index], dim=-1)
+        return torch.cat([target.aux_hidden[i].index_select(0, rows) for i in self._aux_index],
+                         dim=-1)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
         """In-place update of (a subset of) the head's weights by checkpoint name, all or

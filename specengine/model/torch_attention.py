@@ -30,7 +30,9 @@ class TorchPassPlan(NamedTuple):
     layer at every replay, whatever the lengths (``tests/replaying_graph.py``)."""
 
     blocks: Tensor  # [B, nblk] int64: cache blocks gathered per sequence (padding: block 0)
-    mask: Tensor  # [B, 1, Qm, nblk * block_size] bool: the keys each padded query sees
+    # [B, 1, Qm, nblk * block_size] float32: 0 at the keys each padded query sees, -inf
+    # elsewhere (what ``scaled_dot_product_attention`` makes of a bool mask, once per pass)
+    mask: Tensor
     q_index: Tensor | None  # [B * Qm] int64: token of each padded query row; None: T == B * Qm
     out_index: Tensor | None  # [T] int64: padded query row of each token; None: T == B * Qm
     write_index: Tensor  # [W] int64: the tokens whose K/V are written (slot >= 0)
@@ -101,7 +103,9 @@ def build_pass_plan(block_tables: Tensor, context_lens: Tensor, qo_indptr: Tenso
     if cos is not None and sin is not None:
         cos_full = torch.cat([cos, cos], dim=-1)[:, None, :]
         sin_full = torch.cat([-sin, sin], dim=-1)[:, None, :]
-    return TorchPassPlan(blocks, mask[:, None], q_index, out_index, write_index, write_slots,
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=dev).masked_fill_(
+        ~mask, float("-inf"))
+    return TorchPassPlan(blocks, bias[:, None], q_index, out_index, write_index, write_slots,
                          cos_full, sin_full)
 
 
