@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specengine.kernels import reference
+from specengine.model import torch_layer
 from specengine.model.attention import AttentionBackend, AttentionMetadata, with_pass_plan
 from specengine.model.config import ModelConfig
 from specengine.model.moe import MIXTRAL_EXPERT_NAMES, QWEN_EXPERT_NAMES, SparseMoeBlock
@@ -46,8 +47,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor, backend: AttentionBackend | None = None,
                 out: Tensor | None = None) -> Tensor:
         """``x [N, H]`` normed (transformers' numerics); into ``out`` when given."""
-        if backend is None:
-            y = reference.rms_norm(x, self.weight, self.eps)
+        if backend is None:  # (the reference's values; fewer CPU operators: torch_layer)
+            y = torch_layer.rms_norm(x, self.weight, self.eps)
             return y if out is None else out.copy_(y)
         return backend.rms_norm(x, self.weight, self.eps, out)
 

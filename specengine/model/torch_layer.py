@@ -27,8 +27,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     ``x · rsqrt(sum(x·x) / H + eps)`` and the weight product: ``x·x`` is ``x.pow(2)`` and
     ``sum / H`` is what ``mean`` computes, bit for bit (``tests/test_torch_layer.py``), at a
     third of the cost (``mean`` and the fused ``rms_norm`` take several times a ``sum`` on the
-    CPU). Other dtypes: the reference (its casts and two roundings)."""
-    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+    CPU). Other dtypes and devices: the reference (its casts and two roundings; a GPU's
+    reductions were not checked bit for bit)."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
         return reference.rms_norm(x, weight, eps)
     var = (x * x).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps)
     return weight * (x * var.rsqrt_())
