@@ -36,6 +36,10 @@ def greedy_chain_sample(target_logits: Tensor, draft_token_ids: Tensor,
     zm = z - m
     log_s = zm.exp().sum(-1, keepdim=True).log()  # [B, N, 1]
     argmax = z.argmax(-1)  # [B, N]
+    if n_rows == 1:  # no drafts (k = 0): every row emits its argmax, judged at node 0
+        lp = (zm.gather(-1, argmax[..., None]) - log_s)[..., 0]
+        return (argmax, num_draft_tokens.int(), lp,
+                torch.zeros(bsz, 1, dtype=torch.int32, device=dev))
     n = num_draft_tokens.long()
     drafts = draft_token_ids[:, : n_rows - 1].long().clamp(0, vocab - 1)  # [B, N-1]: node c+1
     # Each node's emitted token: draft c+1 where it is accepted, else the argmax (the walk's end).

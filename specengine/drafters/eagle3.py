@@ -48,7 +48,7 @@ from specengine.drafters.adapt_train import (
 )
 from specengine.drafters.base import Drafter
 from specengine.drafters.feature_drafter import FeatureDrafter
-from specengine.model.attention import AttentionBackend, AttentionMetadata
+from specengine.model.attention import AttentionBackend, AttentionMetadata, with_pass_plan
 from specengine.model.config import CheckpointError, ModelConfig
 from specengine.model.llama import MLP, Attention, RMSNorm
 from specengine.model.rope import RotaryEmbedding
@@ -127,6 +127,7 @@ class Eagle3Head(nn.Module):
         if hidden.shape[-1] == self.fc.in_features:
             hidden = self.fc(hidden)
         cos, sin = self.rotary_emb.cos_sin(positions, embeds.dtype)
+        meta = with_pass_plan(meta, backend, kv_cache, cos, sin)
         h = self.midlayer(embeds, hidden, cos, sin, kv_cache[0, 0], kv_cache[1, 0], meta, backend)
         return h, []
 
@@ -266,7 +267,8 @@ class Eagle3Drafter(OnlineAdaptation, FeatureDrafter):
         if len(target.aux_hidden) != len(self.aux_layers):
             raise RuntimeError(f"the target pass returned {len(target.aux_hidden)} aux hidden "
                                f"states; the EAGLE-3 head needs layers {self.aux_layers}")
-        return torch.cat([target.aux_hidden[i][rows] for i in self._aux_index], dim=-1)
+        return torch.cat([target.aux_hidden[i].index_select(0, rows) for i in self._aux_index],
+                         dim=-1)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
         """In-place update of (a subset of) the head's weights by checkpoint name, all or

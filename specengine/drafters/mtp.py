@@ -38,7 +38,7 @@ from specengine.drafters.adapt_train import (
 )
 from specengine.drafters.feature_drafter import FeatureDrafter
 from specengine.drafters.mtp_math import MTPMath
-from specengine.model.attention import AttentionBackend, AttentionMetadata
+from specengine.model.attention import AttentionBackend, AttentionMetadata, with_pass_plan
 from specengine.model.config import ModelConfig
 from specengine.model.llama import DecoderLayer, RMSNorm, run_layers
 
@@ -83,6 +83,7 @@ class MTPModule(nn.Module):
         m.pre_fc_norm_hidden(hidden.to(m.fc.weight.dtype), backend, out=x[:, h:])
         g = m.fc(x)
         cos, sin = rope.cos_sin(positions, g.dtype)
+        meta = with_pass_plan(meta, backend, kv_cache, cos, sin)
         return run_layers(m.layers, m.norm, g, cos, sin, kv_cache, meta, backend)[0], []
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

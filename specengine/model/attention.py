@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from specengine.model.torch_attention import TorchPassPlan
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,9 @@ class AttentionMetadata:
     qo_indptr: Tensor  # [B+1] int32
     max_q_len: int
     tree_mask: Tensor | None = None  # [T, num_words] int32 packed bits; None = causal
+    # What the backend's layers share within one pass (``AttentionBackend.plan``, attached by
+    # :func:`with_pass_plan` before the first layer); None: each layer reads the fields above.
+    plan: TorchPassPlan | None = None
 
     def __post_init__(self) -> None:
         num_seqs = self.context_lens.shape[0]
@@ -49,6 +57,14 @@ class AttentionBackend(ABC):
     @abstractmethod
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
                scale: float) -> Tensor: ...
+
+    def plan(self, meta: AttentionMetadata, kv_cache: Tensor, cos: Tensor | None = None,
+             sin: Tensor | None = None) -> TorchPassPlan | None:
+        """Per-pass data every layer of a forward pass over ``meta`` shares (``kv_cache`` the
+        pass's ``[2, L, num_blocks, block_size, Hkv, D]`` cache, ``cos`` / ``sin`` its rope
+        tables), built once before the first layer; None (the kernels': they read the
+        metadata on the device, one launch each)."""
+        return None
 
     # The fused layer ops below default to the plain-PyTorch references (the ``torch``
     # backend, and test / training backends that only define write_kv and attend);
@@ -101,23 +117,65 @@ class AttentionBackend(ABC):
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Plain PyTorch (the CPU default): the reference KV write and a batched, padded form of
-    the reference attention (``torch_attention.py``)."""
+    """Plain PyTorch (the CPU default): a batched, padded form of the reference attention and
+    the reference layer ops in fewer operators, over a plan built once per pass
+    (``torch_attention.py``, ``torch_layer.py``; each equal to its reference)."""
+
+    def plan(self, meta: AttentionMetadata, kv_cache: Tensor, cos: Tensor | None = None,
+             sin: Tensor | None = None) -> TorchPassPlan | None:
+        from specengine.model.torch_attention import build_pass_plan
+
+        return build_pass_plan(meta.block_tables, meta.context_lens, meta.qo_indptr,
+                               meta.tree_mask, meta.slot_mapping, meta.max_q_len,
+                               kv_cache.shape[3], cos, sin)
 
     def write_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                  meta: AttentionMetadata) -> None:
+        if meta.plan is not None:
+            from specengine.model.torch_attention import plan_write_kv
+
+            plan_write_kv(k, v, k_cache, v_cache, meta.plan)
+            return
         from specengine.kernels import reference
 
         reference.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
                scale: float) -> Tensor:
-        from specengine.model.torch_attention import padded_paged_attention
+        from specengine.model import torch_attention
 
-        return padded_paged_attention(
+        if meta.plan is not None:
+            return torch_attention.plan_attention(q, k_cache, v_cache, meta.plan, scale)
+        return torch_attention.padded_paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.qo_indptr,
-            meta.tree_mask, scale,
+            meta.tree_mask, scale, meta.max_q_len,
         )
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float,
+                 out: Tensor | None = None) -> Tensor:
+        from specengine.model.torch_layer import rms_norm
+
+        y = rms_norm(x, weight, eps)
+        return y if out is None else out.copy_(y)
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor]:
+        from specengine.model.torch_layer import rms_norm
+
+        residual = x + residual
+        return rms_norm(residual, weight, eps), residual
+
+    def rope_and_write_kv(self, qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
+                          v_cache: Tensor, meta: AttentionMetadata, num_heads: int,
+                          num_kv_heads: int, q_norm_weight: Tensor | None = None,
+                          k_norm_weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+        if meta.plan is None or meta.plan.cos is None:
+            return super().rope_and_write_kv(qkv, cos, sin, k_cache, v_cache, meta, num_heads,
+                                             num_kv_heads, q_norm_weight, k_norm_weight, eps)
+        from specengine.model.torch_layer import rope_and_write_kv
+
+        return rope_and_write_kv(qkv, meta.plan, k_cache, v_cache, num_heads, num_kv_heads,
+                                 q_norm_weight, k_norm_weight, eps)
 
 
 class KernelAttentionBackend(AttentionBackend):
@@ -170,6 +228,15 @@ class KernelAttentionBackend(AttentionBackend):
         return rope_kv.rope_and_cache(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                                       num_heads, num_kv_heads, q_norm_weight, k_norm_weight,
                                       eps)
+
+
+def with_pass_plan(meta: AttentionMetadata, backend: AttentionBackend, kv_cache: Tensor,
+                   cos: Tensor | None = None, sin: Tensor | None = None) -> AttentionMetadata:
+    """``meta`` carrying ``backend``'s per-pass plan (``AttentionBackend.plan``), if it has one:
+    called once per forward pass, before the first layer. (A plan is data of this pass only,
+    passed down explicitly: nothing is kept between passes.)"""
+    plan = backend.plan(meta, kv_cache, cos, sin)
+    return meta if plan is None else dataclasses.replace(meta, plan=plan)
 
 
 def make_attention_backend(kernel_backend: str) -> AttentionBackend:

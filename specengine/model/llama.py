@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specengine.kernels import reference
-from specengine.model.attention import AttentionBackend, AttentionMetadata
+from specengine.model import torch_layer
+from specengine.model.attention import AttentionBackend, AttentionMetadata, with_pass_plan
 from specengine.model.config import ModelConfig
 from specengine.model.moe import MIXTRAL_EXPERT_NAMES, QWEN_EXPERT_NAMES, SparseMoeBlock
 from specengine.model.rope import RotaryEmbedding
@@ -46,8 +47,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor, backend: AttentionBackend | None = None,
                 out: Tensor | None = None) -> Tensor:
         """``x [N, H]`` normed (transformers' numerics); into ``out`` when given."""
-        if backend is None:
-            y = reference.rms_norm(x, self.weight, self.eps)
+        if backend is None:  # (the reference's values; fewer CPU operators: torch_layer)
+            y = torch_layer.rms_norm(x, self.weight, self.eps)
             return y if out is None else out.copy_(y)
         return backend.rms_norm(x, self.weight, self.eps, out)
 
@@ -306,6 +307,7 @@ class CausalLM(nn.Module):
             self.expert_load.begin_pass(meta.slot_mapping, meta.max_q_len)
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb.cos_sin(positions, h.dtype)
+        meta = with_pass_plan(meta, backend, kv_cache, cos, sin)
         return run_layers(self.model.layers, self.model.norm, h, cos, sin, kv_cache, meta,
                           backend, aux_layers)
 

@@ -89,4 +89,6 @@ class RotaryEmbedding(nn.Module):
         cos, sin = freqs.cos(), freqs.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        if dtype == torch.float32:  # no cast to dispatch (each is an operator on the CPU)
+            return cos, sin
         return cos.to(dtype), sin.to(dtype)
