@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 RNG_GROUP = 512
+MASS_SCALE = 2.0**32  # top-p's fixed-point weights (keep_threshold)
 _U32 = 0xFFFFFFFF
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox multipliers
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
@@ -77,6 +78,14 @@ def keep_threshold(z: Tensor, top_k: Tensor, top_p: Tensor,
     them); top-p then keeps the smallest prefix of the renormalised kept probabilities, by
     descending value, whose mass reaches top_p, plus every tie of its last entry. All are
     "z >= a value of z", so tau is one of the z.
+
+    top-p's masses are exact: weights in fixed point, W = floor(exp(z - max z) * 2**32) in
+    int64, summed exactly, tested against top_p * (sum of the kept W) in float64 (the int64
+    sums convert exactly: V * 2**32 < 2**53). A float32 sum depends on its order (a sorted
+    cumsum and the kernel's counting passes round differently, and did flip the last token of
+    rows with top_p near 1); an integer sum does not, so any implementation that finds the same
+    cut by other means — the kernel's sort-free threshold search — keeps the same tokens. The
+    rule differs from real-valued top-p only by the weights' 2**-32 (of the top weight) floor.
     """
     vocab = z.shape[-1]
     zs = z.sort(dim=-1, descending=True).values  # [B, V]
@@ -88,7 +97,9 @@ def keep_threshold(z: Tensor, top_k: Tensor, top_p: Tensor,
         z_cut = torch.where(zs >= cut, zs, float("inf")).min(1, keepdim=True).values
         kth = torch.maximum(kth, z_cut)
     w = torch.where(zs >= kth, torch.exp(zs - zs[:, :1]), 0.0)  # sorted top-k weights
-    short = w.cumsum(1) < (top_p * w.sum(1))[:, None]  # prefix entries before the mass is reached
+    fixed = (w * MASS_SCALE).floor().long().cumsum(1)  # exact (see above)
+    need = top_p.double() * fixed[:, -1].double()
+    short = fixed.double() < need[:, None]  # prefix entries before the mass is reached
     tau_p = zs.gather(1, short.sum(1, keepdim=True).clamp(max=vocab - 1))
     return torch.where((top_p < 1)[:, None], torch.maximum(tau_p, kth), kth)[:, 0]
 
