@@ -11,6 +11,7 @@ the kept mass, so tests can hold the cut to the sort-based definition
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -20,7 +21,7 @@ from torch import Tensor
 from .sampling_pass import first_pass, keep_cut
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_SBLOCK = 1024 if _INTERPRET else 128  # = rejection_sampling._SBLOCK (chains)
+_SBLOCK = 1024 if _INTERPRET else 64  # = rejection_sampling._SBLOCK (chains)
 
 
 @triton.jit
@@ -76,3 +77,34 @@ def keep_threshold(
         HAS_MIN_P=log_min_p is not None, P=16, SBLOCK=_SBLOCK, GBLOCK=2048, num_warps=4,
         maxnreg=255)
     return tau, mass, top
+
+
+def aot_configs() -> list[tuple[str, Callable[[], object]]]:
+    """``scripts/compile_kernels.py``'s configurations: this launcher, and the rejection
+    sampler's row kernel with min-p on (the engine always passes ``log_min_p``), at the Qwen3
+    vocabulary, bf16 and fp32 logits."""
+    from .rejection_sampling import rejection_sample
+
+    vocab, bsz = 151_936, 64
+
+    def meta(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    def cut(dtype: torch.dtype, min_p: bool) -> Callable[[], object]:
+        return lambda: keep_threshold(meta(bsz, vocab, dtype=dtype), meta(bsz),
+                                      meta(bsz, dtype=torch.int32), meta(bsz),
+                                      meta(bsz) if min_p else None)
+
+    def chain(dtype: torch.dtype, n_rows: int) -> Callable[[], object]:
+        return lambda: rejection_sample(
+            meta(bsz, n_rows, vocab, dtype=dtype), meta(bsz, n_rows - 1, dtype=torch.int64),
+            meta(bsz, dtype=torch.int32), None, meta(bsz), meta(bsz, dtype=torch.int32),
+            meta(bsz), meta(bsz, dtype=torch.int64), meta(bsz, dtype=torch.int64), None,
+            meta(bsz))
+
+    out: list[tuple[str, Callable[[], object]]] = []
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        out += [(f"{name} keep_threshold B={bsz}", cut(dtype, False)),
+                (f"{name} keep_threshold+min-p B={bsz}", cut(dtype, True)),
+                (f"{name} rejection_sample+min-p chain k+1=4", chain(dtype, 4))]
+    return out

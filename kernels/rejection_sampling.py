@@ -39,11 +39,11 @@ from .sampling_pass import (
     seed_key,
 )
 
-# Search-pass tile: small on GPUs (registers); large in the CPU interpreter (fewer numpy ops).
-# Tree rows also walk their children inside pass 1: at 128 their row kernel spills on sm_90a
-# (scripts/compile_kernels.py checks), at 64 it does not.
+# Search-pass tile: small on GPUs (registers: P int64 + 3 float32 partials per lane, four
+# tiles in flight; at 128 the row kernel spills on sm_90a / sm_100a, scripts/compile_kernels.py
+# checks, at 64 it does not); large in the CPU interpreter (fewer numpy ops).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_SBLOCK = 1024 if _INTERPRET else 128
+_SBLOCK = 1024 if _INTERPRET else 64
 _SBLOCK_TREE = 1024 if _INTERPRET else 64
 
 
