@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .sampling_checks import MAX_VOCAB
 from .sampling_pass import first_pass, keep_cut
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -59,6 +60,9 @@ def keep_threshold(
     if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"logits must be float32 / float16 / bfloat16, got {logits.dtype}")
     bsz, vocab = logits.shape
+    if not 0 < vocab < MAX_VOCAB:
+        raise ValueError(f"logits vocabulary {vocab} must be in [1, {MAX_VOCAB}) (top-p's "
+                         "exact int64 masses)")
     vecs = {"temperature": (temperature, (torch.float32,)), "top_k": (top_k, (torch.int32,)),
             "top_p": (top_p, (torch.float32,))}
     if log_min_p is not None:

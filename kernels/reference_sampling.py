@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 RNG_GROUP = 512
-MASS_SCALE = 2.0**32  # top-p's fixed-point weights (keep_threshold)
+MASS_SCALE = 2.0**44  # top-p's fixed-point weights (keep_threshold); V * 2**44 < 2**63
 _U32 = 0xFFFFFFFF
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox multipliers
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
@@ -79,13 +79,15 @@ def keep_threshold(z: Tensor, top_k: Tensor, top_p: Tensor,
     descending value, whose mass reaches top_p, plus every tie of its last entry. All are
     "z >= a value of z", so tau is one of the z.
 
-    top-p's masses are exact: weights in fixed point, W = floor(exp(z - max z) * 2**32) in
-    int64, summed exactly, tested against top_p * (sum of the kept W) in float64 (the int64
-    sums convert exactly: V * 2**32 < 2**53). A float32 sum depends on its order (a sorted
-    cumsum and the kernel's counting passes round differently, and did flip the last token of
-    rows with top_p near 1); an integer sum does not, so any implementation that finds the same
-    cut by other means — the kernel's sort-free threshold search — keeps the same tokens. The
-    rule differs from real-valued top-p only by the weights' 2**-32 (of the top weight) floor.
+    top-p's masses are exact: weights in fixed point, W = floor(exp(z - max z) * 2**44) in
+    int64 (no overflow for V < 2**19), summed exactly; the prefix test is float64(sum W) <
+    float64(top_p) * float64(sum of the kept W), deterministic IEEE operations on the same
+    integers. A float32 sum depends on its order (a sorted cumsum and the kernel's counting
+    passes round differently, and did flip the last token of rows with top_p near 1); an
+    integer sum does not, so any implementation that finds the cut by other means — the
+    kernel's sort-free threshold search — keeps the same tokens. The rule is real-valued top-p
+    up to the weights' floor: under V * 2**-44 of the top weight in all (< 1e-8 for V = 152k,
+    finer than float32's 2**-24 of the kept mass).
     """
     vocab = z.shape[-1]
     zs = z.sort(dim=-1, descending=True).values  # [B, V]

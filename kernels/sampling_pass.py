@@ -221,20 +221,20 @@ def _search_load(row_ptr, lane, V, inv_t):
     return tl.load(row_ptr + lane, mask=lane < V, other=NEG_INF).to(tl.float32) * inv_t
 
 
-MASS_SCALE: tl.constexpr = tl.constexpr(4294967296.0)  # = reference.MASS_SCALE (2**32)
+MASS_SCALE: tl.constexpr = tl.constexpr(17592186044416.0)  # = reference.MASS_SCALE (2**44)
 
 
 @triton.jit
 def _search_tile(z, piv, m, lo0, cnt, mass, imass, itot, nxt, prv, BY_MASS: tl.constexpr):
     """Adds one tile of z [SBLOCK] to the per-lane, per-pivot partials [SBLOCK, P] of a pass:
     count (top-k) or integer mass (top-p: ``reference.keep_threshold``'s fixed-point weights
-    floor(exp(z - m) * 2**32), whose sums are exact in any order) of {z >= pivot}, and the
+    floor(exp(z - m) * 2**44), whose sums are exact in any order) of {z >= pivot}, and the
     float32 mass (the kept set's normaliser) and nearest z on either side of each pivot."""
     ge = z[:, None] >= piv[None, :]
     lt = z[:, None] < piv[None, :]
     w = tl.exp(z - m)
     if BY_MASS:
-        wi = tl.floor(w * MASS_SCALE).to(tl.int64)  # exact: w * 2**32 is a float32 as is
+        wi = tl.floor(w * MASS_SCALE).to(tl.int64)  # exact: w * 2**44 is a float32 as is
         imass += tl.where(ge, wi[:, None], 0)
         itot += tl.where(z >= lo0, wi, 0)
     else:
@@ -251,7 +251,7 @@ def threshold_search(row_ptr, V, inv_t, m, lo, hi, lo_mass, need_count, top_p,
     """Largest value tau of z with crit(tau); returns (tau, sum_{z >= tau} exp(z - m)).
 
     crit(v): #{z >= v} >= need_count (top-k), or (top-p) W(v) >= top_p * W(lo) in float64,
-    W(v) = sum_{z >= v} floor(exp(z - m) * 2**32) in int64 (``reference.keep_threshold``): an
+    W(v) = sum_{z >= v} floor(exp(z - m) * 2**44) in int64 (``reference.keep_threshold``): an
     integer sum is the same in any order, so this cut equals the sort-based one bit for bit
     (a float32 sum is not: per-lane partials and a sorted cumsum round differently, which
     flipped the last token of rows with top_p near 1).
@@ -297,8 +297,7 @@ def threshold_search(row_ptr, V, inv_t, m, lo, hi, lo_mass, need_count, top_p,
         nxt = tl.min(nxt, 0)
         prv = tl.max(prv, 0)
         if BY_MASS:
-            # int64 -> float64 is exact (V * 2**32 < 2**53 for any V < 2**21), and both sides
-            # of the test are the reference's float64 operations.
+            # The reference's float64 operations on the same integers: identical results.
             need = top_p.to(tl.float64) * tl.sum(itot, 0).to(tl.float64)
             ok = tl.sum(imass, 0).to(tl.float64) >= need
         else:

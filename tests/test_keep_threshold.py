@@ -11,6 +11,8 @@ import torch
 
 from specengine.kernels import reference as ref
 from specengine.kernels.keep_threshold import keep_threshold
+from specengine.kernels.rejection_sampling import rejection_sample
+from specengine.kernels.sampling_checks import MAX_VOCAB
 
 TOP_P = [1.0, 0.9, 0.5, 0.99, 0.999999, 1e-6, 1e-3, 0.3]
 TOP_K = [-1, -1, 0, 5, -1, 40, -1, 1, -1, 3]
@@ -98,6 +100,20 @@ def test_kept_set_qwen_vocab() -> None:
     assert_same_sets(got, want)
 
 
+def test_reference_cut_is_real_valued_top_p() -> None:
+    """The definition's fixed-point masses decide as real-valued top-p does (float64 sums of
+    float64 weights) on Qwen-sized random rows, top_p near 1 included — the float32 cumsum it
+    replaced disagreed on about a fifth of these rows, and 2**32 fixed point on some."""
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(24, 151936, generator=g) * torch.tensor([3.0, 1.0])[torch.arange(24) % 2, None]
+    top_p = torch.tensor([0.9, 0.5, 0.99, 0.999999])[torch.arange(24) % 4]
+    tau = ref.keep_threshold(z, torch.full((24,), -1, dtype=torch.int32), top_p)
+    zs = z.sort(-1, descending=True).values
+    cum = torch.exp((zs - zs[:, :1]).double()).cumsum(1)
+    short = cum < top_p.double()[:, None] * cum[:, -1:]
+    assert torch.equal(tau, zs.gather(1, short.sum(1, keepdim=True))[:, 0])
+
+
 def test_launcher_checks_shapes() -> None:
     logits, temperature, top_k, top_p = rows_case(4, 100, seed=0, ties=False)
     with pytest.raises(ValueError, match="logits"):
@@ -106,3 +122,12 @@ def test_launcher_checks_shapes() -> None:
         keep_threshold(logits, temperature, top_k.long(), top_p)
     with pytest.raises(ValueError, match="top_p"):
         keep_threshold(logits, temperature, top_k, top_p[:3])
+    wide = torch.zeros(4, MAX_VOCAB)  # V * 2**44 would overflow top-p's int64 sums
+    with pytest.raises(ValueError, match="vocabulary 524288"):
+        keep_threshold(wide, temperature, top_k, top_p)
+    with pytest.raises(ValueError, match="vocabulary 524288"):
+        rejection_sample(wide[:, None], torch.zeros(4, 0, dtype=torch.int64),
+                         torch.zeros(4, dtype=torch.int32), None, temperature, top_k, top_p,
+                         torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64),
+                         None)
+    keep_threshold(wide[:, 1:], temperature, top_k, top_p)  # the largest allowed vocabulary
