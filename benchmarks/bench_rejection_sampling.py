@@ -7,7 +7,9 @@ single calls with L2 flushed). Bytes are what any sampler must read — the logi
 draft probabilities when given (the outputs are negligible) — and the table reports GB/s, the
 HBM floor (bytes / peak bandwidth: H100 3.35 TB/s, H200 4.8 TB/s, B200 8 TB/s by device name, or
 --peak-gbps) and time / floor. With top-p the kernel makes a few more passes over each row (its
-threshold search); they show up as time above the floor. The baseline (same process) does what
+threshold search, no sort); they show up as time above the floor, and ``cut ms`` times that
+cut alone for the same B x (k+1) rows (``kernels/keep_threshold.py``: the row statistics of
+pass 1, then the top-p search). The baseline (same process) does what
 a straightforward PyTorch sampler does: softmax, sort + cumsum for top-p, multinomial draws,
 gathers for acceptance. Outputs: the table, ``OUT/rejection_sampling.json`` and ``.png``
 (``--out``, default ``benchmarks/out``).
@@ -66,6 +68,7 @@ def torch_baseline(logits, drafts, nd, q, temperature, top_k, top_p, seeds, offs
 
 
 def bench(args: argparse.Namespace, peak: float | None) -> list[dict]:
+    from specengine.kernels.keep_threshold import keep_threshold
     from specengine.kernels.rejection_sampling import rejection_sample
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,23 +81,29 @@ def bench(args: argparse.Namespace, peak: float | None) -> list[dict]:
         ms = benchlib.time_ms(lambda x=x: rejection_sample(*x, check_values=False), **kw)
         base_ms = benchlib.time_ms(lambda x=x: torch_baseline(*x), **kw)
         logits, q = x[0], x[3]
+        n = bsz * (k + 1)
+        cut = (logits.flatten(0, 1), torch.ones(n, device=device),
+               torch.full((n,), -1, dtype=torch.int32, device=device),
+               torch.full((n,), top_p, device=device))
+        cut_ms = benchlib.time_ms(lambda cut=cut: keep_threshold(*cut), **kw)
         nbytes = logits.numel() * logits.element_size()
         if with_q:
             nbytes += q.numel() * q.element_size()
         rows.append(dict(batch=bsz, k=k, vocab=vocab, top_p=top_p, draft_probs=with_q, ms=ms,
-                         torch_ms=base_ms, bytes=nbytes, **benchlib.roofline(nbytes, ms, peak)))
+                         torch_ms=base_ms, cut_ms=cut_ms, bytes=nbytes,
+                         **benchlib.roofline(nbytes, ms, peak)))
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
     fmt = benchlib.fmt
     print(f"{'B':>4} {'k':>2} {'V':>7} {'top_p':>5} {'q':>2} {'MB':>8} {'ms':>8} {'GB/s':>7} "
-          f"{'floor ms':>8} {'ratio':>6} {'torch ms':>8} {'x kern':>6}")
+          f"{'floor ms':>8} {'ratio':>6} {'torch ms':>8} {'x kern':>6} {'cut ms':>8}")
     for r in rows:
         print(f"{r['batch']:>4} {r['k']:>2} {r['vocab']:>7} {r['top_p']:>5} "
               f"{int(r['draft_probs']):>2} {r['bytes'] / 1e6:8.2f} {r['ms']:8.3f} "
               f"{fmt(r['gbps'], '7.1f')} {fmt(r['floor_ms'], '8.4f')} {fmt(r['ratio'], '6.2f')} "
-              f"{r['torch_ms']:8.3f} {r['torch_ms'] / r['ms']:6.2f}")
+              f"{r['torch_ms']:8.3f} {r['torch_ms'] / r['ms']:6.2f} {r['cut_ms']:8.3f}")
 
 
 def plot(rows: list[dict], peak: float | None, name: str, out_dir: Path) -> None:

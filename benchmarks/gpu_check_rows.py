@@ -219,6 +219,16 @@ def parse_rejection(run: StepRun, vocab: int = 151936) -> list[Row]:
         out.append(Row(f"rejection sampling, V={vocab}", f"{frac:.0%} of peak (worst)",
                        f"{worst['gbps']:.0f} GB/s at B={worst['batch']} k={worst['k']}",
                        ">= 80% of HBM peak", "PASS" if frac >= 0.8 else "FAIL"))
+    # top-p's cost: the same shape with top_p < 1 over top_p = 1 (the threshold search's passes)
+    plain = {(r["batch"], r["k"], r["draft_probs"]): r["ms"] for r in rows if r["top_p"] == 1.0}
+    cost = [(r["ms"] / plain[key], r) for r in rows if r["top_p"] < 1.0
+            and plain.get(key := (r["batch"], r["k"], r["draft_probs"]))]
+    if cost:
+        ratio, r = max(cost, key=lambda c: c[0])
+        cut = f", cut alone {r['cut_ms']:.3f} ms" if "cut_ms" in r else ""
+        out.append(Row(f"top_p={r['top_p']} cost, V={vocab}", f"{ratio:.2f}x top_p=1 (worst)",
+                       f"{r['ms']:.3f} ms at B={r['batch']} k={r['k']}{cut}", "report",
+                       "INFO"))
     sp = [r["torch_ms"] / r["ms"] for r in data["rows"] if r.get("ms")]
     if sp:
         out.append(Row("sampling vs torch", f"{statistics.median(sp):.1f}x faster (median)",

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 RNG_GROUP = 512
+MASS_SCALE = 2.0**44  # top-p's fixed-point weights (keep_threshold); V * 2**44 < 2**63
 _U32 = 0xFFFFFFFF
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox multipliers
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
@@ -77,6 +78,16 @@ def keep_threshold(z: Tensor, top_k: Tensor, top_p: Tensor,
     them); top-p then keeps the smallest prefix of the renormalised kept probabilities, by
     descending value, whose mass reaches top_p, plus every tie of its last entry. All are
     "z >= a value of z", so tau is one of the z.
+
+    top-p's masses are exact: weights in fixed point, W = floor(exp(z - max z) * 2**44) in
+    int64 (no overflow for V < 2**19), summed exactly; the prefix test is float64(sum W) <
+    float64(top_p) * float64(sum of the kept W), deterministic IEEE operations on the same
+    integers. A float32 sum depends on its order (a sorted cumsum and the kernel's counting
+    passes round differently, and did flip the last token of rows with top_p near 1); an
+    integer sum does not, so any implementation that finds the cut by other means — the
+    kernel's sort-free threshold search — keeps the same tokens. The rule is real-valued top-p
+    up to the weights' floor: under V * 2**-44 of the top weight in all (< 1e-8 for V = 152k,
+    finer than float32's 2**-24 of the kept mass).
     """
     vocab = z.shape[-1]
     zs = z.sort(dim=-1, descending=True).values  # [B, V]
@@ -88,7 +99,9 @@ def keep_threshold(z: Tensor, top_k: Tensor, top_p: Tensor,
         z_cut = torch.where(zs >= cut, zs, float("inf")).min(1, keepdim=True).values
         kth = torch.maximum(kth, z_cut)
     w = torch.where(zs >= kth, torch.exp(zs - zs[:, :1]), 0.0)  # sorted top-k weights
-    short = w.cumsum(1) < (top_p * w.sum(1))[:, None]  # prefix entries before the mass is reached
+    fixed = (w * MASS_SCALE).floor().long().cumsum(1)  # exact (see above)
+    need = top_p.double() * fixed[:, -1].double()
+    short = fixed.double() < need[:, None]  # prefix entries before the mass is reached
     tau_p = zs.gather(1, short.sum(1, keepdim=True).clamp(max=vocab - 1))
     return torch.where((top_p < 1)[:, None], torch.maximum(tau_p, kth), kth)[:, 0]
 

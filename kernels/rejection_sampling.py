@@ -35,16 +35,15 @@ from .sampling_pass import (
     final_pass,
     first_pass,
     greedy_pass,
-    min_p_pass,
+    keep_cut,
     seed_key,
-    threshold_search,
 )
 
-# Search-pass tile: small on GPUs (registers); large in the CPU interpreter (fewer numpy ops).
-# Tree rows also walk their children inside pass 1: at 128 their row kernel spills on sm_90a
-# (scripts/compile_kernels.py checks), at 64 it does not.
+# Search-pass tile: small on GPUs (registers: P int64 + 3 float32 partials per lane, four
+# tiles in flight; at 128 the row kernel spills on sm_90a / sm_100a, scripts/compile_kernels.py
+# checks, at 64 it does not); large in the CPU interpreter (fewer numpy ops).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_SBLOCK = 1024 if _INTERPRET else 128
+_SBLOCK = 1024 if _INTERPRET else 64
 _SBLOCK_TREE = 1024 if _INTERPRET else 64
 
 
@@ -92,23 +91,8 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
         else:
             m, s, zmin, i1, i2 = first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j,
                                             n, N, V, inv_t, IS_TREE)
-            s_tau = s
-            top_k = tl.load(top_k_ptr + b).to(tl.int32)
-            top_p = tl.load(top_p_ptr + b)
-            n_kept = V  # tokens min-p keeps
-            if HAS_MIN_P:
-                log_min_p = tl.load(min_p_ptr + b)
-                if log_min_p > NEG_INF:
-                    tau, s_tau, n_kept = min_p_pass(row_ptr, V, inv_t, m, m + log_min_p, GBLOCK)
-            # top-k after min-p: if min-p keeps more than k tokens, the k-th largest z overall
-            # is among them (so >= the min-p cut) and is the threshold; else min-p's cut is.
-            if (top_k > 0) & (top_k < V) & (n_kept > top_k):
-                tau, s_tau = threshold_search(row_ptr, V, inv_t, m, zmin, m, s, top_k, 0.0,
-                                              False, P, SBLOCK)
-            if top_p < 1:
-                lo = tl.where(tau == NEG_INF, zmin, tau)
-                tau, s_tau = threshold_search(row_ptr, V, inv_t, m, lo, m, s_tau, 0,
-                                              top_p * s_tau, True, P, SBLOCK)
+            tau, s_tau = keep_cut(row_ptr, V, inv_t, m, s, zmin, top_k_ptr, top_p_ptr,
+                                  min_p_ptr, b, HAS_MIN_P, P, SBLOCK, GBLOCK)
         log_s = tl.log(s_tau)
 
         # p_j(x_c) for each child c judged at this row; chains also decide acceptance here.

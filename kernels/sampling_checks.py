@@ -28,6 +28,9 @@ def _check_vec(name: str, t: Tensor, dtypes: tuple, bsz: int, device: torch.devi
     _check(t.is_contiguous(), f"{name} must be contiguous")
 
 
+MAX_VOCAB = 2**19  # V * 2**44 < 2**63
+
+
 def validate_inputs(logits: Tensor, drafts: Tensor, num_draft: Tensor, q: Tensor | None,
                     temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor,
                     offsets: Tensor, parents: Tensor | None, check_values: bool,
@@ -40,6 +43,9 @@ def validate_inputs(logits: Tensor, drafts: Tensor, num_draft: Tensor, q: Tensor
     _check(logits.dim() == 3, f"target_logits must be [B, N, V], got {tuple(logits.shape)}")
     bsz, n_rows, vocab = logits.shape
     _check(bsz > 0 and n_rows > 0 and vocab > 0, f"empty target_logits {tuple(logits.shape)}")
+    # top-p sums V fixed-point weights of up to 2**44 in int64 (reference.keep_threshold)
+    _check(vocab < MAX_VOCAB, f"target_logits vocabulary {vocab} must be < {MAX_VOCAB} "
+           "(top-p's exact int64 masses)")
     _check(logits.dtype in _FLOATS, f"target_logits dtype {logits.dtype} not in {_FLOATS}",
            TypeError)
     _check(logits.stride(2) == 1, "target_logits must be contiguous along the vocabulary")

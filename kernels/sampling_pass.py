@@ -215,19 +215,57 @@ def _key_to_float(k):
 
 
 @triton.jit
-def threshold_search(row_ptr, V, inv_t, m, lo, hi, lo_mass, need_count, need_mass,
+def _search_load(row_ptr, lane, V, inv_t):
+    """z of tokens ``lane``; lanes past the row read -inf, which adds nothing anywhere (below
+    every pivot, weight 0), so they need no mask downstream."""
+    return tl.load(row_ptr + lane, mask=lane < V, other=NEG_INF).to(tl.float32) * inv_t
+
+
+MASS_SCALE: tl.constexpr = tl.constexpr(17592186044416.0)  # = reference.MASS_SCALE (2**44)
+
+
+@triton.jit
+def _search_tile(z, piv, m, lo0, cnt, mass, imass, itot, nxt, prv, BY_MASS: tl.constexpr):
+    """Adds one tile of z [SBLOCK] to the per-lane, per-pivot partials [SBLOCK, P] of a pass:
+    count (top-k) or integer mass (top-p: ``reference.keep_threshold``'s fixed-point weights
+    floor(exp(z - m) * 2**44), whose sums are exact in any order) of {z >= pivot}, and the
+    float32 mass (the kept set's normaliser) and nearest z on either side of each pivot."""
+    ge = z[:, None] >= piv[None, :]
+    lt = z[:, None] < piv[None, :]
+    w = tl.exp(z - m)
+    if BY_MASS:
+        wi = tl.floor(w * MASS_SCALE).to(tl.int64)  # exact: w * 2**44 is a float32 as is
+        imass += tl.where(ge, wi[:, None], 0)
+        itot += tl.where(z >= lo0, wi, 0)
+    else:
+        cnt += ge.to(tl.int32)
+    mass += tl.where(ge, w[:, None], 0.0)
+    nxt = tl.minimum(nxt, tl.where(ge, z[:, None], POS_INF))
+    prv = tl.maximum(prv, tl.where(lt, z[:, None], NEG_INF))
+    return cnt, mass, imass, itot, nxt, prv
+
+
+@triton.jit
+def threshold_search(row_ptr, V, inv_t, m, lo, hi, lo_mass, need_count, top_p,
                      BY_MASS: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr):
-    """Largest value tau of z with crit(tau), crit(v) = #{z >= v} >= need_count (top-k) or
-    sum_{z >= v} exp(z - m) >= need_mass (top-p); returns (tau, that sum at tau).
+    """Largest value tau of z with crit(tau); returns (tau, sum_{z >= tau} exp(z - m)).
+
+    crit(v): #{z >= v} >= need_count (top-k), or (top-p) W(v) >= top_p * W(lo) in float64,
+    W(v) = sum_{z >= v} floor(exp(z - m) * 2**44) in int64 (``reference.keep_threshold``): an
+    integer sum is the same in any order, so this cut equals the sort-based one bit for bit
+    (a float32 sum is not: per-lane partials and a sorted cumsum round differently, which
+    flipped the last token of rows with top_p near 1).
 
     Invariant: lo and hi are values of z with lo <= tau <= hi and crit(lo). Each iteration is
     one pass over the row that tests P pivots spread evenly over the int32 keys of (lo, hi]
     (the last is hi) and also records, per pivot, the nearest value of z on either side; the
     new bracket is [first z >= last passing pivot, last z < first failing pivot]. The key range
     shrinks P-fold per pass, so at most ceil(32 / log2 P) passes (8 for P = 16) — about
-    log_P(V) once the bracket holds few values (4-5 for V = 152k): no sort of the vocabulary.
+    log_P(V) once the bracket holds few values (4-6 for V = 152k): no sort of the vocabulary.
+    Every pass is static in shape (the row is read whole); only the pass count depends on data.
     """
     piv_i = tl.arange(0, P)
+    lo0 = lo  # top-p's total: the mass of {z >= lo} as the search starts
     it = 0
     while (lo < hi) & (it < 40):
         k_lo = _ordered_key(lo).to(tl.int64)
@@ -235,26 +273,35 @@ def threshold_search(row_ptr, V, inv_t, m, lo, hi, lo_mass, need_count, need_mas
         piv = _key_to_float((k_lo + ((k_hi - k_lo) * (piv_i + 1) + P - 1) // P).to(tl.int32))
         cnt = tl.zeros([SBLOCK, P], tl.int32)  # per-lane partials, reduced after the pass
         mass = tl.zeros([SBLOCK, P], tl.float32)
+        imass = tl.zeros([SBLOCK, P], tl.int64)
+        itot = tl.zeros([SBLOCK], tl.int64)
         nxt = tl.full([SBLOCK, P], POS_INF, tl.float32)
         prv = tl.full([SBLOCK, P], NEG_INF, tl.float32)
-        for base in range(0, V, SBLOCK):
+        # Four tiles per step, all loaded before any is used: four loads in flight instead of
+        # one (a pass is ~V / SBLOCK dependent steps; one load each left it latency-bound).
+        for base in range(0, V, 4 * SBLOCK):
             lane = base + tl.arange(0, SBLOCK)
-            valid = lane < V
-            z = tl.load(row_ptr + lane, mask=valid, other=NEG_INF).to(tl.float32) * inv_t
-            ge = (z[:, None] >= piv[None, :]) & valid[:, None]  # [SBLOCK, P]
-            lt = (z[:, None] < piv[None, :]) & valid[:, None]
-            cnt += ge.to(tl.int32)
-            mass += tl.where(ge, tl.exp(z - m)[:, None], 0.0)
-            nxt = tl.minimum(nxt, tl.where(ge, z[:, None], POS_INF))
-            prv = tl.maximum(prv, tl.where(lt, z[:, None], NEG_INF))
-        cnt = tl.sum(cnt, 0)
+            z0 = _search_load(row_ptr, lane, V, inv_t)
+            z1 = _search_load(row_ptr, lane + SBLOCK, V, inv_t)
+            z2 = _search_load(row_ptr, lane + 2 * SBLOCK, V, inv_t)
+            z3 = _search_load(row_ptr, lane + 3 * SBLOCK, V, inv_t)
+            cnt, mass, imass, itot, nxt, prv = _search_tile(z0, piv, m, lo0, cnt, mass, imass,
+                                                            itot, nxt, prv, BY_MASS)
+            cnt, mass, imass, itot, nxt, prv = _search_tile(z1, piv, m, lo0, cnt, mass, imass,
+                                                            itot, nxt, prv, BY_MASS)
+            cnt, mass, imass, itot, nxt, prv = _search_tile(z2, piv, m, lo0, cnt, mass, imass,
+                                                            itot, nxt, prv, BY_MASS)
+            cnt, mass, imass, itot, nxt, prv = _search_tile(z3, piv, m, lo0, cnt, mass, imass,
+                                                            itot, nxt, prv, BY_MASS)
         mass = tl.sum(mass, 0)
         nxt = tl.min(nxt, 0)
         prv = tl.max(prv, 0)
         if BY_MASS:
-            ok = mass >= need_mass
+            # The reference's float64 operations on the same integers: identical results.
+            need = top_p.to(tl.float64) * tl.sum(itot, 0).to(tl.float64)
+            ok = tl.sum(imass, 0).to(tl.float64) >= need
         else:
-            ok = cnt >= need_count
+            ok = tl.sum(cnt, 0) >= need_count
         n_ok = tl.sum(ok.to(tl.int32), 0)  # crit is monotone: pivots 0..n_ok-1 pass
         last_ok = piv_i == n_ok - 1
         lo_new = tl.max(tl.where(last_ok, nxt, NEG_INF), 0)
@@ -266,6 +313,34 @@ def threshold_search(row_ptr, V, inv_t, m, lo, hi, lo_mass, need_count, need_mas
         hi = tl.where(all_ok, hi, hi_new)
         it += 1
     return lo, lo_mass
+
+
+@triton.jit
+def keep_cut(row_ptr, V, inv_t, m, s, zmin, top_k_ptr, top_p_ptr, min_p_ptr, b,
+             HAS_MIN_P: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr,
+             GBLOCK: tl.constexpr):
+    """(tau, sum of exp(z - m) over z >= tau) of row ``b``: the processed law keeps exactly
+    {z >= tau} (``reference.keep_threshold``: min-p, then top-k, then top-p; tau = -inf keeps
+    all). ``m``, ``s``, ``zmin``: the row's max, sum of exp(z - m) and min (``first_pass``)."""
+    tau = NEG_INF + inv_t * 0.0
+    s_tau = s
+    top_k = tl.load(top_k_ptr + b).to(tl.int32)
+    top_p = tl.load(top_p_ptr + b)
+    n_kept = V  # tokens min-p keeps
+    if HAS_MIN_P:
+        log_min_p = tl.load(min_p_ptr + b)
+        if log_min_p > NEG_INF:
+            tau, s_tau, n_kept = min_p_pass(row_ptr, V, inv_t, m, m + log_min_p, GBLOCK)
+    # top-k after min-p: if min-p keeps more than k tokens, the k-th largest z overall
+    # is among them (so >= the min-p cut) and is the threshold; else min-p's cut is.
+    if (top_k > 0) & (top_k < V) & (n_kept > top_k):
+        tau, s_tau = threshold_search(row_ptr, V, inv_t, m, zmin, m, s, top_k, 0.0,
+                                      False, P, SBLOCK)
+    if top_p < 1:
+        lo = tl.where(tau == NEG_INF, zmin, tau)
+        tau, s_tau = threshold_search(row_ptr, V, inv_t, m, lo, m, s_tau, 0, top_p, True, P,
+                                      SBLOCK)
+    return tau, s_tau
 
 
 @triton.jit

@@ -116,6 +116,22 @@ def test_rejection_bandwidth_target(smoke):
     assert gr.parse_rejection(run)[0].verdict == "INFO"  # no V=151936 row in a smoke run
 
 
+def test_rejection_top_p_cost_row(tmp_path):
+    """top_p < 1 rows are reported against the same shape at top_p = 1 (the worst ratio)."""
+    def row(bsz: int, top_p: float, ms: float) -> dict:
+        return dict(batch=bsz, k=3, vocab=151936, top_p=top_p, draft_probs=False, ms=ms,
+                    torch_ms=1.0, cut_ms=ms / 2, bytes=1, gbps=1.0)
+
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = [row(1, 1.0, 0.2), row(1, 0.9, 0.6), row(64, 1.0, 0.3), row(64, 0.9, 0.45)]
+    (out / "rejection_sampling.json").write_text(json.dumps(dict(peak_gbps=None, rows=rows)))
+    got = gr.parse_rejection(gr.StepRun("rejection", 0, False, "", out))
+    cost = [r for r in got if r.check.startswith("top_p=0.9 cost")]
+    assert len(cost) == 1 and cost[0].result == "3.00x top_p=1 (worst)", got
+    assert cost[0].figure == "0.600 ms at B=1 k=3, cut alone 0.300 ms"
+
+
 def test_attention_targets(smoke):
     run = smoke["attention"]
     assert run.returncode == 0, run.output
