@@ -57,7 +57,6 @@ class HeadMath:
             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``ids [B, T]``, ``hidden [B, T, 3H or H]``, ``positions [T]`` → q ``[B, T, Hq, D]``,
         k / v ``[B, T, Hkv, D]`` and the residual ``[B, T, H]``."""
-        b, t = ids.shape
         embeds = F.embedding(ids, self.embed.weight.detach()).float()
         if hidden.shape[-1] != embeds.shape[-1]:
             hidden = F.linear(hidden, p["fc.weight"])
@@ -65,26 +64,39 @@ class HeadMath:
         normed = rms_norm(hidden, p[m + "hidden_norm.weight"], self.eps)
         x = torch.cat([rms_norm(embeds, p[m + "input_layernorm.weight"], self.eps), normed], -1)
         residual = normed if self.norm_before_residual else hidden
-        a = m + "self_attn."
+        q, k, v = self.attn_qkv(p, m + "self_attn.", x, positions, self.head.rotary_emb)
+        return q, k, v, residual
+
+    def attn_qkv(self, p: dict[str, Tensor], a: str, x: Tensor, positions: Tensor,
+                 rope: nn.Module) -> tuple[Tensor, Tensor, Tensor]:
+        """The attention's ``qkv_proj`` (prefix ``a``) of ``x [B, T, *]``, its q/k norms and
+        the rotary embedding at ``positions [T]``: q ``[B, T, Hq, D]``, k / v
+        ``[B, T, Hkv, D]`` (the EAGLE-3 and MTP layers alike)."""
+        b, t = x.shape[:2]
         qkv = F.linear(x, p[a + "qkv_proj.weight"], self._w(p, a + "qkv_proj.bias"))
-        cos, sin = self.head.rotary_emb.cos_sin(positions, torch.float32)
+        cos, sin = rope.cos_sin(positions, torch.float32)
         q, k, v = split_qkv_rope(qkv.reshape(b * t, -1), cos.repeat(b, 1), sin.repeat(b, 1),
                                  self.num_heads, self.num_kv_heads,
                                  self._w(p, a + "q_norm.weight"), self._w(p, a + "k_norm.weight"),
                                  self.qk_eps)
         return (q.view(b, t, self.num_heads, -1), k.view(b, t, self.num_kv_heads, -1),
-                v.view(b, t, self.num_kv_heads, -1), residual)
+                v.view(b, t, self.num_kv_heads, -1))
 
-    def finish(self, p: dict[str, Tensor], attn: Tensor, residual: Tensor) -> Tensor:
-        """``o_proj``, the post-attention add + norm and the MLP: the entries' ``g``."""
-        m = "midlayer."
+    def layer_out(self, p: dict[str, Tensor], m: str, mlp: str, attn: Tensor,
+                  residual: Tensor) -> Tensor:
+        """A decoder layer after its attention (layer prefix ``m``, MLP prefix ``mlp``):
+        ``o_proj``, the post-attention add + norm and the MLP."""
         o = F.linear(attn.flatten(-2), p[m + "self_attn.o_proj.weight"],
                      self._w(p, m + "self_attn.o_proj.bias"))
         x, residual = add_rms_norm(o, residual, p[m + "post_attention_layernorm.weight"],
                                    self.eps)
-        up = F.linear(x, p[m + "mlp.gate_up_proj.weight"], self._w(p, m + "mlp.gate_up_proj.bias"))
-        return residual + F.linear(silu_mul(up), p[m + "mlp.down_proj.weight"],
-                                   self._w(p, m + "mlp.down_proj.bias"))
+        up = F.linear(x, p[mlp + "gate_up_proj.weight"], self._w(p, mlp + "gate_up_proj.bias"))
+        return residual + F.linear(silu_mul(up), p[mlp + "down_proj.weight"],
+                                   self._w(p, mlp + "down_proj.bias"))
+
+    def finish(self, p: dict[str, Tensor], attn: Tensor, residual: Tensor) -> Tensor:
+        """``o_proj``, the post-attention add + norm and the MLP: the entries' ``g``."""
+        return self.layer_out(p, "midlayer.", "midlayer.mlp.", attn, residual)
 
     def logits(self, p: dict[str, Tensor], g: Tensor) -> Tensor:
         return F.linear(rms_norm(g, p["norm.weight"], self.eps), p["lm_head.weight"])

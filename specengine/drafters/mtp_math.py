@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specengine.drafters.adapt_math import HeadMath
-from specengine.kernels.reference import add_rms_norm, rms_norm, silu_mul
-from specengine.kernels.reference_layer import split_qkv_rope
+from specengine.kernels.reference import rms_norm
 
 if TYPE_CHECKING:
     from specengine.drafters.mtp import MTPModule
@@ -51,32 +50,17 @@ class MTPMath(HeadMath):
             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``ids [B, T]``, ``hidden [B, T, H]`` (the target's or the layer's own outputs),
         ``positions [T]`` → q, k, v and the residual (``fc``'s output)."""
-        b, t = ids.shape
         e = F.embedding(ids, self.embed.weight.detach()).float()
         x = torch.cat([rms_norm(e, p["mtp.pre_fc_norm_embedding.weight"], self.eps),
                        rms_norm(hidden, p["mtp.pre_fc_norm_hidden.weight"], self.eps)], -1)
         residual = F.linear(x, p["mtp.fc.weight"])
-        a = LAYER + "self_attn."
         normed = rms_norm(residual, p[LAYER + "input_layernorm.weight"], self.eps)
-        qkv = F.linear(normed, p[a + "qkv_proj.weight"], self._w(p, a + "qkv_proj.bias"))
-        cos, sin = self.rope.cos_sin(positions, torch.float32)
-        q, k, v = split_qkv_rope(qkv.reshape(b * t, -1), cos.repeat(b, 1), sin.repeat(b, 1),
-                                 self.num_heads, self.num_kv_heads,
-                                 self._w(p, a + "q_norm.weight"), self._w(p, a + "k_norm.weight"),
-                                 self.qk_eps)
-        return (q.view(b, t, self.num_heads, -1), k.view(b, t, self.num_kv_heads, -1),
-                v.view(b, t, self.num_kv_heads, -1), residual)
+        q, k, v = self.attn_qkv(p, LAYER + "self_attn.", normed, positions, self.rope)
+        return q, k, v, residual
 
     def finish(self, p: dict[str, Tensor], attn: Tensor, residual: Tensor) -> Tensor:
         """``o_proj``, the post-attention add + norm, the MLP and the final norm: ``g``."""
-        a = LAYER + "self_attn."
-        o = F.linear(attn.flatten(-2), p[a + "o_proj.weight"], self._w(p, a + "o_proj.bias"))
-        x, residual = add_rms_norm(o, residual, p[LAYER + "post_attention_layernorm.weight"],
-                                   self.eps)
-        up = F.linear(x, p[self.mlp + "gate_up_proj.weight"],
-                      self._w(p, self.mlp + "gate_up_proj.bias"))
-        out = residual + F.linear(silu_mul(up), p[self.mlp + "down_proj.weight"],
-                                  self._w(p, self.mlp + "down_proj.bias"))
+        out = self.layer_out(p, LAYER, self.mlp, attn, residual)
         return rms_norm(out, p["mtp.norm.weight"], self.eps)
 
     def logits(self, p: dict[str, Tensor], g: Tensor) -> Tensor:
