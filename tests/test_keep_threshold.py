@@ -130,4 +130,5 @@ def test_launcher_checks_shapes() -> None:
                          torch.zeros(4, dtype=torch.int32), None, temperature, top_k, top_p,
                          torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64),
                          None)
-    keep_threshold(wide[:, 1:], temperature, top_k, top_p)  # the largest allowed vocabulary
+    # the largest allowed vocabulary (one row: the interpreter runs it)
+    keep_threshold(wide[:1, 1:], temperature[:1], top_k[:1], top_p[:1])
