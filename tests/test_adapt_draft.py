@@ -11,13 +11,13 @@ import math
 import numpy as np
 import pytest
 import torch
+from draft_checks import assert_unroll_is_paged_drafting
 from test_step_syncs import count_step_transfers
 
 from specengine import SamplingParams, SpecEngine
 from specengine.arith_task import encode, heldout_prompts
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
 from specengine.drafters.adapt import FeatureBuffer
-from specengine.drafters.feature_drafter import FeatureState
 from specengine.model.weight_names import hf_named_tensors
 
 PROMPTS = [encode(p) for p in heldout_prompts(48)]
@@ -130,19 +130,7 @@ def test_training_loss_unrolls_the_head_as_drafting_does() -> None:
     params = dict(d.module.named_parameters())
     with torch.no_grad():
         unrolled = ad.math.unroll(params, feats, ids, valid, 3)
-    tok = ad.buffer.tokens[s.rows]
-    for i in (s.num_prompt_tokens - 1, len(s.rows) - 4):
-        st = FeatureState()
-        d.kv_cache.ensure(st, i + 3)
-        g = d._forward([st], [0], tok[: i + 1], ad.buffer.feats[s.rows[: i + 1]],
-                       [np.arange(i + 1)])[i:]
-        for depth in range(3):
-            if depth:
-                g = d._forward([st], [i + depth], tok[i + depth: i + depth + 1], g,
-                               [np.array([i + depth])])
-            torch.testing.assert_close(unrolled[depth][0, i], d.module.draft_logits(g)[0],
-                                       atol=1e-4, rtol=1e-4)
-        d.kv_cache.free(st)
+    assert_unroll_is_paged_drafting(d, s, unrolled, d.module.draft_logits)
 
 
 def test_adapting_a_spoilt_head_lifts_acceptance_and_nothing_else() -> None:

@@ -13,7 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
+import draft_checks
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -22,7 +22,6 @@ from specengine import SamplingParams, SpecEngine
 from specengine.arith_task import encode, heldout_prompts, write_training_prompts
 from specengine.assets import DEFAULT_TARGET
 from specengine.cli import main
-from specengine.drafters.feature_drafter import FeatureState
 from specengine.train import train_draft
 
 EVAL = [encode(p) for p in heldout_prompts(8)]
@@ -53,12 +52,7 @@ def write_mtp_target(dst: Path, sigma: float = 1.0, seed: int = 0) -> Path:
 
 def greedy_acceptance(model: Path) -> tuple[float, list, list]:
     """Greedy k=3 with the checkpoint's MTP layer: accepted / drafted, k=3 and k=0 outputs."""
-    engine = SpecEngine(model, draft="mtp", device="cpu", max_model_len=128,
-                        kv_cache_tokens=4096)
-    base = engine.generate(EVAL, k=0, sampling=GREEDY)
-    outs = engine.generate(EVAL, k=3, sampling=GREEDY)
-    st = engine.stats
-    return st.num_accepted_tokens / st.num_draft_tokens, outs, base
+    return draft_checks.greedy_acceptance(model, "mtp", EVAL, GREEDY)
 
 
 @pytest.fixture(scope="module")
@@ -92,18 +86,7 @@ def test_loss_unrolls_the_mtp_layer_as_drafting_does(spoilt: Path) -> None:
     # the targets are target ids (no draft vocabulary): x_{i+d+2}
     i = s.num_prompt_tokens - 1
     assert int(targets[0][0, i]) == int(tok[i + 1]) and int(targets[2][0, i]) == int(tok[i + 3])
-    for i in (s.num_prompt_tokens - 1, len(s.rows) - 4):
-        st = FeatureState()
-        d.kv_cache.ensure(st, i + 3)
-        g = d._forward([st], [0], tok[: i + 1], ad.buffer.feats[s.rows[: i + 1]],
-                       [np.arange(i + 1)])[i:]
-        for depth in range(3):
-            if depth:
-                g = d._forward([st], [i + depth], tok[i + depth: i + depth + 1], g,
-                               [np.array([i + depth])])
-            torch.testing.assert_close(unrolled[depth][0, i], d.module.compute_logits(g)[0],
-                                       atol=1e-4, rtol=1e-4)
-        d.kv_cache.free(st)
+    draft_checks.assert_unroll_is_paged_drafting(d, s, unrolled, d.module.compute_logits)
 
 
 TINY = ["--max-tokens", "48", "--batch-tokens", "256", "--epochs", "5", "--no-progress",
