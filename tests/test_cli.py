@@ -203,3 +203,39 @@ def test_greedy_mismatch_with_k0_fails_the_command(
     capsys.readouterr()
     assert main(args) == 1
     assert "differ from k=0" in capsys.readouterr().err
+
+
+def test_own_model_without_a_drafter_decodes_plainly_and_says_so(
+        tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    engine = SpecEngine(tiny_checkpoint, device="cpu", max_model_len=64, kv_cache_tokens=256)
+    want = engine.generate([[1, 2, 3]], sampling=SamplingParams(temperature=0.0, max_tokens=5))
+    rc = main(["generate", "--model", str(tiny_checkpoint), "--prompt-ids", "1 2 3",
+               "--max-tokens", "5"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert f"completion: {' '.join(map(str, want[0].token_ids))!r}" in captured.out
+    assert "[k=0]" in captured.out and "[k=3]" not in captured.out
+    note = [line for line in captured.err.splitlines() if line.startswith("note:")]
+    assert len(note) == 1  # one line, naming the drafters that need no training
+    assert "plain decoding (k=0)" in note[0]
+    assert "--draft suffix" in note[0] and "--draft ngram" in note[0]
+
+
+def test_own_model_with_a_drafter_defaults_to_k3(
+        tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["generate", "--model", str(tiny_checkpoint), "--draft", "ngram",
+               "--prompt-ids", "1 2 3", "--max-tokens", "5"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "[k=3]" in captured.out and "identical completions: 1/1" in captured.out
+    assert "note:" not in captured.err
+
+
+@pytest.mark.parametrize("k", ["3", "auto"])
+def test_own_model_drafting_k_without_a_drafter_names_the_flags(
+        tiny_checkpoint: Path, k: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["generate", "--model", str(tiny_checkpoint), "--prompt-ids", "1 2 3", "--k", k])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"--k {k} needs --draft" in err
+    assert "--k 0" in err and "--draft ngram|suffix|HEAD_DIR" in err

@@ -72,7 +72,26 @@ def test_serve_refuses_bad_options(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["serve", "--model", str(tmp_path / "none")]) == 2
     assert "no such directory" in capsys.readouterr().err
     assert main(["serve", "--model", str(tmp_path), "--k", "3"]) == 2  # checked before loading
-    assert "needs a drafter" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--k 3 needs --draft" in err and "--k 0" in err and "ngram|suffix|HEAD_DIR" in err
     with pytest.raises(SystemExit):
         main(["serve", "--port", "70000"])
     assert "--port" in capsys.readouterr().err
+
+
+def test_serve_own_model_without_a_drafter_serves_plain_decoding(
+        tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import specengine.server.serve as serve
+
+    seen = []
+    monkeypatch.setattr(serve, "serve_main", lambda args: seen.append(args) or 0)
+    assert main(["serve", "--model", str(tiny_checkpoint)]) == 0
+    (args,) = seen
+    assert args.k == 0 and args.draft is None  # plain decoding is the requests' default
+    note = capsys.readouterr().err.splitlines()
+    assert len(note) == 1 and "plain decoding (k=0)" in note[0] and "--draft suffix" in note[0]
+    assert main(["serve", "--model", str(tiny_checkpoint), "--draft", "suffix"]) == 0
+    assert seen[1].k == 3 and seen[1].draft == "suffix"
+    assert main(["serve"]) == 0  # the bundled pair drafts with its head, as before
+    assert seen[2].k == 3 and seen[2].model is None
