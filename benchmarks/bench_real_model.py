@@ -27,6 +27,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -116,7 +117,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default: cuda when available")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-tokens", type=int, default=None,
-                   help="default: from free GPU memory; on CPU what the largest batch needs")
+                   help="default: from free GPU memory (1 GiB on CPU)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the longest prompt + --max-tokens + the longest chain (so "
+                        "the KV cache is not sized for the model's whole context)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no row that the last row's time says would end past this")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT / "real_model", metavar="DIR")
@@ -141,7 +145,13 @@ def resolve_model(args: argparse.Namespace) -> Path:
         raise SystemExit(f"error: {e}") from None
 
 
-def load_prompts(path: Path | None, tokenizer: Any) -> list[list[int] | str]:
+def load_prompts(path: Path | None, tokenizer: Any) -> list[list[int]]:
+    """Prompts as token ids (chat messages rendered by the checkpoint's template)."""
+    return [tokenizer.encode(p, "prompt") if isinstance(p, str) else p
+            for p in read_prompts(path, tokenizer)]
+
+
+def read_prompts(path: Path | None, tokenizer: Any) -> list[list[int] | str]:
     """Prompts as token ids (chat messages rendered by the checkpoint's template) or text."""
     template = tokenizer.chat_template if tokenizer is not None else None
 
@@ -240,6 +250,13 @@ def run(args: argparse.Namespace) -> list[dict]:
                             seed=args.seed)
     warm = SamplingParams(temperature=args.temperature, seed=args.seed + 1,
                           max_tokens=args.warmup_tokens or args.max_tokens)
+    from specengine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    if tokenizer is None:
+        raise SystemExit(f"{model} has no tokenizer.json: prompts are text")
+    prompts = load_prompts(args.prompts, tokenizer)
+    max_model_len = args.max_model_len or (max(map(len, prompts)) + args.max_tokens + MAX_K + 1)
     plan = engine_plan(args)
     total = sum(len(ks) for _, _, ks in plan) * len(args.batch)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -257,9 +274,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             engine = SpecEngine(model, draft=draft, device=args.device, dtype=args.dtype,
                                 max_batch_size=max(args.batch), seed=args.seed,
                                 kv_cache_tokens=args.kv_cache_tokens,
+                                max_model_len=max_model_len,
                                 capture_ks=tuple(range(need_k + 1)))
             with engine:
-                prompts = load_prompts(args.prompts, engine.tokenizer)
                 for batch in args.batch:
                     batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
                     for k in ks:
@@ -284,6 +301,11 @@ def run(args: argparse.Namespace) -> list[dict]:
                         tqdm.write(f"batch {batch} {drafter} k={k}: "
                                    f"{row['tokens_per_s']:.1f} tok/s, tau "
                                    f"{row['mean_accepted_length']:.2f}")
+            # The next engine sizes its KV cache from free memory: hand this one's back.
+            del engine
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     bar.close()
     table = markdown(rows)
     if skipped:

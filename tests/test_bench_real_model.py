@@ -95,7 +95,8 @@ def test_chat_prompts_need_a_chat_template(tmp_path: Path) -> None:
         brm.load_prompts(chats, tok)
     text = tmp_path / "p.txt"
     text.write_text("Q:1+1=\n\nQ:2*3=\n")
-    assert brm.load_prompts(text, tok) == ["Q:1+1=", "Q:2*3="]
+    assert brm.read_prompts(text, tok) == ["Q:1+1=", "Q:2*3="]
+    assert brm.load_prompts(text, tok) == [tok.encode("Q:1+1="), tok.encode("Q:2*3=")]
     with pytest.raises(SystemExit, match="give --prompts FILE.txt"):
         brm.load_prompts(None, tok)
 
