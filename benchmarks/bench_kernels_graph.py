@@ -174,7 +174,7 @@ def attention_cases(dry: bool) -> list[Case]:
                 targets.append(at_most_us((8.0, 22.0)[ctx_i]))
             if big:
                 targets.append(at_least_bw(0.85))
-            prio = 0 if batch == 1 or (ctx_i == 0 and batch >= 32) else 2
+            prio = 0 if targets or (ctx_i == 0 and batch >= 32) else 2
             cases.append(Case("attention", decode, prio,
                               dict(mode="decode", batch=batch, context=ctx, q_len=1),
                               _attention_builder(batch, ctx, 1, "decode", None),
@@ -518,10 +518,16 @@ def all_cases(dry: bool, groups: list[str]) -> list[Case]:
     names = [c.name for c in cases]
     if len(set(names)) != len(names):
         raise AssertionError("case names must be unique")
-    order = {c.name: i for i, c in enumerate(cases)}
-    # Most valuable first; within a priority the listed order (a row a target compares with
-    # comes before it).
-    return sorted(cases, key=lambda c: (c.priority, order[c.name]))
+    # Most valuable first; within a priority the groups take turns (a slow group cannot
+    # starve the others of the budget) and each group keeps its listed order (a row that a
+    # target compares with comes before that target's row).
+    rank: dict[str, int] = {}
+    seen: dict[tuple[int, str], int] = {}
+    for c in cases:
+        key = (c.priority, c.group)
+        rank[c.name] = seen.get(key, 0)
+        seen[key] = rank[c.name] + 1
+    return sorted(cases, key=lambda c: (c.priority, rank[c.name], groups.index(c.group)))
 
 
 def run_case(case: Case, env: Env, args: argparse.Namespace, rows: dict[str, dict]) -> dict:

@@ -205,28 +205,38 @@ def _graph_replays(body: Callable[[], None], replays: int, clock: _Clock) -> flo
 
 
 def kernel_breakdown(run: Callable[[], None], calls: int, repeats: int = 3) -> dict[str, Any]:
-    """Per kernel (or, on the CPU, per operator) name: microseconds per call of ``run``
-    (which makes ``calls`` calls), from the PyTorch profiler over ``repeats`` runs (the 12
-    largest). {"error": why} if the profiler fails."""
+    """Microseconds per call of each launch of one call of ``run`` (which makes ``calls``
+    identical calls), from the PyTorch profiler over ``repeats`` runs: the kernels (on the
+    CPU, the top-level operators) in launch order, labelled ``"NN name"``, so two launches of
+    one kernel (the MoE's two grouped GEMMs) stay apart. When the events do not split into
+    identical calls, totals per name instead. {"error": why} if the profiler fails."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
     try:
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as p:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as p:
             for _ in range(repeats):
                 run()
             if cuda:
                 torch.cuda.synchronize()
+        events = [e for e in p.events()
+                  if (e.device_type == DeviceType.CUDA if cuda else e.cpu_parent is None)
+                  and not e.name.startswith("[")]
+        events.sort(key=lambda e: e.time_range.start)
+        n = repeats * calls
         out: dict[str, Any] = {}
-        for ev in p.key_averages():
-            if cuda:
-                us = getattr(ev, "device_time_total", None)
-                us = getattr(ev, "cuda_time_total", 0.0) if us is None else us
-            else:
-                us = ev.self_cpu_time_total
-            if us and us > 0:
-                out[ev.key[:80]] = round(us / (repeats * calls), 3)
-        return dict(sorted(out.items(), key=lambda kv: -kv[1])[:12])
+        if events and len(events) % n == 0:
+            per_call = len(events) // n
+            for j in range(min(per_call, 40)):  # the MoE: ~20 kernels a call
+                times = [events[i * per_call + j].time_range.elapsed_us() for i in range(n)]
+                out[f"{j:02d} {events[j].name[:70]}"] = round(statistics.median(times), 3)
+            return out
+        for e in events:
+            key = e.name[:70]
+            out[key] = out.get(key, 0.0) + e.time_range.elapsed_us() / n
+        return {k: round(v, 3) for k, v in out.items()} | {"split_by_call": False}
     except Exception as e:  # noqa: BLE001 - the breakdown is extra information, never fatal
         return {"error": f"{type(e).__name__}: {e}"[:200]}
 
