@@ -100,9 +100,10 @@ def test_targets_are_judged_from_the_rows(dry):
         r = rows[f"moe {model} T=1 forward"]
         assert r["target"].startswith(f"<= {mult:g}x floor")
         assert r["verdict"] == ("PASS" if r["time_us"] <= mult * r["floor_us"] else "MISS")
-        # the per-kernel profile that times the launcher's parts apart
-        assert r["kernels_us"] and "error" not in r["kernels_us"]
-        assert all(v > 0 for v in r["kernels_us"].values())
+        # the profile of one call's launches in order (on the CPU: its top-level operators)
+        prof = r["kernels_us"]
+        assert prof and "error" not in prof and "split_by_call" not in prof
+        assert list(prof)[0].startswith("00 ") and sum(prof.values()) > 0
     samp = rows["sampling top_p=1 bf16 B=1"]
     assert samp["verdict"] == ("PASS" if samp["time_us"] <= 15 else "MISS")
     assert "verdict" not in rows["reshape_and_cache B=1 x4"]  # no target there
