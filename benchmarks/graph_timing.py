@@ -161,7 +161,10 @@ def time_rotated(call: Callable[[Any], object], copies: Sequence[Any], *, replay
             graph_us = _graph_replays(body, replays, clock) / calls
         except Exception as e:  # noqa: BLE001 - an uncapturable case still has its eager time
             error = f"capture failed: {type(e).__name__}: {e}"[:300]
-            torch.cuda.synchronize()
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001 - a sticky error: the next case will say so
+                pass
     else:
         # No graph (dry run): the same call list "replayed" from Python, so the path runs.
         marks = []

@@ -37,6 +37,9 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FLASHINFER_WORKSPACE_BASE="$FI_WS" FLASHINFER_CUDA_ARCH_LIST=9.0a
 export FLASHINFER_DECODE_AUTO_CUDNN=0 MAX_JOBS=${MAX_JOBS:-12}
+# tvm-ffi JIT-builds a small torch DLPack addon on its first import (unless torch has the
+# exchange API): cached beside FlashInfer's modules, so later commands find it too.
+export TVM_FFI_CACHE_DIR="$FI_WS/tvm-ffi"
 command -v nvcc >/dev/null || export PATH="${CUDA_HOME:-/usr/local/cuda}/bin:$PATH"
 # FlashInfer's JIT runs `ninja` from PATH: the pip package's binary, next to python or in it.
 command -v ninja >/dev/null || export PATH="$(dirname "$(command -v "$PY")"):$PATH"
