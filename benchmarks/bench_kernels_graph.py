@@ -633,6 +633,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replays", type=int, default=30, help="timed graph replays per case")
     p.add_argument("--eager-runs", type=int, default=5, help="timed eager runs per case")
     p.add_argument("--mem-gib", type=float, default=3.0, help="memory for copies per case")
+    p.add_argument("--skip-from", type=Path, default=None,
+                   help="a JSONL of an earlier run: its cases measured without error are not "
+                        "run again (a second command continues the sweep)")
     p.add_argument("--match", default="",
                    help="comma-separated: only cases whose name contains one of these")
     args = p.parse_args(argv)
@@ -669,11 +672,23 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     jsonl = args.out / "kernels_graph.jsonl"
     wanted = [m for m in args.match.split(",") if m]
+    before: dict[str, dict] = {}  # rows of an earlier run: not run again, still compared with
+    if args.skip_from is not None and args.skip_from.is_file():
+        for ln in args.skip_from.read_text().splitlines():
+            try:
+                rec = json.loads(ln)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("kind") == "row" and "error" not in rec:
+                before[rec["case"]] = rec
+    done = set(before)
     cases = [c for c in all_cases(env.dry, groups)
-             if not wanted or any(m in c.name for m in wanted)]
+             if (not wanted or any(m in c.name for m in wanted)) and c.name not in done]
+    if done:
+        meta["skipped_measured_before"] = sorted(done)
     print(f"{meta['device']}: copy {env.gbps:.0f} GB/s, L2 {env.l2 / 2**20:.0f} MiB, "
           f"{len(cases)} cases, budget {args.budget_s:.0f} s", flush=True)
-    rows: dict[str, dict] = {}
+    rows: dict[str, dict] = dict(before)
     ordered: list[dict] = []
     skipped: list[str] = []
     spent: dict[str, list[float]] = {}
@@ -683,8 +698,8 @@ def main(argv: list[str] | None = None) -> int:
         fatal = None
         for case in cases:
             elapsed = time.monotonic() - t_start
-            done = spent.get(case.group, [])
-            estimate = 1.5 * statistics.mean(done) if done else 5.0
+            past = spent.get(case.group, [])
+            estimate = 1.5 * statistics.mean(past) if past else 5.0
             if fatal or elapsed + estimate > args.budget_s:
                 skipped.append(case.name)
                 continue

@@ -17,7 +17,8 @@
 #     in what is left;
 #  5. packs everything into $OUT/kernels.tgz and prints the target rows and the peers table
 #     last (also $OUT/summary.txt and $OUT/console.txt).
-# PEERS_S=0 skips FlashInfer; NO_SWEEP=1 runs only the peers (a later command); FI_SITE=DIR
+# PEERS_S=0 skips FlashInfer; NO_SWEEP=1 runs only the peers (a later command); RESUME=1 (a
+# later command on the still-warm machine) skips the sweep cases measured before; FI_SITE=DIR
 # uses a FlashInfer already installed in DIR instead of installing .whl.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -31,8 +32,22 @@ WORK=/tmp/device_kernels
 FI_WS=${FI_WS:-/tmp/fi_ws}
 start=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - start) )); }
+# RESUME=1 (a later command while the machine is still warm): the cases the last command
+# measured are not run again (its JSONL is kept in $WORK/prev and summarised too).
+prev=""
+if [ "${RESUME:-0}" = 1 ] && [ -f "$WORK/sweep/kernels_graph.jsonl" ]; then
+  rm -rf /tmp/device_kernels_prev
+  mkdir -p /tmp/device_kernels_prev
+  cat "$WORK"/prev/kernels_graph.jsonl "$WORK/sweep/kernels_graph.jsonl" 2>/dev/null \
+    > /tmp/device_kernels_prev/kernels_graph.jsonl
+fi
 rm -rf "$WORK"
 mkdir -p "$WORK" "$FI_WS"
+if [ -f /tmp/device_kernels_prev/kernels_graph.jsonl ] && [ "${RESUME:-0}" = 1 ]; then
+  mkdir -p "$WORK/prev"
+  mv /tmp/device_kernels_prev/kernels_graph.jsonl "$WORK/prev/"
+  prev="$WORK/prev/kernels_graph.jsonl"
+fi
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FLASHINFER_WORKSPACE_BASE="$FI_WS" FLASHINFER_CUDA_ARCH_LIST=9.0a
@@ -90,8 +105,10 @@ command -v ninja >/dev/null || export PATH="$("$PY" -c 'import ninja; print(ninj
     [ -z "$fi_site" ] && reserve=0
     sweep_s=$(( $(left) - reserve - 15 ))
     echo "== sweep: budget ${sweep_s} s"
+    skip_args=()
+    [ -n "$prev" ] && skip_args=(--skip-from "$prev") && echo "== resuming after $prev"
     timeout -k 5 $(( sweep_s + 30 )) "$PY" benchmarks/bench_kernels_graph.py \
-      --budget-s "$sweep_s" --out "$WORK/sweep" "$@"
+      --budget-s "$sweep_s" --out "$WORK/sweep" "${skip_args[@]}" "$@"
     echo "== sweep: exit $? at $(( $(date +%s) - start )) s"
   fi
 
@@ -118,6 +135,11 @@ command -v ninja >/dev/null || export PATH="$("$PY" -c 'import ninja; print(ninj
 
 {
   echo "== summary"
+  if [ -n "$prev" ]; then
+    echo "(earlier commands)"
+    "$PY" benchmarks/bench_kernels_graph.py --summary-of "$WORK/prev"
+    echo "(this command)"
+  fi
   if [ -f "$WORK/sweep/kernels_graph.jsonl" ]; then
     "$PY" benchmarks/bench_kernels_graph.py --summary-of "$WORK/sweep"
   fi

@@ -155,3 +155,25 @@ def test_num_copies_reach_four_l2_within_the_caps():
     assert gt.num_copies(10**6, 4 << 30, l2=l2, max_copies=64, mem_cap_bytes=3 << 30) == 1
     with pytest.raises(ValueError, match="touch_bytes"):
         gt.num_copies(0, 1, l2=l2, max_copies=4, mem_cap_bytes=1)
+
+
+def test_a_later_command_skips_what_was_measured_and_compares_with_it(dry, tmp_path):
+    """``--skip-from`` (device_kernels.sh RESUME=1): cases measured without error before are
+    not run again, and a target row compares with the earlier run's row."""
+    meta, rows, out = dry
+    earlier = tmp_path / "earlier.jsonl"
+    decode = rows["attention decode B=2 ctx=40"]
+    failed = dict(rows["compact_kv B=1 accepted=3"], error="boom")  # failed: runs again
+    earlier.write_text("\n".join(json.dumps(r) for r in (meta, decode, failed)) + "\n")
+    proc = _run(tmp_path / "later", "--match", "B=2 ctx=40,compact_kv B=1",
+                "--skip-from", str(earlier))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(ln) for ln in (tmp_path / "later" / "kernels_graph.jsonl")
+               .read_text().splitlines()]
+    assert records[0]["skipped_measured_before"] == ["attention decode B=2 ctx=40"]
+    later = {r["case"]: r for r in records[1:]}
+    assert set(later) == {"attention chain3 B=2 ctx=40", "attention tree8 B=2 ctx=40",
+                          "compact_kv B=1 accepted=3"}
+    tree = later["attention tree8 B=2 ctx=40"]
+    assert f"({1.3 * decode['time_us']:.1f} us)" in tree["target"]
+    assert tree["verdict"] == ("PASS" if tree["time_us"] <= 1.3 * decode["time_us"] else "MISS")
