@@ -356,29 +356,34 @@ def run_peer(check: str, batch: int, build: Callable[[], Peer], args: argparse.N
     return row
 
 
-def warmup(out: Path) -> int:
-    """One call of every FlashInfer entry used here, at tiny shapes: the JIT builds."""
+WARMUP_STEPS = ("decode", "tree", "sampling")  # one FlashInfer JIT module family each
+
+
+def warmup(out: Path, steps: list[str]) -> int:
+    """One call of the FlashInfer entries of ``steps`` at tiny shapes: the JIT builds their
+    modules (decode; prefill with a custom mask and the mask packing; sampling). Steps are
+    independent: ``scripts/device_kernels.sh`` runs one process per step, in parallel."""
     result: dict[str, Any] = dict(steps={})
     t_all = time.monotonic()
-    for check, build in (("paged decode", lambda: decode_peer(2, 64)),
-                         ("tree attention", lambda: tree_peer(2, 64)),
-                         ("sampling", lambda: chain_peer(2, vocab=4096))):
+    builds = {"decode": lambda: decode_peer(2, 64), "tree": lambda: tree_peer(2, 64),
+              "sampling": lambda: chain_peer(2, vocab=4096)}
+    for step in steps:
         t0 = time.monotonic()
         try:
-            peer = build()
+            peer = builds[step]()
             peer.theirs(peer.make(0))
-            if check == "sampling":  # the sampling module holds every sampling entry
+            if step == "sampling":  # the same module holds every sampling entry
                 logits_sampling_peer(2, 50, 0.9, 4096).theirs(torch.randn(2, 1, 4096,
                                                                           device="cuda"))
             torch.cuda.synchronize()
-            result["steps"][check] = dict(seconds=round(time.monotonic() - t0, 1))
+            result["steps"][step] = dict(seconds=round(time.monotonic() - t0, 1))
         except Exception as e:  # noqa: BLE001 - reported; the timed run reports it again
-            result["steps"][check] = dict(seconds=round(time.monotonic() - t0, 1),
-                                          error=f"{type(e).__name__}: {e}"[:500])
-        print(f"warm-up {check}: {result['steps'][check]}", flush=True)
+            result["steps"][step] = dict(seconds=round(time.monotonic() - t0, 1),
+                                         error=f"{type(e).__name__}: {e}"[:500])
+        print(f"warm-up {step}: {result['steps'][step]}", flush=True)
     result["seconds"] = round(time.monotonic() - t_all, 1)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "flashinfer_warmup.json").write_text(json.dumps(result, indent=1))
+    (out / f"flashinfer_warmup_{'_'.join(steps)}.json").write_text(json.dumps(result, indent=1))
     return 0
 
 
@@ -398,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="stop starting rows whose estimated time does not fit")
     p.add_argument("--warmup-only", action="store_true",
                    help="JIT-compile FlashInfer's modules (one tiny call each), then exit")
+    p.add_argument("--warmup-steps", default=",".join(WARMUP_STEPS),
+                   help=f"with --warmup-only: comma-separated among {', '.join(WARMUP_STEPS)}")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = p.parse_args(argv)
     reason = _skip_reason()
@@ -408,8 +415,11 @@ def main(argv: list[str] | None = None) -> int:
         result["skipped"] = reason
         _write(result, args.out)
         return 0
+    steps = [x for x in args.warmup_steps.split(",") if x]
+    if not steps or any(x not in WARMUP_STEPS for x in steps):
+        p.error(f"--warmup-steps takes names among {WARMUP_STEPS}, got {args.warmup_steps!r}")
     if args.warmup_only:
-        return warmup(args.out)
+        return warmup(args.out, steps)
     import flashinfer
 
     t_start = time.monotonic()

@@ -11,7 +11,8 @@
 #  2. starts FlashInfer's JIT warm-up (peers_flashinfer.py --warmup-only) in the background
 #     under setsid, so its 2-3 minutes of nvcc overlap the sweep and, if this command ends
 #     first, it carries on while the machine stays warm (the next command finds
-#     $FI_WS/warm.done and skips it); MAX_JOBS leaves a few cores to the sweep's launcher;
+#     $FI_WS/warm.done and skips it); one process per module family (decode, prefill with a
+#     custom mask, sampling), MAX_JOBS=4 nvcc jobs each: 4 of the 16 cores stay with the sweep;
 #  3. runs bench_kernels_graph.py with what is left minus $PEERS_S (default 100 s);
 #  4. waits for the warm-up (at most until $PEERS_S/2 is left), then runs peers_flashinfer.py
 #     in what is left;
@@ -51,7 +52,7 @@ fi
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FLASHINFER_WORKSPACE_BASE="$FI_WS" FLASHINFER_CUDA_ARCH_LIST=9.0a
-export FLASHINFER_DECODE_AUTO_CUDNN=0 MAX_JOBS=${MAX_JOBS:-12}
+export FLASHINFER_DECODE_AUTO_CUDNN=0 MAX_JOBS=${MAX_JOBS:-4}  # x 3 warm-up processes
 # tvm-ffi JIT-builds a small torch DLPack addon on its first import (unless torch has the
 # exchange API): cached beside FlashInfer's modules, so later commands find it too.
 export TVM_FFI_CACHE_DIR="$FI_WS/tvm-ffi"
@@ -92,10 +93,15 @@ command -v ninja >/dev/null || export PATH="$("$PY" -c 'import ninja; print(ninj
     elif [ -f "$FI_WS/warm.pid" ] && kill -0 "$(cat "$FI_WS/warm.pid")" 2>/dev/null; then
       echo "== FlashInfer JIT warm-up still running (pid $(cat "$FI_WS/warm.pid"))"
     else
-      echo "== FlashInfer JIT warm-up started in the background"
-      PYTHONPATH="$fi_site:$PYTHONPATH" setsid nohup bash -c \
-        "'$PY' benchmarks/peers_flashinfer.py --warmup-only --out '$FI_WS/warmup' \
-           > '$FI_WS/warmup.log' 2>&1; touch '$FI_WS/warm.done'" </dev/null >/dev/null 2>&1 &
+      echo "== FlashInfer JIT warm-up started in the background (decode, tree, sampling)"
+      # One process per module family, in parallel (each builds its own module; serially the
+      # three take minutes longer); warm.done once all three have ended.
+      PYTHONPATH="$fi_site:$PYTHONPATH" setsid nohup bash -c "
+        for step in decode tree sampling; do
+          '$PY' benchmarks/peers_flashinfer.py --warmup-only --warmup-steps \$step \
+            --out '$FI_WS/warmup' > '$FI_WS/warmup_'\$step.log 2>&1 &
+        done
+        wait; touch '$FI_WS/warm.done'" </dev/null >/dev/null 2>&1 &
       echo $! > "$FI_WS/warm.pid"
     fi
   fi
@@ -115,8 +121,8 @@ command -v ninja >/dev/null || export PATH="$("$PY" -c 'import ninja; print(ninj
   if [ -n "$fi_site" ]; then
     while [ ! -f "$FI_WS/warm.done" ] && (( $(left) > PEERS_S / 2 + 10 )); do sleep 2; done
     if [ -f "$FI_WS/warm.done" ]; then
-      echo "== FlashInfer warm-up done: $(cat "$FI_WS/warmup/flashinfer_warmup.json" 2>/dev/null \
-        | tr -d '\n ' | head -c 400)"
+      echo "== FlashInfer warm-up done: $(cat "$FI_WS"/warmup/flashinfer_warmup_*.json \
+        2>/dev/null | tr -d '\n ' | head -c 600)"
     else
       echo "== FlashInfer warm-up not finished; peers compile what is missing in their budget"
     fi
@@ -129,7 +135,7 @@ command -v ninja >/dev/null || export PATH="$("$PY" -c 'import ninja; print(ninj
     else
       echo "== peers: not run (${peers_s} s left)"
     fi
-    cp "$FI_WS/warmup.log" "$WORK/fi_warmup.log" 2>/dev/null
+    cp "$FI_WS"/warmup_*.log "$WORK/" 2>/dev/null
   fi
 } 2>&1 | tee "$WORK/console.txt"
 
