@@ -24,8 +24,9 @@ Groups (``--only``):
   heads), ``reshape_and_cache`` (one 8B layer's write of B x 4 tokens) and
   ``compact_kv_cache`` (3 accepted tree nodes per sequence moved in all 64 caches of 8B).
 
-Cases run most valuable first (the ones with targets); ``--budget-s`` stops starting cases
-whose estimated time no longer fits. Rows are written to ``OUT/kernels_graph.jsonl`` as they
+Cases run most valuable first (the ones with targets; within a priority the groups take
+turns); ``--budget-s`` stops starting cases whose estimated time no longer fits, and
+``--skip-from`` an earlier run's JSONL continues that run in a later command. Rows are written to ``OUT/kernels_graph.jsonl`` as they
 finish (one ``meta`` line first), and a markdown table to ``OUT/kernels_graph.md`` at the end.
 
 ``--dry``: tiny shapes on the CPU under the Triton interpreter, no graphs (the recorded call
@@ -327,10 +328,11 @@ def _moe_weights(env: Env, model: str, shape: tuple[int, int, int, int]) -> tupl
             torch.cuda.empty_cache()
         num_experts, _, hidden, inter = shape
         g = torch.Generator(device=env.device).manual_seed(0)
-        w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g, device=env.device)
-               * hidden**-0.5).to(env.dtype)
-        w2 = (torch.randn(num_experts, hidden, inter, generator=g, device=env.device)
-              * inter**-0.5).to(env.dtype)
+        # drawn in the activation dtype and scaled in place: no float32 copy of 4.8 GB
+        w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g, device=env.device,
+                          dtype=env.dtype).mul_(hidden**-0.5)
+        w2 = torch.randn(num_experts, hidden, inter, generator=g, device=env.device,
+                         dtype=env.dtype).mul_(inter**-0.5)
         env.cache[key] = (w13, w2)
     return env.cache[key]
 

@@ -407,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"with --warmup-only: comma-separated among {', '.join(WARMUP_STEPS)}")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = p.parse_args(argv)
+    steps = [x for x in args.warmup_steps.split(",") if x]
+    if not steps or any(x not in WARMUP_STEPS for x in steps):
+        p.error(f"--warmup-steps takes names among {WARMUP_STEPS}, got {args.warmup_steps!r}")
     reason = _skip_reason()
     result: dict[str, Any] = dict(device=torch.cuda.get_device_name() if reason is None
                                   else "cpu", torch=torch.__version__, rows=[])
@@ -415,9 +418,6 @@ def main(argv: list[str] | None = None) -> int:
         result["skipped"] = reason
         _write(result, args.out)
         return 0
-    steps = [x for x in args.warmup_steps.split(",") if x]
-    if not steps or any(x not in WARMUP_STEPS for x in steps):
-        p.error(f"--warmup-steps takes names among {WARMUP_STEPS}, got {args.warmup_steps!r}")
     if args.warmup_only:
         return warmup(args.out, steps)
     import flashinfer
