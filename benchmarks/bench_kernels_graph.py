@@ -26,8 +26,9 @@ Groups (``--only``):
 
 Cases run most valuable first (the ones with targets; within a priority the groups take
 turns); ``--budget-s`` stops starting cases whose estimated time no longer fits, and
-``--skip-from`` an earlier run's JSONL continues that run in a later command. Rows are written to ``OUT/kernels_graph.jsonl`` as they
-finish (one ``meta`` line first), and a markdown table to ``OUT/kernels_graph.md`` at the end.
+``--skip-from`` an earlier run's JSONL continues that run in a later command. Rows are
+written to ``OUT/kernels_graph.jsonl`` as they finish (one ``meta`` line first), and a
+markdown table to ``OUT/kernels_graph.md`` at the end.
 
 ``--dry``: tiny shapes on the CPU under the Triton interpreter, no graphs (the recorded call
 list is replayed from Python); the same cases, builders, rotation, floors and targets. CI runs
