@@ -614,7 +614,8 @@ def summary(jsonl: Path) -> str:
         if "error" in r:
             out.append(f"  ERROR {r['case']}: {r['error'][:90]}")
         elif r.get("verdict"):
-            out.append(f"  {r['verdict']:4} {r['case']:40} {r['time_us']:9.1f} us "
+            how = "" if r.get("graph_us") is not None else " EAGER (no graph)"
+            out.append(f"  {r['verdict']:4} {r['case']:40} {r['time_us']:9.1f} us{how} "
                        f"(eager {r['eager_us']:.1f}, x{r['x_floor']:.2f} floor, "
                        f"{100 * r['bw_frac']:.0f}% bw)  {r['target']}")
     verdicts = [r.get("verdict") for r in rows]
