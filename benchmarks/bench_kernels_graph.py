@@ -225,8 +225,34 @@ def _attention_builder(batch: int, ctx: int, q_len: int, mode: str,
         el = torch.tensor([], dtype=env.dtype).element_size()
         per_seq = -(-(ctx + q_len) // 16)
         copy_bytes = 2 * batch * per_seq * 16 * hkv * d * el + 2 * batch * q_len * hq * d * el
-        return Built(make, lambda copy: copy[1](), nbytes, copy_bytes)
+
+        def info(copies: list[Any]) -> dict[str, Any]:
+            return _attention_launch(copies[0][0], splits)
+
+        return Built(make, lambda copy: copy[1](), nbytes, copy_bytes, info=info)
     return build
+
+
+def _attention_launch(c: Any, splits: int | None) -> dict[str, Any]:
+    """The tile shape and split count the launcher uses for case ``c`` (from its public
+    ``tiles`` and ``default_num_splits``, as the launcher computes them), so each row says
+    which variant it timed; {"launch_error": ...} if those functions changed."""
+    try:
+        import triton
+
+        from specengine.kernels.attention import tiles
+        from specengine.kernels.attention_combine import default_num_splits
+
+        group = c.hq // c.hkv
+        t = tiles(c.q_len, group, c.head_dim, c.q.dtype == torch.float32,
+                  c.tree_mask is not None)
+        n_q_tiles = triton.cdiv(c.q_len, t.qt)
+        max_kv_tiles = triton.cdiv(c.block_tables.shape[1] * c.k_cache.shape[1], t.block_n)
+        auto = default_num_splits(c.q.device, c.batch * n_q_tiles * c.hkv, max_kv_tiles)
+        return dict(splits_used=splits if splits is not None else auto, block_m=t.block_m,
+                    block_n=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages)
+    except Exception as e:  # noqa: BLE001 - a description of the launch, never fatal
+        return dict(launch_error=f"{type(e).__name__}: {e}"[:200])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -579,7 +605,10 @@ def markdown(meta: dict, rows: list[dict], skipped: list[str]) -> str:
             lines.append(f"| {r['case']} | error | | | | | | {r['error'][:80]} | ERROR |")
             continue
         graph = fmt(r["graph_us"], ".1f") + ("*" if r.get("graph_error") else "")
-        lines.append(f"| {r['case']} | {graph} | {r['eager_us']:.1f} | {r['floor_us']:.1f} | "
+        name = r["case"]
+        if "splits_used" in r:  # the attention variant the launcher ran
+            name += f" [S={r['splits_used']} {r['block_m']}x{r['block_n']}]"
+        lines.append(f"| {name} | {graph} | {r['eager_us']:.1f} | {r['floor_us']:.1f} | "
                      f"{r['x_floor']:.2f} | {100 * r['bw_frac']:.0f} | "
                      f"{r['copies']} x {r['calls']} | {r.get('target', '')} | "
                      f"{r.get('verdict', '')} |")

@@ -109,11 +109,21 @@ def test_targets_are_judged_from_the_rows(dry):
     assert "verdict" not in rows["reshape_and_cache B=1 x4"]  # no target there
 
 
+def test_attention_rows_name_the_launch_they_timed(dry):
+    _, rows, _ = dry
+    for r in rows.values():
+        if r["group"] == "attention":
+            assert "launch_error" not in r, r["launch_error"]
+            assert r["block_m"] >= 16 and r["block_n"] >= 16 and r["num_stages"] >= 1
+    assert rows["attention decode B=1 ctx=40 splits=2"]["splits_used"] == 2
+    assert rows["attention decode B=1 ctx=40"]["splits_used"] == 1  # the CPU never splits
+
+
 def test_table_and_summary(dry):
     _, rows, out = dry
     table = (out / "kernels_graph.md").read_text()
     for name in rows:
-        assert f"| {name} |" in table
+        assert f"| {name} " in table
     text = bkg.summary(out / "kernels_graph.jsonl")
     judged = [n for n, r in rows.items() if r.get("verdict")]
     assert judged and all(n in text for n in judged)
