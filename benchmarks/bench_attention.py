@@ -51,15 +51,18 @@ class Case:
     """Inputs of one configuration, shared by the kernel and the baselines."""
 
     def __init__(self, batch: int, ctx: int, q_len: int, mode: str, block_size: int,
-                 dtype: torch.dtype, device: str, seed: int = 0) -> None:
+                 dtype: torch.dtype, device: str, seed: int = 0,
+                 heads: tuple[int, int, int] = (HQ, HKV, HEAD_DIM)) -> None:
         from specengine.kernels import reference
 
         g = torch.Generator().manual_seed(seed)
         self.batch, self.ctx, self.q_len, self.mode = batch, ctx, q_len, mode
+        self.hq, self.hkv, self.head_dim = heads  # q heads, kv heads, head_dim
+        hq, hkv, head_dim = heads
         kv_len = ctx + q_len
         per_seq = -(-kv_len // block_size)
         num_blocks = batch * per_seq
-        self.k_cache = torch.randn(num_blocks, block_size, HKV, HEAD_DIM, dtype=dtype,
+        self.k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, dtype=dtype,
                                    device=device)
         self.v_cache = torch.randn_like(self.k_cache)
         perm = torch.randperm(num_blocks, generator=g).to(device=device, dtype=torch.int32)
@@ -67,7 +70,7 @@ class Case:
         self.context_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
         self.qo_indptr = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32,
                                       device=device)
-        self.q = torch.randn(batch * q_len, HQ, HEAD_DIM, dtype=dtype, device=device)
+        self.q = torch.randn(batch * q_len, hq, head_dim, dtype=dtype, device=device)
         if mode == "tree":
             self.dense = reference.random_tree_mask(q_len, g, max_depth=8).to(device)  # [n, n]
             packed = reference.pack_tree_mask(self.dense)
@@ -75,14 +78,14 @@ class Case:
         else:
             self.dense = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
             self.tree_mask = None
-        self.scale = HEAD_DIM**-0.5
+        self.scale = head_dim**-0.5
         # Full mask over keys [q_len, ctx + q_len]: whole context, then the causal/tree part.
         self.full_mask = torch.cat(
             [torch.ones(q_len, ctx, dtype=torch.bool, device=device), self.dense], dim=1)
 
     def bytes_moved(self) -> int:
         el = self.k_cache.element_size()
-        kv = 2 * self.batch * (self.ctx + self.q_len) * HKV * HEAD_DIM * el
+        kv = 2 * self.batch * (self.ctx + self.q_len) * self.hkv * self.head_dim * el
         qo = 2 * self.q.numel() * el
         return kv + qo
 
@@ -92,12 +95,12 @@ class Case:
         kv_len = self.ctx + self.q_len
         t = torch.arange(kv_len, device=self.q.device)
         slots = self.block_tables.long()[:, t // bs] * bs + t % bs  # [B, L]
-        k = self.k_cache.view(-1, HKV, HEAD_DIM)[slots].transpose(1, 2)
-        v = self.v_cache.view(-1, HKV, HEAD_DIM)[slots].transpose(1, 2)
+        k = self.k_cache.view(-1, self.hkv, self.head_dim)[slots].transpose(1, 2)
+        v = self.v_cache.view(-1, self.hkv, self.head_dim)[slots].transpose(1, 2)
         return k, v
 
     def q_dense(self) -> torch.Tensor:  # [B, Hq, q_len, D]
-        return self.q.view(self.batch, self.q_len, HQ, HEAD_DIM).transpose(1, 2)
+        return self.q.view(self.batch, self.q_len, self.hq, self.head_dim).transpose(1, 2)
 
 
 def run_triton(c: Case, num_splits: int | None):

@@ -32,13 +32,19 @@ import torch
 from tqdm import tqdm
 
 
-def inputs(bsz: int, k: int, vocab: int, with_q: bool, top_p: float, device: str):
-    g = torch.Generator(device=device).manual_seed(0)
-    logits = torch.randn(bsz, k + 1, vocab, device=device, generator=g) * 3
-    q = torch.softmax(logits[:, :-1] + 0.5, -1) if with_q else None
-    drafts = logits[:, :-1].argmax(-1)
+def inputs(bsz: int, k: int, vocab: int, with_q: bool, top_p: float, device: str, *,
+           dtype: torch.dtype = torch.float32, top_k: int = -1, seed: int = 0) -> tuple:
+    """``rejection_sample``'s positional arguments for ``bsz`` chains of ``k`` drafts: logits
+    ``[B, k+1, V]`` in ``dtype`` (drawn in float32), draft probabilities when ``with_q``, every
+    row sampled at temperature 1 with ``top_k`` / ``top_p``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits32 = torch.randn(bsz, k + 1, vocab, device=device, generator=g) * 3
+    q = torch.softmax(logits32[:, :-1] + 0.5, -1) if with_q else None
+    drafts = logits32[:, :-1].argmax(-1)
+    logits = logits32.to(dtype)
+    del logits32
     return (logits, drafts, torch.full((bsz,), k, dtype=torch.int32, device=device), q,
-            torch.ones(bsz, device=device), torch.full((bsz,), -1, dtype=torch.int32,
+            torch.ones(bsz, device=device), torch.full((bsz,), top_k, dtype=torch.int32,
                                                         device=device),
             torch.full((bsz,), top_p, device=device),
             torch.arange(bsz, dtype=torch.int64, device=device),
