@@ -290,7 +290,8 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
             raise HTTPException(503, "the engine thread is not running")
         if state.draining:
             raise HTTPException(503, "the server is shutting down")
-        return json_response({"status": "ok", "num_unfinished": engine.num_unfinished})
+        return json_response({"status": "ok", "num_unfinished": engine.num_unfinished,
+                              "weight_version": engine.engine.weight_version})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -52,7 +52,7 @@ from specengine.model.config import CheckpointError
 from specengine.model.loader import check_entries, format_errors
 from specengine.model.weight_names import hf_named_tensors
 from specengine.weights.finite import check_finite_tensors
-from specengine.weights.group import nccl_errors_not_fatal
+from specengine.weights.group import nccl_errors_not_fatal, store_gone
 from specengine.weights.protocol import MAX_TIMEOUT_S, MAX_WORLD_SIZE, WeightSyncError
 from specengine.weights.receiver import check_allowed, load_in_process, update_target
 
@@ -121,6 +121,7 @@ class NamedGroup:
             store, rank, world_size = next(c10d.rendezvous(
                 f"tcp://{host}:{master_port}", rank, world_size, timeout=self.timeout))
             store.set_timeout(self.timeout)
+            self._store = store  # the learner's: probed by learner_gone
             store = dist.PrefixStore(group_name, store)
             # torch renamed pg_options to backend_options (2.6); pass whichever it takes.
             params = inspect.signature(c10d._new_process_group_helper).parameters
@@ -157,6 +158,10 @@ class NamedGroup:
             raise WeightSyncError(f"receiving from the learner over group {self.name!r} "
                                   f"failed (a dead learner, or the "
                                   f"{self.timeout.total_seconds():g} s timeout): {e}") from e
+
+    def learner_gone(self) -> str:
+        """Why the learner (rank 0, which hosts the store) is gone; "" while it answers."""
+        return store_gone(getattr(self, "_store", None), self.timeout)
 
     def close(self) -> None:
         """Leave and unregister the group (idempotent)."""
