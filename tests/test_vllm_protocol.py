@@ -14,12 +14,20 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
-from server_helpers import bundled_engine, post_json, running_server
+import torch
+from net_helpers import Background, free_port
+from safetensors.torch import load_file
+from server_helpers import WAIT_S, bundled_engine, post_json, running_server
 
 from specengine import AsyncSpecEngine, SamplingParams, SpecEngine
+from specengine.assets import DEFAULT_TARGET
 from specengine.server.serve import RolloutServer
+from specengine.weights.group import WeightGroup
+from specengine.weights.vllm_receiver import chunks
 
 vllm_client = pytest.importorskip("trl.generation.vllm_client")
 PROMPTS = [[5, 6, 7], [5, 6, 8, 9]]
@@ -109,3 +117,99 @@ def test_world_size_server_info_and_prefix_cache_reset(trl_client, server, aeng)
     with pytest.raises(RuntimeError, match="no weight-transfer engine"):
         trl_client.init_communicator(device="cpu")
     assert json.loads(json.dumps(info))  # plain JSON
+
+
+# ---- vLLM's weight-transfer endpoints, a gloo learner that packs as vLLM's producer -------
+def packed_producer(group: object, tensors: list[tuple[str, torch.Tensor]],
+                    buffer_bytes: int) -> int:
+    """The learner's side as vLLM's ``packed_nccl_broadcast_producer`` lays it out (written
+    from its description): consecutive tensors' bytes end to end, a chunk broadcast once its
+    size exceeds ``buffer_bytes``. Returns how many chunks were sent."""
+    pending: list[torch.Tensor] = []
+    total, sent = 0, 0
+    for i, (_, t) in enumerate(tensors):
+        pending.append(t.contiguous().view(torch.uint8).view(-1))
+        total += pending[-1].numel()
+        if total > buffer_bytes or i == len(tensors) - 1:
+            group.broadcast(torch.cat(pending), 0)  # type: ignore[attr-defined]
+            pending, total, sent = [], 0, sent + 1
+    return sent
+
+
+def new_weights(seed: int) -> dict[str, torch.Tensor]:
+    sd = load_file(str(Path(DEFAULT_TARGET) / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    return {n: t + 0.05 * torch.randn(t.shape, generator=gen) if ".mlp." in n else t
+            for n, t in sd.items()}
+
+
+def announce(tensors: list[tuple[str, torch.Tensor]], **extra: object) -> dict[str, Any]:
+    return {"update_info": {
+        "names": [n for n, _ in tensors],
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+        "shapes": [list(t.shape) for _, t in tensors], **extra}}
+
+
+def test_weight_transfer_packed_and_unpacked_between_start_and_finish(reference) -> None:
+    eng = AsyncSpecEngine(bundled_engine())  # its own: the weights change
+    try:
+        with running_server(eng, default_k=3) as (srv, client):
+            port = srv.port
+            master = free_port()
+            learner = Background(lambda: WeightGroup("127.0.0.1", master, 0, 2, "gloo",
+                                                     WAIT_S))
+            status, answer = post_json(port, "/init_weight_transfer_engine", {"init_info": {
+                "master_address": "127.0.0.1", "master_port": master, "rank_offset": 1,
+                "world_size": 2, "packed": True, "backend": "gloo"}})
+            assert status == 200, answer
+            group = learner.result()
+            # a second learner while this one answers: refused now, never a rendezvous hang
+            status, answer = post_json(port, "/init_weight_transfer_engine", {"init_info": {
+                "master_address": "127.0.0.1", "master_port": free_port(),
+                "world_size": 2, "backend": "gloo"}})
+            assert status == 409 and "still answers" in answer["error"], answer
+
+            new = list(new_weights(seed=21).items())
+            half = len(new) // 2
+            assert post_json(port, "/start_weight_update", {})[0] == 200
+            buffer = 64 * 1024  # small: the first half goes in several chunks
+            call = Background(lambda: post_json(port, "/update_weights", announce(
+                new[:half], packed=True, packed_buffer_size_bytes=buffer)))
+            assert packed_producer(group, new[:half], buffer) > 1
+            status, answer = call.result()  # type: ignore[misc]
+            assert status == 200 and answer["received"] == half, answer
+            assert client.weight_version() == 0  # nothing lands before finish
+            call = Background(lambda: post_json(port, "/update_weights", announce(
+                new[half:], packed=False)))
+            for _, t in new[half:]:
+                group.broadcast(t.contiguous(), 0)
+            assert call.result()[0] == 200  # type: ignore[index]
+            status, answer = post_json(port, "/finish_weight_update", {})
+            assert status == 200 and answer["weight_version"] == 1, answer
+            assert client.weight_version() == 1
+
+            prompt = [5, 6, 7]
+            status, out = post_json(port, "/v1/completions", {
+                "prompt": prompt, "max_tokens": 12, "temperature": 0.0, "logprobs": 0,
+                "return_token_ids": True})
+            assert status == 200, out
+            reference.load_weights(dict(new))
+            try:
+                want = reference.generate([prompt], k=3, sampling=SamplingParams(
+                    temperature=0.0, max_tokens=12))[0]
+            finally:
+                reference.load_weights(load_file(str(Path(DEFAULT_TARGET) /
+                                                     "model.safetensors")))
+            choice = out["choices"][0]
+            assert choice["token_ids"] == list(want.token_ids)
+            assert choice["logprobs"]["token_logprobs"] == pytest.approx(
+                list(want.logprobs), abs=1e-4)
+            group.close()
+    finally:
+        asyncio.run(eng.close())
+
+
+def test_chunks_close_once_the_buffer_is_exceeded() -> None:
+    assert chunks([4, 4, 4, 4], 8) == [[0, 1, 2], [3]]
+    assert chunks([10, 1], 8) == [[0], [1]]
+    assert chunks([1, 1], 8) == [[0, 1]]

@@ -727,4 +727,8 @@ def mount(app: FastAPI) -> None:
         return json_response({"status": "ok", "weight_version": out.weight_version})
 
 
-__all__ = ["finish_reason", "mount", "sglang_result"]
+#: the body readers, for the other native dialects' routes (``vllm_api``)
+read_json_body = _json_body
+parse_body = _parse
+
+__all__ = ["finish_reason", "mount", "parse_body", "read_json_body", "sglang_result"]

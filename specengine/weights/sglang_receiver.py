@@ -178,7 +178,7 @@ def _numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
-def _drain_limit(engine: SpecEngine) -> int:
+def drain_limit(engine: SpecEngine) -> int:
     module, _ = update_target(engine, "policy")
     largest = max((t.nbytes for t in hf_named_tensors(module).values()), default=0)
     return max(DRAIN_FACTOR * largest, MIN_DRAIN_BYTES)
@@ -198,7 +198,7 @@ def stage_broadcast_update(engine: SpecEngine, group: NamedGroup, names: Sequenc
     if group.out_of_step:
         raise WeightSyncError(f"weight-update group {group.name!r} is out of step "
                               f"({group.out_of_step}): destroy it and init a new one")
-    meta, why = _sizes(names, dtypes, shapes, _drain_limit(engine))
+    meta, why = announced_sizes(names, dtypes, shapes, drain_limit(engine))
     if why:  # nothing can be drained: the learner's next broadcast lands nowhere
         group.out_of_step = f"an update that could not be drained was refused: {why}"
         raise ValueError(f"update refused and not drained, the group {group.name!r} is now "
@@ -228,7 +228,7 @@ def stage_broadcast_update(engine: SpecEngine, group: NamedGroup, names: Sequenc
     return lambda e: load_in_process(e, received, "policy", version, check_finite=False)
 
 
-def _sizes(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+def announced_sizes(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
            limit: int) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], str]:
     """``(name, dtype, shape)`` of each announced tensor, or why their sizes are unknown."""
     if not len(names) == len(dtypes) == len(shapes):
