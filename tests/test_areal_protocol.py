@@ -67,6 +67,13 @@ def reference() -> SpecEngine:
     return bundled_engine()
 
 
+@pytest.fixture(scope="module")
+def shared() -> Iterator[int]:
+    """One server for the tests that change no weights."""
+    with serve_process() as (_, port, _log):
+        yield port
+
+
 @pytest.fixture
 def port() -> Iterator[int]:
     """A ``specengine serve`` process of its own (these tests change its weights; and the
@@ -132,7 +139,8 @@ def test_recording_is_areals_whole_sequence() -> None:
     assert versions == sorted(versions) and set(versions) == {0, 1}
 
 
-def test_rollout_bodies_as_areal_sends_them(port, reference) -> None:
+def test_rollout_bodies_as_areal_sends_them(shared, reference) -> None:
+    port = shared
     for body in recorded("/generate")[:3]:
         status, out = post_json(port, "/generate", body)
         assert status == 200, out
@@ -158,8 +166,9 @@ REFUSED = [  # (field, value): known to SGLang, asking for what this engine cann
 ]
 
 
-def test_sglang_fields_at_their_default_pass_and_others_are_refused_by_name(port
+def test_sglang_fields_at_their_default_pass_and_others_are_refused_by_name(shared
                                                                             ) -> None:
+    port = shared
     body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}
     status, out = post_json(port, "/generate", {
         **body, "image_data": None, "lora_path": None, "return_hidden_states": False,
@@ -176,7 +185,8 @@ def test_sglang_fields_at_their_default_pass_and_others_are_refused_by_name(port
     assert status == 400 and "mode 'in_place' is not supported" in answer["error"], answer
 
 
-def test_skip_special_tokens_false_keeps_them_in_the_text(port, reference) -> None:
+def test_skip_special_tokens_false_keeps_them_in_the_text(shared, reference) -> None:
+    port = shared
     tok = reference.tokenizer
     body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 30,
                                                          "temperature": 0.0}}
