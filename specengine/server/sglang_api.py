@@ -76,6 +76,9 @@ M = TypeVar("M", bound=BaseModel)
 #: how long a weight operation waits for another one to finish before it is refused (a
 #: learner that broadcasts must not hang behind a checkpoint load)
 LOCK_WAIT_S = 600.0
+#: how long /pause_generation retries the abort of a request its handler has not yet handed
+#: to the engine (it is there within a step or a tokenization)
+PAUSE_ABORT_WAIT_S = 5.0
 
 
 @dataclasses.dataclass
@@ -557,9 +560,26 @@ def mount(app: FastAPI) -> None:
         raw = await _json_body(request)
         _parse(PauseGenerationRequest, {} if raw is None else raw)
         resumed.clear()  # first: a request arriving from now on waits
-        aborted = await state.abort_all()
+        aborted = await abort_in_flight()
         return _success(f"generation paused; {aborted} requests in flight aborted",
                         num_aborted=aborted)
+
+    async def abort_in_flight() -> int:
+        """Abort every request in flight, also one whose handler has not handed it to the
+        engine yet (its abort is retried until it is there, or it left), for up to
+        PAUSE_ABORT_WAIT_S. Returns how many were aborted."""
+        aborted: set[str] = set()
+        deadline = time.monotonic() + PAUSE_ABORT_WAIT_S
+        while True:
+            pending = [rid for rid in state.live if rid not in aborted]
+            for rid in pending:
+                with contextlib.suppress(ValueError):  # not in the engine yet, or finished
+                    await aeng.abort(rid)
+                    aborted.add(rid)
+            if not [rid for rid in state.live if rid not in aborted] or \
+                    time.monotonic() > deadline:
+                return len(aborted)
+            await asyncio.sleep(0.005)
 
     @app.post("/continue_generation")
     async def continue_generation(request: Request) -> Response:
@@ -572,7 +592,7 @@ def mount(app: FastAPI) -> None:
         """SGLang's ``abort_all_requests``: end the requests in flight (finish reason
         ``abort``) before the update."""
         if body.abort_all_requests:
-            n = await state.abort_all()
+            n = await abort_in_flight()
             logger.info("aborted %d requests before a weight update", n)
 
     # ---- weights ---------------------------------------------------------------------
