@@ -167,7 +167,13 @@ class SpecEngineClient:
 
     # ---- state ---------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
+        """``GET /health``: ``status``, ``num_unfinished``, ``weight_version``."""
         return self._call("GET", "/health", None)
+
+    def weight_version(self) -> int:
+        """The engine's current weight version (a restarted learner resumes from it, or
+        sends ``version=None``: the next one)."""
+        return int(self.health()["weight_version"])
 
     def metrics(self) -> str:
         """The Prometheus text exposition of ``GET /metrics``."""

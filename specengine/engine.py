@@ -481,15 +481,28 @@ class SpecEngine:
         """:meth:`init_weight_update_group` in two parts: this one (safe beside ``step()``, on
         any thread) waits for the rendezvous (``WeightSyncError`` once ``timeout_s`` has
         passed); the commit (:meth:`commit_staged`) makes the engine a member. Under tensor
-        parallelism the ranks join in the commit."""
+        parallelism the ranks join in the commit. A group whose learner is gone (a restarted
+        trainer) is replaced by the new one once it is joined; one whose learner still
+        answers is kept and the join refused at once (``RuntimeError``), naming why."""
         def stage() -> tuple[Callable[[SpecEngine], None], Callable[[], None] | None]:
-            if self._weight_receiver is not None:
-                raise RuntimeError("already in a weight-update group: "
-                                   "close_weight_update_group()")
+            old = self._weight_receiver
+            if old is not None:
+                probe = getattr(old, "learner_gone", None)  # tensor parallelism: no probe
+                gone = probe() if probe is not None else ""
+                if not gone:
+                    raise RuntimeError("already in a weight-update group whose learner still "
+                                       "answers: close_weight_update_group() first")
+                logger.warning("the weight-update group's learner is gone (%s): the new group "
+                               "replaces it once joined", gone)
+
+            def drop_old() -> None:
+                if old is not None:
+                    old.close()
             if self.tp is not None:  # every rank joins, as ranks rank..rank+N-1
                 from specengine.distributed.tp_weights import TPWeightReceiver
 
                 def join_tp(e: SpecEngine) -> None:
+                    drop_old()
                     e._weight_receiver = TPWeightReceiver(  # type: ignore[assignment]
                         e.tp, master_address, master_port, rank, world_size, backend,
                         timeout_s, e.device)
@@ -498,6 +511,7 @@ class SpecEngine:
                                       backend, timeout_s, self.device)
 
             def attach(e: SpecEngine) -> None:
+                drop_old()
                 e._weight_receiver = receiver
             return attach, receiver.close
 

@@ -89,7 +89,9 @@ def test_greedy_completion_equals_generate(served, aeng, prompt) -> None:
     assert choice.prompt_token_ids == PROMPT_IDS
     # the logprob of every sampled token, exactly the engine's (JSON floats round-trip)
     assert choice.logprobs.token_logprobs == list(want.logprobs)
-    assert choice.logprobs.top_logprobs is None
+    # vLLM's shape for logprobs=0: per token a one-entry {token: logprob}, the sampled one
+    assert choice.logprobs.top_logprobs == [{t: lp} for t, lp in zip(
+        choice.logprobs.tokens, want.logprobs)]
     assert choice.logprobs.tokens == list(want.text) + ["<eos>"]
     assert choice.logprobs.text_offset == list(range(len(want.token_ids)))
     assert choice.weight_version == 0 and choice.token_weight_versions == [0] * len(

@@ -44,6 +44,7 @@ from specengine.server.schemas import (
 )
 from specengine.server.sglang_api import mount as mount_sglang
 from specengine.server.streams import EventStream, unless_disconnected
+from specengine.server.vllm_api import mount as mount_vllm
 from specengine.weights.staged import StagedUpdate
 
 logger = logging.getLogger(__name__)
@@ -290,7 +291,8 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
             raise HTTPException(503, "the engine thread is not running")
         if state.draining:
             raise HTTPException(503, "the server is shutting down")
-        return json_response({"status": "ok", "num_unfinished": engine.num_unfinished})
+        return json_response({"status": "ok", "num_unfinished": engine.num_unfinished,
+                              "weight_version": engine.engine.weight_version})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -303,6 +305,7 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
     # SGLang's native API and n > 1 on /generate (GRPO groups); it takes over /generate and
     # /update_weights_from_distributed, serving our bodies through the routes above.
     mount_sglang(app)
+    mount_vllm(app)  # /get_world_size, /server_info, /reset_prefix_cache
     return app
 
 

@@ -87,6 +87,8 @@ class ServerMetrics:
                              registry=r)
         self.waiting = Gauge(p + "num_requests_waiting",
                              "Sequences waiting for prefill (new or preempted)", registry=r)
+        self.paused_waiting = Gauge(p + "num_requests_paused", "Requests waiting for "
+                                    "/continue_generation (generation paused)", registry=r)
         self.weight_version = Gauge(p + "weight_version", "Version of the engine's weights",
                                     registry=r)
         self.kv_total = Gauge(p + "kv_blocks_total", "KV cache blocks", ["cache"], registry=r)

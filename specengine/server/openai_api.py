@@ -464,12 +464,13 @@ class OpenAIServer:
         for t in tokens:
             offsets.append(at)
             at += len(t)
-        top = None
         if out.top_logprobs:
             # OpenAI's legacy shape: per token {text: logprob} of the N most likely and the
             # emitted token (as vLLM: the emitted one is kept even when it is not in the top N)
             top = [dict(zip(self.token_texts(alt, body.return_tokens_as_token_ids),
                             alt.values())) for alt in out.top_logprobs]
+        else:  # logprobs=0: as vLLM, one entry per token, the emitted one
+            top = [{t: lp} for t, lp in zip(tokens, out.logprobs)]
         return {"tokens": tokens, "token_logprobs": list(out.logprobs), "top_logprobs": top,
                 "text_offset": offsets}
 

@@ -15,11 +15,19 @@
   ``f"{request_id}-{i}"``) and streams every sample's step events.
 - SGLang's weight endpoints: ``/init_weights_update_group``, ``/update_weights_from_distributed``
   (a body with ``names``; ours otherwise), ``/destroy_weights_update_group``,
-  ``/update_weights_from_disk``; and ``/flush_cache``, ``/abort_request``, ``/get_model_info``,
-  ``/health_generate``. Weight operations wait in a worker thread (rendezvous, transfer,
-  reading a checkpoint: ``specengine.weights.sglang_receiver``) while the engine keeps
-  stepping, and commit between two steps; they answer SGLang's ``{"success", "message"}``
-  (errors also carry ``"error"``, as every error of this server).
+  ``/update_weights_from_disk`` (``abort_all_requests`` honoured: the requests in flight end
+  first, with finish reason ``abort``); and ``/flush_cache``, ``/abort_request``,
+  ``/get_model_info``, ``/health_generate``.
+- ``/pause_generation`` (SGLang's ``abort`` mode: the requests in flight end with finish
+  reason ``abort`` and their tokens so far, and new ``/generate`` requests wait) and
+  ``/continue_generation`` (the waiting ones start). An asynchronous trainer (AReaL) pauses,
+  updates and continues, and resubmits each aborted request's prompt plus its tokens so far:
+  no token is lost, and every token it got before the pause is of the old weights.
+
+Weight operations wait in a worker thread (rendezvous, transfer, reading a checkpoint:
+``specengine.weights.sglang_receiver``) while the engine keeps stepping, and commit between
+two steps; they answer SGLang's ``{"success", "message"}`` (errors also carry ``"error"``, as
+every error of this server).
 """
 
 from __future__ import annotations
@@ -49,11 +57,14 @@ from specengine.server.schemas import GenerateRequest, UpdateWeightsFromDistribu
 from specengine.server.sglang_schemas import (
     UNION_TAGS,
     AbortRequestSGLang,
+    ContinueGenerationRequest,
     GroupNameRequest,
     InitWeightsUpdateGroupRequest,
+    PauseGenerationRequest,
     SGLangGenerateRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedSGLang,
+    sglang_generate_body,
 )
 from specengine.server.streams import EventStream, unless_disconnected
 from specengine.weights.sglang_receiver import NamedGroup, stage_broadcast_update
@@ -65,6 +76,9 @@ M = TypeVar("M", bound=BaseModel)
 #: how long a weight operation waits for another one to finish before it is refused (a
 #: learner that broadcasts must not hang behind a checkpoint load)
 LOCK_WAIT_S = 600.0
+#: how long /pause_generation retries the abort of a request its handler has not yet handed
+#: to the engine (it is there within a step or a tokenization)
+PAUSE_ABORT_WAIT_S = 5.0
 
 
 @dataclasses.dataclass
@@ -208,11 +222,12 @@ def meta_info(rid: str, prompt_len: int | None, ids: list[int], logprobs: list[f
     return meta
 
 
-def sglang_result(rid: str, out: GenerationOutput, return_logprob: bool, top_n: int = 0
-                  ) -> dict[str, Any]:
-    """``top_n``: the request's ``top_logprobs_num`` (``SamplingParams.logprobs``)."""
+def sglang_result(rid: str, out: GenerationOutput, return_logprob: bool, top_n: int = 0,
+                  text: str | None = None) -> dict[str, Any]:
+    """``top_n``: the request's ``top_logprobs_num`` (``SamplingParams.logprobs``);
+    ``text``: in place of ``out.text`` (decoded with the special tokens)."""
     ids = list(out.token_ids)
-    return {"text": out.text, "output_ids": ids,
+    return {"text": out.text if text is None else text, "output_ids": ids,
             "meta_info": meta_info(rid, len(out.prompt_token_ids), ids,
                                    list(out.logprobs) if return_logprob else None, out,
                                    out.weight_version, top_n)}
@@ -272,6 +287,8 @@ _BODIES: dict[str, Any] = {
     "/destroy_weights_update_group": GroupNameRequest,
     "/update_weights_from_disk": UpdateWeightsFromDiskRequest,
     "/abort_request": AbortRequestSGLang,
+    "/pause_generation": PauseGenerationRequest,
+    "/continue_generation": ContinueGenerationRequest,
 }
 
 
@@ -303,6 +320,10 @@ def mount(app: FastAPI) -> None:
     native_update = _native_endpoint(app, "/update_weights_from_distributed")
     groups: dict[str, NamedGroup] = {}
     app.state.sglang_groups = groups
+    # set while generation runs; cleared by /pause_generation (new requests wait on it)
+    resumed = asyncio.Event()
+    resumed.set()
+    app.state.sglang_resumed = resumed
     _document_bodies(app)
 
     async def on_engine(fn: Callable[[SpecEngine], T]) -> T:
@@ -347,9 +368,12 @@ def mount(app: FastAPI) -> None:
     async def generate(request: Request) -> Response:
         body = await _json_body(request)
         if _is_sglang_generate(body):
-            return await sglang_generate(_parse(SGLangGenerateRequest, body), request)
+            return await sglang_generate(_parse(SGLangGenerateRequest,
+                                                sglang_generate_body(dict(body))), request)
         native = _parse(GenerateRequest, body, status=422)
         n = native.sampling_params.n if native.sampling_params else None
+        if not await unpaused(request):
+            return Response(status_code=499)
         if n is None or n == 1:
             return await native_generate(native, request)
         return await native_group(native, request)
@@ -357,6 +381,19 @@ def mount(app: FastAPI) -> None:
     def check_open() -> None:
         if state.draining:
             raise HTTPException(503, "the server is shutting down: no new requests")
+
+    async def unpaused(request: Request) -> bool:
+        """Wait while generation is paused; False if the client left meanwhile."""
+        if resumed.is_set():
+            return True
+        state.metrics.paused_waiting.inc()
+        try:
+            done, _ = await unless_disconnected(resumed.wait(), request)
+        finally:
+            state.metrics.paused_waiting.dec()
+        if not done:
+            state.metrics.disconnects.inc()
+        return done
 
     async def native_group(body: GenerateRequest, request: Request) -> Response:
         check_open()
@@ -446,6 +483,10 @@ def mount(app: FastAPI) -> None:
     async def sglang_generate(body: SGLangGenerateRequest, request: Request) -> Response:
         check_open()
         per = body.per_prompt()
+        skips = body.skip_special_tokens()
+        if not await unpaused(request):
+            return Response(status_code=499)
+        check_open()
         k = state.default_k if body.k is None else body.k
         k_max = state.default_k_max if body.k_max is None else body.k_max
         jobs = [Job(rid or f"sgl-{uuid.uuid4().hex}", prompt, params, k, k_max)
@@ -456,7 +497,8 @@ def mount(app: FastAPI) -> None:
             outs = await run_jobs(jobs, request)
             if isinstance(outs, Response):
                 return outs
-            results = [sglang_result(rid, o, logprob[i], job.params.logprobs or 0)
+            results = [sglang_result(rid, o, logprob[i], job.params.logprobs or 0,
+                                     final_text(o, job.params, skips[i]))
                        for i, job in enumerate(jobs) for rid, o in zip(job.sample_ids, outs[i])]
             return json_response(results if listed else results[0])
         # Streamed as SGLang does by default: every chunk carries the text and ids so far.
@@ -476,12 +518,13 @@ def mount(app: FastAPI) -> None:
                 ids.clear()  # a restart (a policy-lag reset) voids what came before
                 stops = jobs[i].params.stop
                 texts[out.request_id] = IncrementalText(
-                    tok, True, max(map(len, stops)) - 1 if stops else 0)
+                    tok, skips[i], max(map(len, stops)) - 1 if stops else 0)
             ids.extend(out.new_token_ids)
             final = out.output
             if final is not None:
                 chunk = sglang_result(out.request_id, final, logprob[i],
-                                      jobs[i].params.logprobs or 0)
+                                      jobs[i].params.logprobs or 0,
+                                      final_text(final, jobs[i].params, skips[i]))
             else:
                 texts[out.request_id].push(out.new_token_ids)
                 text = None if tok is None else texts[out.request_id].text
@@ -496,6 +539,62 @@ def mount(app: FastAPI) -> None:
             return chunk
         return await stream_jobs(jobs, request, sglang_event)
 
+    def final_text(out: GenerationOutput, params: SamplingParams, skip: bool) -> str | None:
+        """The text with the special tokens (``skip_special_tokens`` false), cut where the
+        engine's was (before a matched stop string, or after it with ``no_stop_trim``); None
+        keeps the engine's text."""
+        tok = aeng.engine.tokenizer
+        if skip or tok is None or out.text is None:
+            return None
+        full = tok.tokenizer.decode(list(out.token_ids), skip_special_tokens=False)
+        if isinstance(out.stop_reason, str):
+            at = full.find(out.stop_reason)
+            if at >= 0:
+                keep = len(out.stop_reason) if params.include_stop_str_in_output else 0
+                full = full[:at + keep]
+        return full
+
+    # ---- pause / continue --------------------------------------------------------------
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Response:
+        raw = await _json_body(request)
+        _parse(PauseGenerationRequest, {} if raw is None else raw)
+        resumed.clear()  # first: a request arriving from now on waits
+        aborted = await abort_in_flight()
+        return _success(f"generation paused; {aborted} requests in flight aborted",
+                        num_aborted=aborted)
+
+    async def abort_in_flight() -> int:
+        """Abort every request in flight, also one whose handler has not handed it to the
+        engine yet (its abort is retried until it is there, or it left), for up to
+        PAUSE_ABORT_WAIT_S. Returns how many were aborted."""
+        aborted: set[str] = set()
+        deadline = time.monotonic() + PAUSE_ABORT_WAIT_S
+        while True:
+            pending = [rid for rid in state.live if rid not in aborted]
+            for rid in pending:
+                with contextlib.suppress(ValueError):  # not in the engine yet, or finished
+                    await aeng.abort(rid)
+                    aborted.add(rid)
+            if not [rid for rid in state.live if rid not in aborted] or \
+                    time.monotonic() > deadline:
+                return len(aborted)
+            await asyncio.sleep(0.005)
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> Response:
+        raw = await _json_body(request)
+        _parse(ContinueGenerationRequest, {} if raw is None else raw)
+        resumed.set()
+        return _success("generation continues")
+
+    async def abort_all_first(body: Any) -> None:
+        """SGLang's ``abort_all_requests``: end the requests in flight (finish reason
+        ``abort``) before the update."""
+        if body.abort_all_requests:
+            n = await abort_in_flight()
+            logger.info("aborted %d requests before a weight update", n)
+
     # ---- weights ---------------------------------------------------------------------
     def refused(exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else status_for(exc)
@@ -505,12 +604,30 @@ def mount(app: FastAPI) -> None:
             logger.error("weight operation failed", exc_info=exc)
         return json_response({"success": False, "message": message, "error": message}, status)
 
+    def drop_group(name: str, group: NamedGroup) -> None:
+        if groups.get(name) is group:
+            del groups[name]
+        group.close()
+
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> Response:
         body = _parse(InitWeightsUpdateGroupRequest, await _json_body(request))
-        if body.group_name in groups:
-            raise HTTPException(409, f"weight-update group {body.group_name!r} exists: destroy "
-                                "it first (/destroy_weights_update_group)")
+        old = groups.get(body.group_name)
+        if old is not None:
+            # A restarted trainer inits the same name again: the old group is replaced if
+            # its learner is gone, else the join is refused now (never a rendezvous hang).
+            gone = await asyncio.to_thread(old.learner_gone)
+            if not gone:
+                raise HTTPException(409, f"weight-update group {body.group_name!r} exists and "
+                                    "its learner still answers: destroy it first "
+                                    "(/destroy_weights_update_group)")
+            logger.warning("weight-update group %r: its learner is gone (%s); replaced",
+                           body.group_name, gone)
+            try:
+                await ours("destroy_weights_update_group", lambda: (
+                    lambda _: drop_group(body.group_name, old), None))
+            except Exception as exc:  # noqa: BLE001 - answered in SGLang's shape
+                return refused(exc)
 
         def stage() -> tuple[Callable[[SpecEngine], None], Callable[[], None]]:
             if body.group_name in groups:
@@ -537,6 +654,7 @@ def mount(app: FastAPI) -> None:
         body = _parse(UpdateWeightsFromDistributedSGLang, raw)
         try:
             version = body.version()
+            await abort_all_first(body)
             group = groups.get(body.group_name)
             if group is None:
                 raise ValueError(f"no weight-update group {body.group_name!r}: "
@@ -575,11 +693,13 @@ def mount(app: FastAPI) -> None:
         body = _parse(UpdateWeightsFromDiskRequest, await _json_body(request))
         try:
             version = body.version()
-
+            await abort_all_first(body)
             new = await weight_op("update_weights_from_disk", lambda: aeng.engine.stage_weights(
                 body.model_path, version=version))
         except Exception as exc:  # noqa: BLE001
             return refused(exc)
+        if body.keep_pause:
+            resumed.clear()
         return _success(f"loaded {body.model_path}: weight version {new}",
                         num_paused_requests=0, weight_version=new)
 
@@ -627,4 +747,8 @@ def mount(app: FastAPI) -> None:
         return json_response({"status": "ok", "weight_version": out.weight_version})
 
 
-__all__ = ["finish_reason", "mount", "sglang_result"]
+#: the body readers, for the other native dialects' routes (``vllm_api``)
+read_json_body = _json_body
+parse_body = _parse
+
+__all__ = ["finish_reason", "mount", "parse_body", "read_json_body", "sglang_result"]

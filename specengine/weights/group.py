@@ -135,6 +135,11 @@ class WeightGroup:
                 out.append(f"rank {r}: {raw.decode(errors='replace')}")
         return out
 
+    def learner_gone(self) -> str:
+        """Why rank 0 (the learner) is gone, "" while it answers (see :func:`store_gone`);
+        for a receiver."""
+        return store_gone(self._store, self.timeout)
+
     def close(self) -> None:
         """Tear the group down (idempotent)."""
         pg = getattr(self, "_pg", None)
@@ -145,6 +150,28 @@ class WeightGroup:
                 logger.debug("weight-sync group shutdown: %s", e)
         self._pg = None
         self._store = None
+
+
+#: how long a liveness probe of the learner's store may take (a live store answers in micro-
+#: seconds; a dead one's connection fails at once)
+PROBE_TIMEOUT = timedelta(seconds=5)
+
+
+def store_gone(store: dist.Store | None, timeout: timedelta) -> str:
+    """Why the learner that hosts ``store`` (a ``TCPStore`` client joined to it) is gone, or
+    "" while it answers. The probe goes over the connection made at the join, not a new one:
+    a restarted learner may listen on the same port, and only the old connection tells that
+    the old learner died (its reads fail at once). ``timeout``: the store's own, restored."""
+    if store is None:
+        return "the group is closed"
+    store.set_timeout(PROBE_TIMEOUT)
+    try:
+        store.num_keys()
+    except (RuntimeError, dist.DistError) as e:
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    finally:
+        store.set_timeout(timeout)
+    return ""
 
 
 def _left(deadline: float) -> timedelta:

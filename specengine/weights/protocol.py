@@ -64,19 +64,21 @@ class ManifestEntry:
 @dataclass(frozen=True)
 class Manifest:
     """What an update holds. ``full``: the update claims to be every parameter, so a receiver
-    refuses it if one is missing (a partial update, ``full=False``, may be any subset)."""
+    refuses it if one is missing (a partial update, ``full=False``, may be any subset).
+    ``version`` None: each receiver's current version + 1."""
 
-    version: int
+    version: int | None
     which: str
     full: bool
     bucket_bytes: int
     entries: tuple[ManifestEntry, ...]
 
     def __post_init__(self) -> None:
-        if isinstance(self.version, bool) or not isinstance(self.version, int) or \
-                not 0 <= self.version <= MAX_VERSION:
-            raise WeightSyncError(f"manifest version must be an int in [0, {MAX_VERSION}], got "
-                                  f"{self.version!r}")
+        if self.version is not None and (
+                isinstance(self.version, bool) or not isinstance(self.version, int)
+                or not 0 <= self.version <= MAX_VERSION):
+            raise WeightSyncError(f"manifest version must be an int in [0, {MAX_VERSION}] or "
+                                  f"None (the receiver's next), got {self.version!r}")
         if self.which not in WHICH:
             raise WeightSyncError(f"manifest which must be one of {WHICH}, got {self.which!r}")
         if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or \
@@ -85,7 +87,7 @@ class Manifest:
                                   f"{MIN_BUCKET_BYTES}, got {self.bucket_bytes}")
 
     @classmethod
-    def build(cls, meta: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], version: int,
+    def build(cls, meta: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], version: int | None,
               which: str, full: bool, bucket_bytes: int) -> Manifest:
         """Lay out ``(name, dtype, shape)`` triples in stream order; ``bucket_bytes`` is
         rounded down to a multiple of :data:`ALIGN`."""
@@ -157,7 +159,7 @@ class Manifest:
 
 
 def manifest_for(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
-                 version: int, which: str, full: bool, bucket_bytes: int
+                 version: int | None, which: str, full: bool, bucket_bytes: int
                  ) -> tuple[Manifest, list[torch.Tensor]]:
     """Check a sender's input (unique names, sendable dtypes) and lay it out."""
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else \

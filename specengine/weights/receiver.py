@@ -292,6 +292,10 @@ class WeightReceiver:
                                  timeout_s, device if device.type == "cuda" else None)
         self._host_staging: dict[tuple[str, str], torch.Tensor] = {}  # kept until close
 
+    def learner_gone(self) -> str:
+        """Why the learner is gone ("" while its store answers)."""
+        return self.group.learner_gone()
+
     def receive(self, engine: SpecEngine, which: str, src_rank: int, staging: str,
                 check_finite: bool = True) -> int:
         """One update from ``src_rank`` (see ``engine.update_weights_from_distributed``),

@@ -95,11 +95,15 @@ class WeightSender:
             self.group = WeightGroup(master_address, master_port, 0, world_size, backend,
                                      timeout_s)
 
-    def send(self, named_tensors: NamedTensors, version: int, which: str = "policy",
+    def send(self, named_tensors: NamedTensors, version: int | None = None,
+             which: str = "policy",
              bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, full: bool = False
              ) -> SharedWeights | None:
         """Send an update (HF checkpoint names; a tied ``lm_head.weight`` may be sent or left
-        out). ``version`` must exceed every receiver's current version. ``full=True`` says
+        out). ``version`` must exceed every receiver's current version; None (the default):
+        each receiver's current version + 1, so a restarted learner need not know where the
+        engines are (they report it: ``/health``, ``SpecEngineClient.weight_version``); the
+        shared transport needs an int (it holds updates by version). ``full=True`` says
         the update is every parameter, so a receiver missing one refuses it.
 
         Distributed: returns None once every receiver holds the whole update (each then
@@ -112,6 +116,9 @@ class WeightSender:
         try:
             if which not in WHICH:
                 raise ValueError(f"which must be one of {WHICH}, got {which!r}")
+            if version is None and self.transport == "shared":
+                raise ValueError("the shared transport needs an int version (it holds each "
+                                 "update by version until release)")
             manifest, tensors = manifest_for(named_tensors, version, which, full, bucket_bytes)
         except (ValueError, WeightSyncError) as e:
             if self.group is not None:  # tell the receivers, so that they raise too

@@ -52,7 +52,7 @@ from specengine.model.config import CheckpointError
 from specengine.model.loader import check_entries, format_errors
 from specengine.model.weight_names import hf_named_tensors
 from specengine.weights.finite import check_finite_tensors
-from specengine.weights.group import nccl_errors_not_fatal
+from specengine.weights.group import nccl_errors_not_fatal, store_gone
 from specengine.weights.protocol import MAX_TIMEOUT_S, MAX_WORLD_SIZE, WeightSyncError
 from specengine.weights.receiver import check_allowed, load_in_process, update_target
 
@@ -121,6 +121,7 @@ class NamedGroup:
             store, rank, world_size = next(c10d.rendezvous(
                 f"tcp://{host}:{master_port}", rank, world_size, timeout=self.timeout))
             store.set_timeout(self.timeout)
+            self._store = store  # the learner's: probed by learner_gone
             store = dist.PrefixStore(group_name, store)
             # torch renamed pg_options to backend_options (2.6); pass whichever it takes.
             params = inspect.signature(c10d._new_process_group_helper).parameters
@@ -158,6 +159,10 @@ class NamedGroup:
                                   f"failed (a dead learner, or the "
                                   f"{self.timeout.total_seconds():g} s timeout): {e}") from e
 
+    def learner_gone(self) -> str:
+        """Why the learner (rank 0, which hosts the store) is gone; "" while it answers."""
+        return store_gone(getattr(self, "_store", None), self.timeout)
+
     def close(self) -> None:
         """Leave and unregister the group (idempotent)."""
         pg, self.pg = getattr(self, "pg", None), None
@@ -173,7 +178,7 @@ def _numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
-def _drain_limit(engine: SpecEngine) -> int:
+def drain_limit(engine: SpecEngine) -> int:
     module, _ = update_target(engine, "policy")
     largest = max((t.nbytes for t in hf_named_tensors(module).values()), default=0)
     return max(DRAIN_FACTOR * largest, MIN_DRAIN_BYTES)
@@ -193,7 +198,7 @@ def stage_broadcast_update(engine: SpecEngine, group: NamedGroup, names: Sequenc
     if group.out_of_step:
         raise WeightSyncError(f"weight-update group {group.name!r} is out of step "
                               f"({group.out_of_step}): destroy it and init a new one")
-    meta, why = _sizes(names, dtypes, shapes, _drain_limit(engine))
+    meta, why = announced_sizes(names, dtypes, shapes, drain_limit(engine))
     if why:  # nothing can be drained: the learner's next broadcast lands nowhere
         group.out_of_step = f"an update that could not be drained was refused: {why}"
         raise ValueError(f"update refused and not drained, the group {group.name!r} is now "
@@ -223,7 +228,7 @@ def stage_broadcast_update(engine: SpecEngine, group: NamedGroup, names: Sequenc
     return lambda e: load_in_process(e, received, "policy", version, check_finite=False)
 
 
-def _sizes(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+def announced_sizes(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
            limit: int) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], str]:
     """``(name, dtype, shape)`` of each announced tensor, or why their sizes are unknown."""
     if not len(names) == len(dtypes) == len(shapes):
