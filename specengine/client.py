@@ -35,6 +35,14 @@ _NEWER_DEFAULTS: dict[str, Any] = {
     "frequency_penalty": 0.0}
 
 
+Prompt = list[int] | str | list[dict[str, Any]]
+
+
+def _is_chat(prompt: object) -> bool:
+    return (isinstance(prompt, (list, tuple)) and bool(prompt)
+            and all(isinstance(m, Mapping) for m in prompt))
+
+
 class ServerError(RuntimeError):
     """The server answered with an error: ``status`` (e.g. 400, 401, 404, 422, 503) and its
     ``message`` (what was wrong and why)."""
@@ -88,19 +96,20 @@ class SpecEngineClient:
         self.timeout = timeout
 
     # ---- generation ----------------------------------------------------------------------
-    def generate(self, prompt: list[int] | str,
+    def generate(self, prompt: Prompt,
                  sampling_params: SamplingParams | Mapping[str, Any] | None = None, *,
                  k: int | None = None, request_id: str | None = None) -> GenerationOutput:
-        """Generate one completion: ``prompt`` is token ids or text (when the checkpoint has
-        a tokenizer); ``sampling_params`` a ``SamplingParams`` or a dict of its fields;
-        ``k`` defaults to the server's ``--k``."""
+        """Generate one completion: ``prompt`` is token ids, text (when the checkpoint has
+        a tokenizer) or chat messages (``[{"role": "user", "content": ...}]``, rendered with
+        the checkpoint's chat template on the server); ``sampling_params`` a
+        ``SamplingParams`` or a dict of its fields; ``k`` defaults to the server's ``--k``."""
         body = self._generate_body(prompt, sampling_params, k, request_id, stream=False)
         answer = self._call("POST", "/generate", body)
         if "outputs" in answer:  # the server answered a group
             raise ValueError("sampling_params.n > 1 asks for a group: use generate_group")
         return output_from_json(answer)
 
-    def generate_group(self, prompt: list[int] | str,
+    def generate_group(self, prompt: Prompt,
                        sampling_params: SamplingParams | Mapping[str, Any], *,
                        k: int | None = None, request_id: str | None = None
                        ) -> list[GenerationOutput]:
@@ -111,7 +120,7 @@ class SpecEngineClient:
         outs = answer["outputs"] if "outputs" in answer else [answer]
         return [output_from_json(o) for o in outs]
 
-    def generate_stream(self, prompt: list[int] | str,
+    def generate_stream(self, prompt: Prompt,
                         sampling_params: SamplingParams | Mapping[str, Any] | None = None, *,
                         k: int | None = None, request_id: str | None = None
                         ) -> Iterator[RequestOutput]:
@@ -169,6 +178,11 @@ class SpecEngineClient:
     def health(self) -> dict[str, Any]:
         return self._call("GET", "/health", None)
 
+    def model_info(self) -> dict[str, Any]:
+        """``GET /get_model_info``: the checkpoint, the draft, ``max_model_len`` and the
+        current ``weight_version``."""
+        return self._call("GET", "/get_model_info", None)
+
     def metrics(self) -> str:
         """The Prometheus text exposition of ``GET /metrics``."""
         with self._open("GET", "/metrics", None) as resp:
@@ -191,10 +205,12 @@ class SpecEngineClient:
             time.sleep(interval_s)
 
     # ---- transport -----------------------------------------------------------------------
-    def _generate_body(self, prompt: list[int] | str, params: Any, k: int | None,
+    def _generate_body(self, prompt: Prompt, params: Any, k: int | None,
                        request_id: str | None, stream: bool) -> dict[str, Any]:
         if isinstance(prompt, str):
             body: dict[str, Any] = {"prompt": prompt}
+        elif _is_chat(prompt):  # rendered with the checkpoint's chat template on the server
+            body = {"messages": [dict(m) for m in prompt]}
         else:
             body = {"prompt_token_ids": list(prompt)}
         if params is not None:
