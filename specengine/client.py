@@ -19,6 +19,7 @@ import dataclasses
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -173,6 +174,21 @@ class SpecEngineClient:
 
     def close_weight_update_group(self) -> None:
         self._call("POST", "/close_weight_update_group", None)
+
+    # ---- sleep and wake (colocated training; SpecEngine.sleep / wake_up) -------------------
+    def sleep(self, level: int = 1, tags: list[str] | None = None) -> int:
+        """Release the idle engine's device memory (``level`` 1 keeps the weights in host
+        memory, 2 drops them); returns the bytes released."""
+        query = urllib.parse.urlencode([("level", level), *(("tags", t) for t in tags or ())])
+        return int(self._call("POST", f"/sleep?{query}", None)["released_bytes"])
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the released memory back (``tags``: ``"weights"`` and/or ``"kv_cache"``)."""
+        query = urllib.parse.urlencode([("tags", t) for t in tags or ()])
+        self._call("POST", "/wake_up" + (f"?{query}" if query else ""), None)
+
+    def is_sleeping(self) -> bool:
+        return bool(self._call("GET", "/is_sleeping", None)["is_sleeping"])
 
     # ---- state ---------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
