@@ -177,6 +177,7 @@ def test_graphs_are_dropped_and_recaptured(monkeypatch: pytest.MonkeyPatch,
     captures = runner.num_captures
     engine.wake_up(["kv_cache"])
     assert runner.num_graphs == at_start and runner.num_captures == captures + at_start
+    assert runner.graph_stats.num_startup == at_start  # the stats describe the new graphs
     assert outputs(engine) == fresh_outputs
     lazy = make(cuda_graphs=True, capture="lazy", graph_buckets=(1, 2, 4), max_batch_size=4)
     assert lazy.graphs.capture  # (the emulator)

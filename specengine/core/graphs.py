@@ -387,9 +387,12 @@ class GraphRunner:
         """Drop every captured graph and their memory pool: the weights or KV cache they
         read are about to be reallocated (``SpecEngine.sleep``), which need not give back
         the addresses they captured. Later shapes are captured afresh (at first use, or by
-        :meth:`capture_startup`), within a fresh budget. Returns how many were dropped."""
+        :meth:`capture_startup`), within a fresh budget; :attr:`graph_stats` then describes
+        the graphs captured since (``num_captures`` keeps counting). Returns how many were
+        dropped."""
         n = len(self._graphs)
         self._graphs.clear()
+        self._captures.clear()
         self._pool = None
         self._refused.clear()
         self._graph_bytes = 0
