@@ -274,3 +274,15 @@ def test_a_distributed_update_to_sleeping_weights_fails_on_both_sides(
     finally:
         engine.close_weight_update_group()
         sender.close()
+
+
+def test_readme_sleep_wake_runs_as_written() -> None:
+    from readme_blocks import run_readme_blocks
+
+    ns = run_readme_blocks("## Usage", "### Sleep and wake: sharing the GPU with the trainer")
+    engine = ns["engine"]
+    assert ns["released"] > 0 and not engine.is_sleeping  # type: ignore[attr-defined]
+    assert engine.weight_version == 1  # type: ignore[attr-defined]
+    want = make().generate(ns["prompts"], k=3, sampling=ns["greedy"])  # type: ignore[arg-type]
+    got = engine.generate(ns["prompts"], k=3, sampling=ns["greedy"])  # type: ignore[attr-defined]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
