@@ -10,10 +10,9 @@ import dataclasses
 from collections.abc import Iterator
 
 import pytest
+from server_helpers import bundled_engine, post_json, running_server
 
 pytest.importorskip("jinja2")
-
-from server_helpers import bundled_engine, post_json, running_server  # noqa: E402
 
 from specengine import AsyncSpecEngine, SamplingParams, SpecEngine  # noqa: E402
 from specengine.client import SpecEngineClient  # noqa: E402

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from server_helpers import bundled_engine, running_server  # (skips without the server extra)
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -22,7 +23,6 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func's experim
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from readme_blocks import readme_block  # noqa: E402
-from server_helpers import bundled_engine, running_server  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
