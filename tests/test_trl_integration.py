@@ -227,3 +227,21 @@ def test_rollout_seeds_make_a_run_reproducible() -> None:
     first, second = runs[0]
     assert first != second  # each call draws anew
     assert len({tuple(c) for c in first}) > 1  # the samples of a group differ
+
+
+def test_chat_template_kwargs_reach_the_template_in_process_and_are_refused_over_http(
+        ) -> None:
+    import dataclasses
+
+    from specengine.chat_template import ChatTemplate
+
+    engine = bundled_engine()
+    engine.tokenizer = dataclasses.replace(  # a template that reads a variable
+        engine.tokenizer, chat_template=ChatTemplate("{{ op }}{{ messages[0]['content'] }}"))
+    rollout = SpecEngineRollout(engine, k=0, sync_weights=False)
+    chat = [{"role": "user", "content": "1+2="}]
+    t = fake_trainer(None, max_completion_length=2, chat_template_kwargs={"op": "Q:"})
+    assert rollout([chat] * 2, t)["prompt_ids"] == [engine.tokenizer.encode("Q:1+2=")] * 2
+    http = SpecEngineRollout("http://127.0.0.1:9", sync_weights=False)  # nothing listens
+    with pytest.raises(ValueError, match=r"chat_template_kwargs \['op'\] are not sent"):
+        http([chat], t)
