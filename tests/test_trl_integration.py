@@ -71,7 +71,8 @@ class Checked:
             "step": trainer.state.global_step, "versions": out["weight_version"],
             "n": len(prompts), "err": max(float((a - b).abs().max()) for a, b in
                                           zip(mine, theirs)),
-            "stale_err": max(float((a - b).abs().max()) for a, b in zip(mine, stale))})
+            "stale_err": max(float((a - b).abs().max()) for a, b in zip(mine, stale)),
+            "asleep": None if self.rollout.engine is None else self.rollout.engine.is_sleeping})
         return out
 
 
@@ -139,6 +140,21 @@ def test_grpo_trains_over_http(tmp_path) -> None:
                 client.update_weights_from_distributed()
     finally:
         asyncio.run(aeng.close())
+
+
+def test_colocated_sleeps_between_rollouts_and_ends_awake_with_the_trained_weights(
+        tmp_path) -> None:
+    engine = bundled_engine()
+    rollout = SpecEngineRollout(engine, k=3, sleep_level=2)
+    checked, trainer = train(rollout, str(tmp_path))
+    assert [c["asleep"] for c in checked.calls] == [True] * 3  # the trainer had the memory
+    for c in checked.calls:  # each wake pushed the step's weights: level 2 dropped them
+        assert c["versions"] == [c["step"] + 1] * 8 and c["err"] < TOL, c
+    assert not engine.is_sleeping and engine.weight_version == 4 and rollout.pushed_step == 3
+    final = engine.generate(["Q:12+7="], k=3, sampling=SamplingParams(max_tokens=6, seed=1))[0]
+    theirs = trainer_logprobs(trainer.model, [list(final.prompt_token_ids)],
+                              [list(final.token_ids)], 1.0)[0]
+    assert float((theirs - torch.tensor(final.logprobs)).abs().max()) < TOL
 
 
 def test_without_initial_push_versions_equal_global_step(tmp_path) -> None:
@@ -245,3 +261,19 @@ def test_chat_template_kwargs_reach_the_template_in_process_and_are_refused_over
     http = SpecEngineRollout("http://127.0.0.1:9", sync_weights=False)  # nothing listens
     with pytest.raises(ValueError, match=r"chat_template_kwargs \['op'\] are not sent"):
         http([chat], t)
+
+
+def test_colocated_refusals() -> None:
+    engine = bundled_engine()
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_TARGET, dtype=torch.float32)
+    rollout = SpecEngineRollout(engine, k=0, sleep_level=2)
+    t = fake_trainer(model, max_completion_length=2)
+    rollout(["Q:1+2="], t)
+    assert engine.is_sleeping and rollout.asleep
+    with pytest.raises(RuntimeError, match="cannot be pushed again under the same version"):
+        rollout(["Q:1+2="], t)  # a second rollout of step 0
+    for bad in (0, 3, True):
+        with pytest.raises(ValueError, match="sleep_level must be None, 1 or 2"):
+            SpecEngineRollout(engine, sleep_level=bad)
+    with pytest.raises(ValueError, match="needs sync_weights=True"):
+        SpecEngineRollout(engine, sleep_level=1, sync_weights=False)

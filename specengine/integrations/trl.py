@@ -22,6 +22,8 @@ or ``SpecEngineRollout("http://host:port")`` (a ``specengine serve``):
   rank 1). The callback pushes the initial weights at ``on_train_begin`` and closes the group
   at ``on_train_end``. Pushes are lazy, so with ``steps_per_generation > 1`` only the steps
   that roll out push.
+- **Colocated.** ``sleep_level=1|2`` puts the engine to sleep after each rollout
+  (``SpecEngine.sleep``) and wakes it before the next: weights, push, KV cache.
 - **Versions.** The weights of ``global_step`` s carry version ``s + version_offset``:
   ``version_offset`` is fixed by the first push as the smallest offset >= 0 that makes that
   push's version exceed the engine's (a fresh engine and a fresh run: 1); with
@@ -143,13 +145,19 @@ class SpecEngineRollout:
         master_address / master_port: the learner's end of that group (default port: a
             free one).
         timeout_s: bound on the group's rendezvous and each transfer.
+        sleep_level: colocated training: put the engine to sleep after each rollout at this
+            level (``SpecEngine.sleep``; 1 keeps the weights in host memory, 2 drops them) so
+            the trainer gets its memory, and wake it for the next rollout (the weights first,
+            then the push, then the KV cache). At the end of training it wakes with the final
+            weights pushed. None: it stays awake.
     """
 
     def __init__(self, engine: SpecEngine | str, *, k: int | str | None = 3,
                  k_max: int | None = None, sync_weights: bool = True,
                  initial_push: bool = True, api_key: str | None = None,
                  backend: str | None = None, master_address: str = "127.0.0.1",
-                 master_port: int | None = None, timeout_s: float = 600.0) -> None:
+                 master_port: int | None = None, timeout_s: float = 600.0,
+                 sleep_level: int | None = None) -> None:
         if isinstance(engine, str):
             self.engine: SpecEngine | None = None
             self.client: SpecEngineClient | None = SpecEngineClient(engine, api_key=api_key,
@@ -162,6 +170,10 @@ class SpecEngineRollout:
         else:
             raise TypeError(f"engine must be a SpecEngine or a server URL, got "
                             f"{type(engine).__name__}")
+        if sleep_level not in (None, 1, 2) or isinstance(sleep_level, bool):
+            raise ValueError(f"sleep_level must be None, 1 or 2, got {sleep_level!r}")
+        if sleep_level is not None and not sync_weights:
+            raise ValueError("sleep_level needs sync_weights=True (waking pushes the weights)")
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
         self.k, self.k_max = k, k_max
@@ -175,6 +187,8 @@ class SpecEngineRollout:
         self.pushed_step: int | None = None
         self.num_pushes = 0
         self.num_calls = 0
+        self.sleep_level = sleep_level
+        self.asleep = False  # put to sleep by this rollout (sleep_level)
         self._sender: WeightSender | None = None
         self.callback = SpecEngineSyncCallback(self)
 
@@ -192,8 +206,11 @@ class SpecEngineRollout:
             raise ValueError("TRL tools are not rendered by SpecEngineRollout (its chat "
                              "prompts carry no tool schemas): train without tools")
         step = int(trainer.state.global_step)
-        if self.sync_weights:
-            self.sync(trainer.accelerator.unwrap_model(trainer.model), step)
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if self.asleep:
+            self.wake(model, step)
+        elif self.sync_weights:
+            self.sync(model, step)
         seed0 = int(getattr(trainer.args, "seed", 0))
         groups = group_prompts(prompts)
         params = [sampling_from_trl(trainer, n, self._seed(seed0, g))
@@ -215,6 +232,9 @@ class SpecEngineRollout:
                     f"rollouts of global_step {step} came from weight version {stale[0]}, "
                     f"expected {want} (= step + version_offset {self.version_offset}): "
                     "something else updated the engine's weights")
+        if self.sleep_level is not None:
+            self._call_engine("sleep", self.sleep_level)
+            self.asleep = True
         return {"prompt_ids": [list(o.prompt_token_ids) for o in outs],
                 "completion_ids": [list(o.token_ids) for o in outs],
                 "logprobs": [list(o.logprobs) for o in outs],
@@ -238,10 +258,34 @@ class SpecEngineRollout:
                              "a server: render the prompts yourself or drop them")
         if self.k_max is not None:
             raise ValueError("k_max over HTTP is the server's --k-max")
-        with ThreadPoolExecutor(min(len(prompts), 16)) as pool:
+        with ThreadPoolExecutor(max(1, min(len(prompts), 16))) as pool:
             futures = [pool.submit(client.generate_group, p, sp, k=self.k)  # type: ignore
                        for p, sp in zip(prompts, params)]
             return [o for f in futures for o in f.result()]
+
+    # ---- sleep (colocated training) ------------------------------------------------------
+    def _call_engine(self, what: str, *args: Any) -> Any:
+        if self.engine is not None:
+            return getattr(self.engine, what)(*args)
+        client = self.client
+        assert client is not None
+        if what == "sleep":
+            return client.sleep(level=args[0])
+        return client.wake_up(*args)
+
+    def wake(self, model: torch.nn.Module, global_step: int) -> None:
+        """Wake an engine this rollout put to sleep: the weights, the trainer's weights of
+        ``global_step`` pushed (a level-2 sleep dropped them: they are pushed even for a step
+        already pushed, which needs a new step), then the KV cache."""
+        self._call_engine("wake_up", ["weights"])
+        if self.sleep_level == 2 and self.pushed_step == global_step:
+            raise RuntimeError(
+                f"sleep_level=2 dropped the weights of global_step {global_step} and they "
+                "cannot be pushed again under the same version: roll out once per step, or "
+                "use sleep_level=1")
+        self.sync(model, global_step)
+        self._call_engine("wake_up", ["kv_cache"])
+        self.asleep = False
 
     # ---- weights -------------------------------------------------------------------------
     def engine_version(self) -> int:
@@ -322,5 +366,11 @@ class SpecEngineSyncCallback(TrainerCallback):
         if r.sync_weights and r.initial_push and model is not None:
             r.sync(model, int(state.global_step))
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.rollout.close()
+    def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None,
+                     **kwargs: Any) -> None:
+        r = self.rollout
+        try:
+            if r.asleep and model is not None:  # awake again, with the trained weights
+                r.wake(model, int(state.global_step))
+        finally:
+            r.close()
