@@ -286,3 +286,51 @@ def test_readme_sleep_wake_runs_as_written() -> None:
     want = make().generate(ns["prompts"], k=3, sampling=ns["greedy"])  # type: ignore[arg-type]
     got = engine.generate(ns["prompts"], k=3, sampling=ns["greedy"])  # type: ignore[attr-defined]
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_sglang_update_to_sleeping_weights_is_refused_and_drained() -> None:
+    """SGLang's learner broadcasts every tensor whatever the answer: a refusal while the
+    weights sleep must drain them (no hang) and leave the group usable after resuming. (A
+    server process of its own: the learner's named group and the server's cannot share one.)"""
+    pytest.importorskip("fastapi")
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from net_helpers import Background, free_port
+    from safetensors.torch import load_file
+    from sglang_helpers import get, init_custom_process_group, post, serve_process
+
+    tensors = list(load_file(f"{DEFAULT_TARGET}/model.safetensors").items())
+    body = {"names": [n for n, _ in tensors], "group_name": "sleepy",
+            "dtypes": [str(t.dtype).split(".")[-1] for _, t in tensors],
+            "shapes": [list(t.shape) for _, t in tensors]}
+    with serve_process() as (_, port, log):
+        master = free_port()
+        init = Background(lambda: post(port, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": master, "rank_offset": 1,
+            "world_size": 2, "group_name": "sleepy", "backend": "gloo"}))
+        pg = init_custom_process_group(f"tcp://127.0.0.1:{master}", 2, 0, "sleepy",
+                                       timedelta(seconds=60))
+        assert init.result()[0] == 200  # type: ignore[index]
+
+        def update() -> tuple[int, dict[str, Any]]:
+            call = Background(lambda: post(port, "/update_weights_from_distributed", body))
+            for _, t in tensors:
+                dist.broadcast(t.contiguous(), src=0, group=pg)
+            return call.result()  # type: ignore[return-value]
+
+        try:
+            assert post(port, "/release_memory_occupation", {})[0] == 200
+            status, answer = update()  # every broadcast returned: drained
+            assert status == 503 and "released by sleep" in answer["message"], answer
+            assert post(port, "/resume_memory_occupation", {})[0] == 200
+            status, answer = update()
+            assert status == 200 and answer["weight_version"] == 1, answer
+            out = post(port, "/generate", {"text": PROMPTS[0], "sampling_params": {
+                "temperature": 0.0, "max_new_tokens": 12}})[1]
+            want = make().generate(PROMPTS[:1], k=3, sampling=SamplingParams(
+                temperature=0.0, max_tokens=12))[0].token_ids
+            assert out["output_ids"] == list(want), "".join(log)
+            assert get(port, "/get_model_info")["weight_version"] == 1
+        finally:
+            dist.destroy_process_group(pg)
