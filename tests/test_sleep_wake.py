@@ -20,6 +20,7 @@ from specengine import SamplingParams, SpecEngine
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
 from specengine.core.graphs import GraphRunner, build_graph_runner
 from specengine.core.sleep import EngineAsleepError, unique_storages
+from specengine.weights import WeightSender
 
 PROMPTS = ["Q:472+385=", "Q:12*7=", [17, 16, 5, 10]]
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=16),
@@ -70,6 +71,12 @@ def test_level_1_releases_everything_and_wakes_to_a_fresh_engines_outputs(
             call()
     with pytest.raises(EngineAsleepError, match="load_weights: the weights are released"):
         engine.load_weights(DEFAULT_TARGET)
+    sender = WeightSender(transport="shared")
+    handles = sender.send({"model.norm.weight": torch.ones(engine.model_config.hidden_size)},
+                          version=1)
+    with pytest.raises(EngineAsleepError, match="update_weights_from_shared: the weights"):
+        engine.update_weights_from_shared(handles)
+    sender.release(1)
     assert engine.weight_version == 0
     engine.wake_up()
     assert not engine.is_sleeping
