@@ -422,7 +422,9 @@ class SpecEngine:
         """Give back the device memory of an idle engine (vLLM's ``sleep``): the KV caches
         (every level) and the policy's weights; ``level=1`` keeps the weights in host memory
         (pinned on CUDA) for :meth:`wake_up` to copy back, ``level=2`` drops them (after
-        waking, a complete weight update must land before a request is served).
+        waking, a complete weight update must land before a request is served; level 1
+        keeps its host buffers after waking for the next level-1 sleep,
+        ``sleep_state.host_buffers``).
         ``tags``: only ``"weights"`` or ``"kv_cache"`` (default both). Captured CUDA graphs
         are dropped (recaptured on wake). Refused with ``RuntimeError`` while requests are
         unfinished, a weight operation is in progress or a part is already asleep; nothing
@@ -454,8 +456,12 @@ class SpecEngine:
                 self.sleep_state.parts["kv_cache"] = part
                 released += part.nbytes
             if "weights" in parts:
+                state = self.sleep_state
+                if level == 2:
+                    state.host_buffers = []  # nothing to keep: no host copy either
                 part = release_storages(unique_storages(self.model.parameters()),
-                                        keep_host_copy=level == 1, level=level)
+                                        keep_host_copy=level == 1, level=level,
+                                        reuse=state.host_buffers or None)
                 self.sleep_state.parts["weights"] = part
                 released += part.nbytes
             if self.device.type == "cuda":
@@ -479,6 +485,8 @@ class SpecEngine:
                 if part is None:
                     continue
                 restore_storages(part)
+                if part.host:  # kept for the next level-1 sleep (sleep_state.host_buffers)
+                    self.sleep_state.host_buffers = part.host
                 if name == "weights" and part.level == 2:
                     self.torn_weights.update(("policy", n) for n in hf_named_tensors(self.model))
                     self._weights_dropped = True

@@ -149,7 +149,8 @@ def test_sglang_flow_wakes_the_weights_first_then_the_kv_cache(fresh_outputs: li
 def test_cycles_leak_nothing(fresh_outputs: list) -> None:
     engine = make()
     awake = sizes(engine)
-    for level in (1, 2, 1):
+    buffers = []
+    for level in (1, 1, 2, 1):
         engine.generate(PROMPTS[:2], k=3, sampling=PARAMS[:2])
         engine.sleep(level)
         engine.wake_up()
@@ -157,6 +158,10 @@ def test_cycles_leak_nothing(fresh_outputs: list) -> None:
             engine.load_weights(DEFAULT_TARGET)
         assert sizes(engine) == awake and not engine.sleep_state.parts
         assert_idle_and_free(engine)
+        buffers.append([h.data_ptr() for h in engine.sleep_state.host_buffers])
+    # level 1 keeps its host buffers for the next one; level 2 frees them
+    assert buffers[0] == buffers[1] and buffers[0] and buffers[2] == []
+    assert buffers[3] and len(buffers[3]) == len(buffers[0])
     assert outputs(engine) == fresh_outputs
 
 

@@ -13,9 +13,11 @@ drafter's paged KV caches).
   target's embeddings, per-layer KV views) stays valid Python-side, and waking resizes the
   same storages back to their size: no object anywhere needs rebinding.
 - **Level 1** keeps a host copy of the weights (pinned on CUDA) and copies it back into the
-  same storages on wake. **Level 2** keeps nothing: on wake the storages are reallocated
-  and zeroed and every policy tensor is marked torn (``engine.torn_weights``), so a request
-  is refused, naming why, until a weight update has written every one of them.
+  same storages on wake; the host buffers are kept for the next level-1 sleep (pinning, not
+  copying, is most of the first sleep's time). **Level 2** keeps nothing: on wake the
+  storages are reallocated and zeroed and every policy tensor is marked torn
+  (``engine.torn_weights``), so a request is refused, naming why, until a weight update has
+  written every one of them.
 - **KV cache.** Released whatever the level (it holds nothing an idle engine needs): the
   prefix caches are emptied first, and on wake the cache is reallocated at the same
   number of blocks, every block free.
@@ -100,17 +102,19 @@ class Released:
         return sum(self.sizes)
 
 
-def release_storages(views: list[torch.Tensor], keep_host_copy: bool, level: int = 1
-                     ) -> Released:
-    """Copy ``views`` to host memory when ``keep_host_copy`` (pinned when they are on CUDA),
-    then resize their storages to 0 bytes."""
+def release_storages(views: list[torch.Tensor], keep_host_copy: bool, level: int = 1,
+                     reuse: list[torch.Tensor] | None = None) -> Released:
+    """Copy ``views`` to host memory when ``keep_host_copy`` (pinned when they are on CUDA;
+    into ``reuse``, the buffers of an earlier sleep, when they have the same sizes: pinning is
+    the slow part), then resize their storages to 0 bytes."""
     sizes = [v.untyped_storage().nbytes() for v in views]
     host = []
     if keep_host_copy:
-        for v in views:
-            pin = v.is_cuda
-            h = torch.empty(v.numel(), dtype=torch.uint8, pin_memory=pin)
-            h.copy_(v, non_blocking=pin)
+        if reuse is None or [h.numel() for h in reuse] != [v.numel() for v in views]:
+            reuse = [torch.empty(v.numel(), dtype=torch.uint8, pin_memory=v.is_cuda)
+                     for v in views]
+        for v, h in zip(views, reuse):
+            h.copy_(v, non_blocking=v.is_cuda)
             host.append(h)
         if any(v.is_cuda for v in views):
             torch.cuda.synchronize()  # the copies are done before the storage goes
@@ -130,8 +134,7 @@ def restore_storages(part: Released) -> None:
         else:
             v.zero_()
     if part.host and any(v.is_cuda for v in part.views):
-        torch.cuda.synchronize()  # the host copies may go once the device holds them
-    part.host.clear()
+        torch.cuda.synchronize()  # the host copies may be reused once the device holds them
 
 
 @dataclass
@@ -139,6 +142,9 @@ class SleepState:
     """Which parts sleep (``weights`` at which level), and what they released."""
 
     parts: dict[str, Released] = field(default_factory=dict)
+    #: the host (pinned on CUDA) buffers of the last level-1 sleep of the weights, kept after
+    #: waking so the next one only copies (``.clear()`` frees them; a level-2 sleep does)
+    host_buffers: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def is_sleeping(self) -> bool:
