@@ -58,6 +58,7 @@ setup(
         "specengine.core",
         "specengine.distributed",
         "specengine.drafters",
+        "specengine.integrations",
         "specengine.model",
         "specengine.server",
         "specengine.train",

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from specengine.async_loop import EngineClosedError, EngineLoop, EngineOverloadedError
 from specengine.core.auto_k import DEFAULT_K_MAX
-from specengine.core.requests import prompt_ids
+from specengine.core.requests import is_chat, prompt_ids
 from specengine.engine import SpecEngine
 from specengine.outputs import GenerationOutput, RequestOutput
 from specengine.sampling import SamplingParams
@@ -135,7 +135,7 @@ class AsyncSpecEngine:
         done = False
         try:
             try:
-                if isinstance(prompt, str):  # tokenized here, never on the engine thread
+                if isinstance(prompt, str) or is_chat(prompt):  # never on the engine thread
                     prompt = await loop.run_in_executor(self._text_pool, self._admit, prompt)
                 else:
                     prompt = self._admit(prompt)
@@ -169,7 +169,7 @@ class AsyncSpecEngine:
         cannot fit in ``max_model_len`` is refused by its length before any per-token work.
         The message is ``requests.validate_requests``' (single requests are prompt 0)."""
         max_model_len = self.engine.config.max_model_len
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) or is_chat(prompt):
             prompt = prompt_ids(prompt, 0, self.engine.tokenizer)
         if isinstance(prompt, (list, tuple)) and len(prompt) >= max_model_len:
             raise ValueError(f"prompt 0 has {len(prompt)} tokens; max_model_len is "

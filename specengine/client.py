@@ -19,6 +19,7 @@ import dataclasses
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -33,6 +34,14 @@ _NEWER_DEFAULTS: dict[str, Any] = {
     "stop": [], "include_stop_str_in_output": False, "min_tokens": 0, "min_p": 0.0,
     "logprobs": None, "repetition_penalty": 1.0, "presence_penalty": 0.0,
     "frequency_penalty": 0.0}
+
+
+Prompt = list[int] | str | list[dict[str, Any]]
+
+
+def _is_chat(prompt: object) -> bool:
+    return (isinstance(prompt, (list, tuple)) and bool(prompt)
+            and all(isinstance(m, Mapping) for m in prompt))
 
 
 class ServerError(RuntimeError):
@@ -88,19 +97,20 @@ class SpecEngineClient:
         self.timeout = timeout
 
     # ---- generation ----------------------------------------------------------------------
-    def generate(self, prompt: list[int] | str,
+    def generate(self, prompt: Prompt,
                  sampling_params: SamplingParams | Mapping[str, Any] | None = None, *,
                  k: int | None = None, request_id: str | None = None) -> GenerationOutput:
-        """Generate one completion: ``prompt`` is token ids or text (when the checkpoint has
-        a tokenizer); ``sampling_params`` a ``SamplingParams`` or a dict of its fields;
-        ``k`` defaults to the server's ``--k``."""
+        """Generate one completion: ``prompt`` is token ids, text (when the checkpoint has
+        a tokenizer) or chat messages (``[{"role": "user", "content": ...}]``, rendered with
+        the checkpoint's chat template on the server); ``sampling_params`` a
+        ``SamplingParams`` or a dict of its fields; ``k`` defaults to the server's ``--k``."""
         body = self._generate_body(prompt, sampling_params, k, request_id, stream=False)
         answer = self._call("POST", "/generate", body)
         if "outputs" in answer:  # the server answered a group
             raise ValueError("sampling_params.n > 1 asks for a group: use generate_group")
         return output_from_json(answer)
 
-    def generate_group(self, prompt: list[int] | str,
+    def generate_group(self, prompt: Prompt,
                        sampling_params: SamplingParams | Mapping[str, Any], *,
                        k: int | None = None, request_id: str | None = None
                        ) -> list[GenerationOutput]:
@@ -111,7 +121,7 @@ class SpecEngineClient:
         outs = answer["outputs"] if "outputs" in answer else [answer]
         return [output_from_json(o) for o in outs]
 
-    def generate_stream(self, prompt: list[int] | str,
+    def generate_stream(self, prompt: Prompt,
                         sampling_params: SamplingParams | Mapping[str, Any] | None = None, *,
                         k: int | None = None, request_id: str | None = None
                         ) -> Iterator[RequestOutput]:
@@ -165,6 +175,21 @@ class SpecEngineClient:
     def close_weight_update_group(self) -> None:
         self._call("POST", "/close_weight_update_group", None)
 
+    # ---- sleep and wake (colocated training; SpecEngine.sleep / wake_up) -------------------
+    def sleep(self, level: int = 1, tags: list[str] | None = None) -> int:
+        """Release the idle engine's device memory (``level`` 1 keeps the weights in host
+        memory, 2 drops them); returns the bytes released."""
+        query = urllib.parse.urlencode([("level", level), *(("tags", t) for t in tags or ())])
+        return int(self._call("POST", f"/sleep?{query}", None)["released_bytes"])
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the released memory back (``tags``: ``"weights"`` and/or ``"kv_cache"``)."""
+        query = urllib.parse.urlencode([("tags", t) for t in tags or ()])
+        self._call("POST", "/wake_up" + (f"?{query}" if query else ""), None)
+
+    def is_sleeping(self) -> bool:
+        return bool(self._call("GET", "/is_sleeping", None)["is_sleeping"])
+
     # ---- state ---------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
         """``GET /health``: ``status``, ``num_unfinished``, ``weight_version``."""
@@ -174,6 +199,11 @@ class SpecEngineClient:
         """The engine's current weight version (a restarted learner resumes from it, or
         sends ``version=None``: the next one)."""
         return int(self.health()["weight_version"])
+
+    def model_info(self) -> dict[str, Any]:
+        """``GET /get_model_info``: the checkpoint, the draft, ``max_model_len`` and the
+        current ``weight_version``."""
+        return self._call("GET", "/get_model_info", None)
 
     def metrics(self) -> str:
         """The Prometheus text exposition of ``GET /metrics``."""
@@ -197,10 +227,12 @@ class SpecEngineClient:
             time.sleep(interval_s)
 
     # ---- transport -----------------------------------------------------------------------
-    def _generate_body(self, prompt: list[int] | str, params: Any, k: int | None,
+    def _generate_body(self, prompt: Prompt, params: Any, k: int | None,
                        request_id: str | None, stream: bool) -> dict[str, Any]:
         if isinstance(prompt, str):
             body: dict[str, Any] = {"prompt": prompt}
+        elif _is_chat(prompt):  # rendered with the checkpoint's chat template on the server
+            body = {"messages": [dict(m) for m in prompt]}
         else:
             body = {"prompt_token_ids": list(prompt)}
         if params is not None:

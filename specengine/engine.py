@@ -23,11 +23,22 @@ from specengine.core.prefix_cache import expand_samples, prefix_caching_on, samp
 from specengine.core.requests import RequestBatch, load_tokenizer, validate_requests
 from specengine.core.sampler import Sampler
 from specengine.core.scheduler import Scheduler
+from specengine.core.sleep import (
+    LEVELS,
+    EngineAsleepError,
+    SleepState,
+    WeightsAsleepError,
+    check_tags,
+    release_storages,
+    restore_storages,
+    unique_storages,
+)
 from specengine.core.step import num_drafts_for
 from specengine.drafters.adapt_train import DEFAULT_ADAPT_LR, DEFAULT_ADAPT_STEPS, AdaptResult
 from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
 from specengine.model.loader import build_model
+from specengine.model.weight_names import hf_named_tensors
 from specengine.native import check_native
 from specengine.outputs import EngineStats, GenerationOutput, RequestOutput
 from specengine.sampling import SamplingParams
@@ -227,6 +238,12 @@ class SpecEngine:
         self._weight_receiver: WeightReceiver | None = None
         # (which, name) of tensors a failed in-place update may have half-written.
         self.torn_weights: set[tuple[str, str]] = set()
+        # the torn tensors are the ones sleep(level=2) dropped (the refusal says so)
+        self._weights_dropped = False
+        #: the largest policy tensor under its HF name, in bytes (sizes a drain while the
+        #: weights sleep, when no view of them can be made)
+        self.largest_weight_bytes = max(
+            (t.nbytes for t in hf_named_tensors(self.model).values()), default=0)
         # The step loop (schedule → run → postprocess, core/engine_core.py).
         self.core = EngineCore(cfg, self.kv_cache, self.runner, self.sampler, self.graphs,
                                self.drafter, self.tokenizer, mc.eos_token_ids,
@@ -362,9 +379,128 @@ class SpecEngine:
             calibrate(self.core.auto_k, self.core, self.model_config.vocab_size, k_max)
 
     def _check_weights_whole(self) -> None:
+        if self.sleep_state.is_sleeping:
+            raise EngineAsleepError(f"the engine is asleep ({self.sleep_state.describe()}): "
+                                    "call wake_up() before adding requests")
         if self.torn_weights:
+            if self._weights_dropped:
+                raise EngineAsleepError(
+                    f"sleep(level=2) dropped the weights and {len(self.torn_weights)} tensors "
+                    f"have not been written since (e.g. {sorted(self.torn_weights)[0][1]}): "
+                    "load a complete weight update before generating")
             raise RuntimeError(f"weights are incomplete after a failed in-place update (e.g. "
                                f"{sorted(self.torn_weights)[0]}): apply a complete update first")
+        self._weights_dropped = False
+
+    def _check_weights_awake(self, what: str) -> None:
+        if self.weights_asleep:
+            raise WeightsAsleepError(f"{what}: the weights are released by sleep() "
+                                     f"({self.weights_asleep}): wake_up(tags=['weights']) "
+                                     "first")
+
+    @property
+    def weights_asleep(self) -> str | None:
+        """What sleeps (``"weights (level 1)"`` ...) while the weights do, else None: every
+        weight update is refused then (``weights.receiver.check_allowed``)."""
+        return self.sleep_state.describe() if "weights" in self.sleep_state.parts else None
+
+    # ---- sleep and wake (specengine.core.sleep; docs/design.md "Sleep and wake") ---------
+    @property
+    def sleep_state(self) -> SleepState:
+        """What sleeps (made on first use, like the weight lock)."""
+        try:
+            return self.__dict__["_sleep_state_obj"]
+        except KeyError:
+            return self.__dict__.setdefault("_sleep_state_obj", SleepState())
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether any part (weights, KV cache) is released by :meth:`sleep`."""
+        return self.sleep_state.is_sleeping
+
+    def sleep(self, level: int = 1, tags: Seq[str] | None = None) -> int:
+        """Give back the device memory of an idle engine (vLLM's ``sleep``): the KV caches
+        (every level) and the policy's weights; ``level=1`` keeps the weights in host memory
+        (pinned on CUDA) for :meth:`wake_up` to copy back, ``level=2`` drops them (after
+        waking, a complete weight update must land before a request is served; level 1
+        keeps its host buffers after waking for the next level-1 sleep,
+        ``sleep_state.host_buffers``).
+        ``tags``: only ``"weights"`` or ``"kv_cache"`` (default both). Captured CUDA graphs
+        are dropped (recaptured on wake). Refused with ``RuntimeError`` while requests are
+        unfinished, a weight operation is in progress or a part is already asleep; nothing
+        is touched then. Returns the bytes released (``specengine.core.sleep``)."""
+        if isinstance(level, bool) or level not in LEVELS:
+            raise ValueError(f"level must be 1 (weights kept in host memory) or 2 (weights "
+                             f"dropped), got {level!r}")
+        parts = check_tags(tags)
+        if self.tp is not None:
+            raise NotImplementedError("sleep under tensor parallelism is not implemented")
+        if self.core.has_unfinished():
+            raise RuntimeError(f"sleep needs an idle engine: {self.core.num_unfinished} "
+                               "requests are unfinished (finish or abort them first)")
+        already = [p for p in parts if p in self.sleep_state.parts]
+        if already:
+            raise RuntimeError(f"{already} already asleep ({self.sleep_state.describe()}): "
+                               "wake_up() first")
+        with self.weight_lock.held("sleep"):
+            self.graphs.release_graphs()
+            released = 0
+            if "kv_cache" in parts:
+                self.kv_cache.invalidate_prefix_cache()  # the cached blocks' KV goes away
+                drafter_kv: list[torch.Tensor] = []
+                if self.drafter is not None:
+                    self.drafter.clear_prefix_cache()
+                    drafter_kv = self.drafter.kv_tensors()
+                part = release_storages(unique_storages([self.kv_cache.kv, *drafter_kv]),
+                                        keep_host_copy=False)
+                self.sleep_state.parts["kv_cache"] = part
+                released += part.nbytes
+            if "weights" in parts:
+                state = self.sleep_state
+                if level == 2:
+                    state.host_buffers = []  # nothing to keep: no host copy either
+                part = release_storages(unique_storages(self.model.parameters()),
+                                        keep_host_copy=level == 1, level=level,
+                                        reuse=state.host_buffers or None)
+                self.sleep_state.parts["weights"] = part
+                released += part.nbytes
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # back to the driver, for a colocated trainer
+        logger.info("asleep (%s): released %.1f MiB", self.sleep_state.describe(),
+                    released / 2**20)
+        return released
+
+    def wake_up(self, tags: Seq[str] | None = None) -> None:
+        """Take the memory :meth:`sleep` released back (vLLM's ``wake_up``): ``tags``
+        ``"weights"`` and/or ``"kv_cache"`` (default both; a part that is awake is left
+        alone). Weights of level 1 are copied back into the same parameters; weights of
+        level 2 come back zeroed and every policy tensor must be written by a weight update
+        before a request is served. The KV caches come back at their size, every block free.
+        Once both parts are awake, an engine that captures at startup captures its graphs
+        again (else each at its first use)."""
+        parts = check_tags(tags)
+        with self.weight_lock.held("wake_up"):
+            for name in parts:
+                part = self.sleep_state.parts.pop(name, None)
+                if part is None:
+                    continue
+                restore_storages(part)
+                if part.host:  # kept for the next level-1 sleep (sleep_state.host_buffers)
+                    self.sleep_state.host_buffers = part.host
+                if name == "weights" and part.level == 2:
+                    self.torn_weights.update(("policy", n) for n in hf_named_tensors(self.model))
+                    self._weights_dropped = True
+            if not self.sleep_state.is_sleeping and self.config.capture == "startup" \
+                    and self.graphs.capture and self.graphs.num_graphs == 0:
+                self.graphs.capture_startup(self.config.capture_ks, self.drafter is not None)
+
+    def release_memory_occupation(self, tags: Seq[str] | None = None) -> int:
+        """SGLang's name: :meth:`sleep` at level 2 (SGLang keeps no copy of the weights)."""
+        return self.sleep(level=2, tags=tags)
+
+    def resume_memory_occupation(self, tags: Seq[str] | None = None) -> None:
+        """SGLang's name for :meth:`wake_up`."""
+        self.wake_up(tags)
 
     # ---- weights (docs/design.md §3-4; the logic lives in specengine.weights) -----
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
@@ -380,6 +516,7 @@ class SpecEngine:
         tensor and changes nothing. The version becomes ``version`` (greater than the
         current one) or the current one + 1, stamped on every later token and output.
         Returns the new version."""
+        self._check_weights_awake("load_weights")
         with self.weight_lock.held("load_weights"):
             return load_in_process(self, named_tensors, which, version, check_finite)
 
@@ -413,6 +550,7 @@ class SpecEngine:
         through a local ``torch.multiprocessing`` queue) into the parameters: same checks
         (finite values too, unless ``check_finite=False``), atomicity and versioning. Returns
         the new version; the sender may then release it."""
+        self._check_weights_awake("update_weights_from_shared")
         with self.weight_lock.held("update_weights_from_shared"):
             return apply_shared(self, handles, which, check_finite)
 
@@ -444,6 +582,8 @@ class SpecEngine:
         reads a checkpoint dir into host tensors and checks the values are finite; the
         commit (:meth:`commit_staged`, between two steps) checks names, shapes, dtypes and
         the version and copies them in place, returning the new version."""
+        self._check_weights_awake("load_weights")
+
         def stage() -> tuple[Callable[[SpecEngine], int], None]:
             update_target(self, which)
             check_allowed(self, version)

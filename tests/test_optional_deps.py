@@ -29,7 +29,7 @@ INSTALL = ROOT / "scripts" / "install_offline.sh"
 # The optional packages the test modules import (fastapi/uvicorn/prometheus_client: the
 # server tests, through server_helpers.py); a lent GPU machine lacks them by default.
 OPTIONAL = ("fastapi", "uvicorn", "prometheus_client", "ray", "transformers", "scipy",
-            "schemathesis", "openai", "jinja2")
+            "schemathesis", "openai", "jinja2", "trl", "datasets")
 
 _SITECUSTOMIZE = '''\
 import importlib.abc

@@ -378,6 +378,27 @@ class GraphRunner:
     def graph_stats(self) -> GraphStats:
         return GraphStats(tuple(self._captures), tuple(self._refused))
 
+    @property
+    def num_graphs(self) -> int:
+        """Graphs captured and held now."""
+        return len(self._graphs)
+
+    def release_graphs(self) -> int:
+        """Drop every captured graph and their memory pool: the weights or KV cache they
+        read are about to be reallocated (``SpecEngine.sleep``), which need not give back
+        the addresses they captured. Later shapes are captured afresh (at first use, or by
+        :meth:`capture_startup`), within a fresh budget; :attr:`graph_stats` then describes
+        the graphs captured since (``num_captures`` keeps counting). Returns how many were
+        dropped."""
+        n = len(self._graphs)
+        self._graphs.clear()
+        self._captures.clear()
+        self._pool = None
+        self._refused.clear()
+        self._graph_bytes = 0
+        self._last_bytes.clear()
+        return n
+
     def padded_rows(self, num_rows: int) -> int:
         """Rows a batch of ``num_rows`` runs as: its bucket, or itself (eager / too large)."""
         rows = self._padded.get(num_rows)

@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -15,7 +17,8 @@ from specengine.sampling import SamplingParams
 from specengine.tokenizer import TextTokenizer, load_tokenizer
 from specengine.tree import DraftTree
 
-__all__ = ["RequestBatch", "TextTokenizer", "load_tokenizer", "prompt_ids", "validate_requests"]
+__all__ = ["RequestBatch", "TextTokenizer", "chat_prompt_ids", "is_chat", "load_tokenizer",
+           "prompt_ids", "validate_requests"]
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,46 @@ class RequestBatch:
             raise ValueError("one SamplingParams per prompt")
 
 
+def is_chat(prompt: object) -> bool:
+    """Whether ``prompt`` is a chat conversation: a non-empty list of message mappings."""
+    return (isinstance(prompt, (list, tuple)) and bool(prompt)
+            and all(isinstance(m, Mapping) for m in prompt))
+
+
+def chat_prompt_ids(messages: Seq[Mapping[str, Any]], what: str,
+                    tokenizer: TextTokenizer | None, **template_kwargs: Any) -> list[int]:
+    """Token ids of a conversation rendered with the checkpoint's chat template, as
+    transformers' ``apply_chat_template(messages, add_generation_prompt=True,
+    tokenize=True)`` gives them (the template writes the special tokens: none are added).
+    ``template_kwargs`` are extra template variables (TRL's ``chat_template_kwargs``).
+    Raises ``ValueError`` naming ``what`` and why: no tokenizer or template, a message
+    without a string ``role``, or the template's refusal (``ChatTemplateError``)."""
+    if tokenizer is None:
+        raise ValueError(f"{what} is a list of chat messages but the checkpoint has no "
+                         "tokenizer.json: pass token ids")
+    template = tokenizer.chat_template
+    if template is None:
+        raise ValueError(f"{what} is a list of chat messages but the checkpoint has no chat "
+                         "template (tokenizer_config.json 'chat_template' or "
+                         "chat_template.jinja): pass text or token ids")
+    for j, m in enumerate(messages):
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"{what}: message {j} needs a string 'role', got {m!r}"[:300])
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ValueError(f"{what}: message {j}'s content must be text, a list of parts "
+                             f"or None, got {type(content).__name__}")
+    text = template.render([dict(m) for m in messages], add_generation_prompt=True,
+                           **template_kwargs)
+    return tokenizer.encode(text, what=f"{what} (rendered chat)", add_special_tokens=False)
+
+
 def prompt_ids(prompt: object, index: int, tokenizer: TextTokenizer | None) -> list[int]:
-    """Token ids of one prompt: a list of ints, a 1-D tensor, or text (needs a tokenizer)."""
+    """Token ids of one prompt: a list of ints, a 1-D tensor, text (needs a tokenizer), or
+    chat messages (a list of ``{"role", "content"}`` mappings, rendered with the checkpoint's
+    chat template: :func:`chat_prompt_ids`)."""
+    if is_chat(prompt):
+        return chat_prompt_ids(prompt, f"prompt {index}", tokenizer)  # type: ignore[arg-type]
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"prompt {index} is a string but the checkpoint has no "
@@ -45,7 +86,8 @@ def prompt_ids(prompt: object, index: int, tokenizer: TextTokenizer | None) -> l
     if not isinstance(prompt, (list, tuple)) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
-        raise ValueError(f"prompt {index} must be a list of int token ids or a string")
+        raise ValueError(f"prompt {index} must be a list of int token ids, a string or a list "
+                         "of chat messages ({'role': ..., 'content': ...} dicts)")
     return list(prompt)
 
 
@@ -69,6 +111,9 @@ def validate_requests(
         raise ValueError(f"k (draft length) must be an int in [0, {MAX_K}], got {k!r}")
     if isinstance(batch, (str, torch.Tensor)) or not isinstance(batch, Seq) or not batch:
         raise ValueError("batch must be a non-empty list of prompts")
+    if is_chat(batch):
+        raise ValueError("batch is one chat conversation (a list of messages): pass a list of "
+                         "prompts, e.g. [messages]")
     prompts = [prompt_ids(p, i, tokenizer) for i, p in enumerate(batch)]
     if sampling is None:
         params = [SamplingParams()] * len(prompts)

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from specengine.core.graphs import GraphRunner
 from specengine.core.sequence import Sequence
@@ -82,3 +83,9 @@ class Drafter(ABC):
     def clear_prefix_cache(self) -> None:
         """After every weight update (policy or draft): forget the names of the drafter's
         own cached blocks. Default: none."""
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """The tensors of the drafter's own KV cache (``SpecEngine.sleep`` releases their
+        storage and ``wake_up`` restores it). Default: its ``kv_cache``'s, if it has one."""
+        kv = getattr(getattr(self, "kv_cache", None), "kv", None)
+        return [kv] if isinstance(kv, torch.Tensor) else []

@@ -231,5 +231,8 @@ class HybridDrafter(Drafter):
     def clear_prefix_cache(self) -> None:
         self.neural.clear_prefix_cache()
 
+    def kv_tensors(self) -> list[torch.Tensor]:
+        return self.neural.kv_tensors()
+
 
 __all__ = ["HybridDrafter"]

@@ -33,6 +33,7 @@ from specengine.engine import SpecEngine
 from specengine.outputs import GenerationOutput, RequestOutput
 from specengine.server.errors import BearerAuth, install_error_handlers, status_for
 from specengine.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit, check_max_body_bytes
+from specengine.server.memory_api import register_memory_api
 from specengine.server.metrics import CONTENT_TYPE, ServerMetrics, read_engine
 from specengine.server.openai_api import register_openai_api
 from specengine.server.schemas import (
@@ -302,6 +303,7 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
 
     # /v1/models, /v1/completions, /v1/chat/completions
     register_openai_api(app, state, served_model_name)
+    register_memory_api(app, state)  # /sleep, /wake_up, /is_sleeping, SGLang's release/resume
     # SGLang's native API and n > 1 on /generate (GRPO groups); it takes over /generate and
     # /update_weights_from_distributed, serving our bodies through the routes above.
     mount_sglang(app)

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specengine.async_loop import EngineClosedError, EngineOverloadedError
 from specengine.core.kv_cache import KVCacheFullError
+from specengine.core.sleep import EngineAsleepError
 from specengine.weights.protocol import WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -34,12 +35,12 @@ def error_response(status_code: int, message: str, headers: dict[str, str] | Non
 
 
 REFUSALS = (ValueError, KVCacheFullError, WeightSyncError, EngineOverloadedError,
-            EngineClosedError)
+            EngineClosedError, EngineAsleepError)
 
 
 def status_for(exc: BaseException) -> int:
     """The HTTP status of an error raised by the engine for one request."""
-    if isinstance(exc, (EngineOverloadedError, EngineClosedError)):
+    if isinstance(exc, (EngineOverloadedError, EngineClosedError, EngineAsleepError)):
         return 503
     if isinstance(exc, (ValueError, KVCacheFullError, WeightSyncError)):
         return 400  # the request's own input (the engine checked it and changed nothing)

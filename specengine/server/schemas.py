@@ -13,7 +13,7 @@ version that the int64 weight stamps hold, and a finite timeout of at most a day
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -63,14 +63,17 @@ class SamplingParamsBody(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    """``POST /generate``: exactly one of ``prompt_token_ids`` and ``prompt`` (text, with a
-    tokenizer); ``k`` (an int, or ``"auto"``: each step's k from the cost model, up to
-    ``k_max``) and ``k_max`` default to the server's ``--k`` and ``--k-max``."""
+    """``POST /generate``: exactly one of ``prompt_token_ids``, ``prompt`` (text, with a
+    tokenizer) and ``messages`` (chat messages, rendered with the checkpoint's chat template
+    as ``SpecEngine.generate`` renders them); ``k`` (an int, or ``"auto"``: each step's k
+    from the cost model, up to ``k_max``) and ``k_max`` default to the server's ``--k`` and
+    ``--k-max``."""
 
     model_config = _STRICT
 
     prompt_token_ids: list[int] | None = None
     prompt: str | None = None
+    messages: list[dict[str, Any]] | None = Field(default=None, min_length=1)
     sampling_params: SamplingParamsBody | None = None
     k: int | Literal["auto"] | None = None
     k_max: int | None = None  # with k "auto": its largest k (default: the server's --k-max)
@@ -80,12 +83,15 @@ class GenerateRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
-        if (self.prompt_token_ids is None) == (self.prompt is None):
-            raise ValueError("give exactly one of prompt_token_ids (a list of token ids) and "
-                             "prompt (text)")
+        given = [x is not None for x in (self.prompt_token_ids, self.prompt, self.messages)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt_token_ids (a list of token ids), "
+                             "prompt (text) and messages (chat messages)")
         return self
 
-    def prompt_value(self) -> list[int] | str:
+    def prompt_value(self) -> list[int] | str | list[dict[str, Any]]:
+        if self.messages is not None:
+            return self.messages
         return self.prompt_token_ids if self.prompt_token_ids is not None else self.prompt
 
 

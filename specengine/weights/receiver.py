@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from specengine.core.inflight import after_update
+from specengine.core.sleep import WeightsAsleepError
 from specengine.model.config import CheckpointError
 from specengine.model.loader import (
     check_entries,
@@ -96,6 +97,10 @@ def check_allowed(engine: SpecEngine, version: int | None) -> None:
         # Every later token is stamped with it in an int64 array.
         raise ValueError(f"weight version must be an int in [0, {MAX_VERSION}] (or None: the "
                          f"current one + 1), got {version!r}")
+    asleep = getattr(engine, "weights_asleep", None)  # (a TP worker has no sleep state)
+    if asleep:
+        raise WeightsAsleepError(f"the engine's weights are released by sleep() ({asleep}): "
+                                 "wake_up(tags=['weights']) before updating them")
     if version is not None and version <= engine.weight_version:
         raise ValueError(f"weight version must increase: got {version}, engine is at "
                          f"{engine.weight_version}")
@@ -240,8 +245,8 @@ def plan_update(engine: SpecEngine, which: str, manifest: Manifest, staging: str
     if which == "draft" and getattr(engine, "is_tp_worker", False):
         # The drafter lives on rank 0: this rank joins the transfer and keeps nothing.
         return _Plan(manifest, which, {}, set(), None)
+    check_allowed(engine, manifest.version)  # first: sleeping weights have no views to make
     module, tied = update_target(engine, which)
-    check_allowed(engine, manifest.version)
     accepted, errors = check_entries(
         module, ((e.name, e.shape, e.dtype) for e in manifest.entries),
         strict=manifest.full, tied=tied)

@@ -179,8 +179,10 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def drain_limit(engine: SpecEngine) -> int:
-    module, _ = update_target(engine, "policy")
-    largest = max((t.nbytes for t in hf_named_tensors(module).values()), default=0)
+    largest = getattr(engine, "largest_weight_bytes", None)  # (known while weights sleep)
+    if largest is None:
+        module, _ = update_target(engine, "policy")
+        largest = max((t.nbytes for t in hf_named_tensors(module).values()), default=0)
     return max(DRAIN_FACTOR * largest, MIN_DRAIN_BYTES)
 
 
