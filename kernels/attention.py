@@ -183,6 +183,14 @@ def tiles(max_q_len: int, group: int, head_dim: int, ieee: bool, tree: bool) -> 
         # fp32 tiles (tf32x3 dots) hold twice the bytes of bf16 ones plus the hi/lo halves of
         # each operand: at 64 x 64 they spill, at 32 x 32 they fit (scripts/compile_kernels.py).
         cap, block_n = cap // 2, block_n // 2
+    elif tree:
+        # A tree tile also holds its [BLOCK_M, BLOCK_N] mask words: at 64 rows (16 nodes x 4
+        # heads) it needed 8 warps, 180-208 registers and 98.8 KB of shared memory, one block
+        # per SM, so each tile's loads and its dots ran one after the other. 32 rows fit 3
+        # blocks per SM at 4 warps without spills (scripts/compile_kernels.py); the two query
+        # tiles of a sequence are adjacent programs, so the second read of each K/V tile is
+        # mostly an L2 hit (issue 35).
+        cap = min(cap, 32)
     block_m = min(max(16, triton.next_power_of_2(max(max_q_len, 1) * group)), cap)
     block_m = max(block_m, triton.next_power_of_2(group))  # at least one whole query per tile
     # A tree tile also holds its [BLOCK_M, BLOCK_N] mask words: at 64 x 128 rows that tips

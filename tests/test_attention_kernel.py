@@ -165,6 +165,27 @@ def test_fully_masked_tree_row_is_zero() -> None:
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_tree_16_nodes_fp16_two_query_tiles(num_splits: int) -> None:
+    """16-node trees at GQA 4 (64 rows): the 16-bit tree tile holds 32 rows, so each tree is
+    two query tiles that must each see the whole context and their own mask rows; contexts off
+    the 64-key tile and the 16-slot page, a 9-node tree and a decode row beside them."""
+    check(make_case([0, 63, 65, 131, 7], [16, 16, 9, 16, 1], hq=8, hkv=2, mask="tree",
+                    dtype=torch.float16, seed=16 + num_splits), num_splits=num_splits)
+
+
+def test_tree_tile_fits_two_blocks_per_sm() -> None:
+    """The 16-bit tree tile is capped at 32 rows and 4 warps (64 rows needed 8 warps and 180-208
+    registers: one block per SM); causal tiles keep 64 rows, fp32 its own 32."""
+    from specengine.kernels.attention import tiles
+
+    tree = tiles(16, 4, 128, ieee=False, tree=True)
+    assert (tree.block_m, tree.qt, tree.num_warps) == (32, 8, 4)
+    assert tiles(16, 4, 128, ieee=False, tree=False).block_m == 64
+    assert tiles(16, 4, 128, ieee=True, tree=True).block_m == 32
+    assert tiles(1, 64, 128, ieee=False, tree=True).block_m == 64  # one whole query per tile
+
+
 def test_default_num_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert attention_combine.default_num_splits(cpu, 4, 1000) == 1
