@@ -186,6 +186,17 @@ def test_tree_tile_fits_two_blocks_per_sm() -> None:
     assert tiles(1, 64, 128, ieee=False, tree=True).block_m == 64  # one whole query per tile
 
 
+def test_split_counters_reset_between_launches() -> None:
+    """The folded combine: the last split of each tile merges, then zeroes its counter, so
+    launches with other split counts reusing the counters still merge (a stale count would
+    leave the output unwritten) and the counters are zero afterwards."""
+    args = make_case([40, 3, 129], [1, 2, 1], hq=4, hkv=2, seed=21)
+    for num_splits in (3, 5, 2, 5):
+        check(args, num_splits=num_splits)
+    counters = attention_combine.split_counters(torch.device("cpu"), 1)
+    assert counters.numel() >= 3 * 2 and not counters.any()
+
+
 def test_default_num_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert attention_combine.default_num_splits(cpu, 4, 1000) == 1
