@@ -291,3 +291,19 @@ def test_gpu_cuda_graph_capture() -> None:
     torch.cuda.synchronize()
     ref = reference.paged_attention(*args)
     torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_folded_combine_repeatable() -> None:
+    """The folded combine under real concurrency: B=1 decode at 4k (the heuristic splits
+    every (tile, kv head) 32 ways; the last split to arrive merges) and a 16-node tree at
+    B=2 with 7 splits, 50 launches each: every one equals the first (the merge order is
+    fixed: a stale or early read of another split's partial would show) and the reference."""
+    for ctx, q_lens, mask, splits in (([4095], [1], "causal", None),
+                                      ([4000, 1234], [16, 16], "tree", 7)):
+        args = make_case(ctx, q_lens, hq=32, hkv=8, d=128, dtype=torch.bfloat16, mask=mask,
+                         device="cuda", seed=len(q_lens))
+        first = check(args, num_splits=splits, max_q_len=max(q_lens))
+        for _ in range(50):
+            out = paged_attention(*args, num_splits=splits, max_q_len=max(q_lens))
+            assert torch.equal(out, first)
