@@ -114,10 +114,12 @@ ALIGN_KERNEL_MAX_PAIRS = 1024
 def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, num_pairs,
                       num_experts, total,
                       BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                      P_CHUNK: tl.constexpr):
+                      J_CHUNK: tl.constexpr, B_CHUNK: tl.constexpr, TAIL_CHUNK: tl.constexpr):
     """One program: ``moe_align_block_size`` without a sort. Each pair's place is its expert's
     padded start plus the number of earlier pairs of that expert, counted with a one-hot
-    ``[CHUNK, E_PAD]`` prefix sum per chunk of pairs (flat order within an expert kept)."""
+    ``[CHUNK, E_PAD]`` prefix sum per chunk of pairs (flat order within an expert kept). Its
+    serial steps: 2·M/CHUNK pair chunks, BLOCK_M/J_CHUNK padding tiles, the tail in 1,024s,
+    blocks/B_CHUNK owner tiles (T=16 at E=128, top-8: 4 + 4 + 1 + 2 + 4)."""
     experts = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for c0 in range(0, num_pairs, CHUNK):
@@ -138,20 +140,27 @@ def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, num
         dest = tl.sum(hit * (before + (padded_start + seen)[None, :]), axis=1)
         tl.store(sorted_ids_ptr + dest, offs, mask=live)
         seen += tl.sum(hit, axis=0)
-    # The rest of the list: padding (and the unused tail) gets the sentinel, disjoint from the
-    # places written above (so no ordering between the two passes is needed); block b gets the
-    # expert whose padded run holds b·BLOCK_M (the last expert past the used length).
-    real_end = padded_start + counts
-    for p0 in range(0, total, P_CHUNK):
-        pos = p0 + tl.arange(0, P_CHUNK)
-        in_list = pos < total
-        inside = (pos[:, None] >= padded_start[None, :]) & (pos[:, None] < real_end[None, :])
-        is_real = tl.max(inside.to(tl.int32), axis=1) > 0
-        tl.store(sorted_ids_ptr + pos, tl.zeros_like(pos) + num_pairs, mask=in_list & ~is_real)
-        owner = tl.sum((padded_end[None, :] <= pos[:, None]).to(tl.int32), axis=1)
-        owner = tl.minimum(owner, num_experts - 1)
-        tl.store(expert_ids_ptr + pos // BLOCK_M, owner,
-                 mask=in_list & (pos % BLOCK_M == 0))
+    # The rest of the list gets the sentinel, disjoint from the places written above (so no
+    # ordering between the passes is needed): each expert's padding, at most BLOCK_M - 1
+    # places after its pairs, as an [E_PAD, J_CHUNK] tile; then the unused tail.
+    pad_start = padded_start + counts
+    pad_len = padded - counts
+    for j0 in tl.static_range(0, BLOCK_M, J_CHUNK):
+        j = j0 + tl.arange(0, J_CHUNK)
+        tl.store(sorted_ids_ptr + pad_start[:, None] + j[None, :],
+                 tl.zeros([E_PAD, J_CHUNK], dtype=tl.int32) + num_pairs,
+                 mask=j[None, :] < pad_len[:, None])
+    num_post = tl.sum(padded, axis=0)
+    for p0 in range(num_post, total, TAIL_CHUNK):
+        pos = p0 + tl.arange(0, TAIL_CHUNK)
+        tl.store(sorted_ids_ptr + pos, tl.zeros_like(pos) + num_pairs, mask=pos < total)
+    # Block b gets the expert whose padded run holds b·BLOCK_M (the last expert past the used
+    # length: those blocks return before reading weights).
+    for b0 in range(0, total // BLOCK_M, B_CHUNK):
+        blk = b0 + tl.arange(0, B_CHUNK)
+        owner = tl.sum((padded_end[None, :] <= (blk * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + blk, tl.minimum(owner, num_experts - 1),
+                 mask=blk < total // BLOCK_M)
 
 
 def moe_align_block_size(topk_ids: Tensor, num_experts: int, block_m: int, *,
@@ -183,13 +192,17 @@ def moe_align_block_size(topk_ids: Tensor, num_experts: int, block_m: int, *,
     expert_ids = torch.empty(total // block_m, dtype=torch.int32, device=device)
     num_post = torch.empty(1, dtype=torch.int32, device=device)
     e_pad = triton.next_power_of_2(max(num_experts, 1))
-    # Chunks of pairs and of list positions sized so a one-hot tile stays <= 4,096 entries
-    # (32 per thread with 4 warps).
-    chunk = max(1, min(triton.next_power_of_2(max(num_pairs, 1)), 4096 // e_pad))
-    p_chunk = max(1, min(triton.next_power_of_2(total), 4096 // e_pad))
+    # Chunks (of pairs, padding columns, blocks) sized so an [x, E_PAD] tile stays <= 4,096
+    # entries (32 per thread with 4 warps); the tail is plain stores.
+    per_tile = max(1, 4096 // e_pad)
+    num_blocks = total // block_m
     _moe_align_kernel[(1,)](
         topk_ids.reshape(-1), sorted_ids, expert_ids, num_post, num_pairs, num_experts, total,
-        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, P_CHUNK=p_chunk,
+        BLOCK_M=block_m, E_PAD=e_pad,
+        CHUNK=min(triton.next_power_of_2(max(num_pairs, 1)), per_tile),
+        J_CHUNK=min(triton.next_power_of_2(block_m), per_tile),
+        B_CHUNK=min(triton.next_power_of_2(num_blocks), per_tile),
+        TAIL_CHUNK=min(triton.next_power_of_2(total), 1024),
         num_warps=4 if e_pad <= 128 else 8)
     return sorted_ids, expert_ids, num_post
 
@@ -492,8 +505,9 @@ AOT_SHAPES = (("Qwen3-30B-A3B", 2048, 768), ("Qwen3-235B-A22B", 4096, 1536))
 def aot_configs() -> list[tuple[str, Callable[[], object]]]:
     """``scripts/compile_kernels.py``'s configurations at the Qwen3-MoE shapes, bf16 and fp32:
     1 and 4 tokens (the per-pair path: ``T·k·4 <= E``), 16 tokens (128 pairs: the alignment
-    program and ``BLOCK_M`` 16, a batched decode / verify step) and 256 tokens (2,048 pairs:
-    the torch alignment and ``BLOCK_M`` 64, prefill)."""
+    program and ``BLOCK_M`` 16, a batched decode / verify step), 64 tokens (512 pairs: the
+    alignment program at ``BLOCK_M`` 64) and 256 tokens (2,048 pairs: the torch alignment and
+    ``BLOCK_M`` 64, prefill)."""
     num_experts, top_k = 128, 8
 
     def call(dtype: torch.dtype, tokens: int, hidden: int, inter: int) -> Callable[[], object]:
@@ -510,7 +524,7 @@ def aot_configs() -> list[tuple[str, Callable[[], object]]]:
     out: list[tuple[str, Callable[[], object]]] = []
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         for model, hidden, inter in AOT_SHAPES:
-            for tokens in (1, 4, 16, 256):
+            for tokens in (1, 4, 16, 64, 256):
                 out.append((f"{name} {model} E={num_experts} top-{top_k} T={tokens}",
                             call(dtype, tokens, hidden, inter)))
     return out

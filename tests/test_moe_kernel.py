@@ -142,6 +142,7 @@ def test_path_choice() -> None:
     (37, 2, 5, 8),  # 74 pairs: several chunks of the pair walk
     (19, 4, 200, 16),  # E_PAD 256: 16-pair chunks, 8 warps; most experts idle
     (3, 2, 128, 64),  # fewer pairs than experts, BLOCK_M 64 (the tail is mostly padding)
+    (6, 2, 9, 12),  # BLOCK_M not a power of two: the padding tile is wider than a run's pad
 ])
 def test_align_kernel_equals_torch_ops(num_tokens: int, top_k: int, num_experts: int,
                                        block_m: int) -> None:
