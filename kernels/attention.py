@@ -236,10 +236,11 @@ def tiles(max_q_len: int, group: int, head_dim: int, ieee: bool, tree: bool) -> 
     elif tree:
         # A tree tile also holds its [BLOCK_M, BLOCK_N] mask words: at 64 rows (16 nodes x 4
         # heads) it needed 8 warps, 180-208 registers and 98.8 KB of shared memory, one block
-        # per SM, so each tile's loads and its dots ran one after the other. 32 rows fit 3
-        # blocks per SM at 4 warps without spills (scripts/compile_kernels.py); the two query
+        # per SM, so each tile's loads and its dots ran one after the other. 32 rows fit 2
+        # blocks per SM at 4 warps (~200 registers, 52.5 KB) without spills on Triton 3.6 and
+        # 3.9 (scripts/compile_kernels.py; benchmarks/RESULTS.md, issue 35); the two query
         # tiles of a sequence are adjacent programs, so the second read of each K/V tile is
-        # mostly an L2 hit (issue 35).
+        # mostly an L2 hit.
         cap = min(cap, 32)
     block_m = min(max(16, triton.next_power_of_2(max(max_q_len, 1) * group)), cap)
     block_m = max(block_m, triton.next_power_of_2(group))  # at least one whole query per tile
