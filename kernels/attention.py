@@ -7,8 +7,9 @@ sequence times the ``GROUP`` q heads sharing the kv head, flattened into ``BLOCK
 The program walks the keys in ``BLOCK_N`` tiles gathered through the block table: first the
 tiles lying wholly in the context (no mask at all), then the tail holding the new tokens, where
 the causal rule or the packed tree bits apply. Online softmax in float32 with exp2 (the scale is
-pre-multiplied by log2 e). With ``num_splits > 1`` each program covers a slice of the key tiles
-and writes a partial result that ``attention_combine.combine_splits`` merges.
+pre-multiplied by log2 e). With ``num_splits > 1`` each program covers an even slice of the key
+tiles and writes a partial result and its log-sum-exp; the last split of each (tile, kv head) to
+finish (a counter from ``attention_combine.split_counters``) merges them in the same launch.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .attention_checks import as_count, check_inputs, query_run_bounds
-from .attention_combine import combine_splits, default_num_splits
+from .attention_combine import default_num_splits, split_counters
 from .debug import check_values_now
 
 _LOG2E = 1.4426950408889634
@@ -91,13 +92,14 @@ def _attend_tile(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bt_ptr, ctx_ptr, indptr_ptr, mask_ptr,
-    qk_scale, num_splits, n_q_tiles,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, fin_ptr, count_ptr, bt_ptr, ctx_ptr, indptr_ptr,
+    mask_ptr, qk_scale, num_splits, n_q_tiles,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_bt, stride_mt, stride_mw,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_ft, stride_fh, stride_bt,
+    stride_mt, stride_mw,
     GROUP: tl.constexpr, QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TREE: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr, MERGE_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -127,9 +129,10 @@ def _paged_attention_kernel(
         else:
             end = ctx + tl.minimum(q0 + QT, q_len)
         n_tiles = tl.cdiv(end, BLOCK_N)
-        per_split = tl.cdiv(n_tiles, num_splits)
-        lo = split * per_split
-        hi = tl.minimum(lo + per_split, n_tiles)
+        # Even splits: each gets floor or ceil of n_tiles / num_splits tiles (a ceil-sized
+        # share per split left the last ones empty: 13 of 16 at 50 tiles).
+        lo = split * n_tiles // num_splits
+        hi = (split + 1) * n_tiles // num_splits
         n_plain = ctx // BLOCK_N  # tiles wholly inside the context: no mask needed
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -159,6 +162,53 @@ def _paged_attention_kernel(
             lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)),
                            float("-inf"))
             tl.store(lse_ptr + split * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
+            # The combine, folded in: the last split of this (tile, kv head) to finish merges
+            # all of them. The barrier orders every thread's partial stores before the
+            # counter's release; the acq_rel increment makes the others' visible to the last.
+            tl.debug_barrier()
+            counter = count_ptr + pid * tl.num_programs(1) + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                tl.store(counter, 0)  # ready for the next launch (no other split touches it)
+                _merge_splits(out_ptr, lse_ptr, fin_ptr, num_splits, tok, head, row_ok,
+                              stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                              stride_ft, stride_fh, BLOCK_M, HEAD_DIM, MERGE_D)
+
+
+@triton.jit
+def _merge_splits(part_ptr, lse_ptr, fin_ptr, num_splits, tok, head, row_ok,
+                  stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ft, stride_fh,
+                  BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr):
+    """``o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``, ``M = max_s lse_s``, for this
+    tile's rows, ``D_CHUNK`` columns at a time (the fp32 tiles have no registers for a whole
+    second ``[BLOCK_M, HEAD_DIM]`` accumulator and its pointers). Loads bypass L1 (``.cg``):
+    the other splits wrote from other SMs."""
+    lse_rows = lse_ptr + tok * stride_lt + head
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(lse_rows + s * stride_ls, mask=row_ok, other=float("-inf"),
+                                  cache_modifier=".cg"))
+    # A row no split saw (fully masked) has M = -inf: weight 0 everywhere, output 0. Empty
+    # splits stored zeros (never NaN), so their 0 weights cannot poison the sum.
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    for s in range(num_splits):
+        denom += tl.math.exp2(tl.load(lse_rows + s * stride_ls, mask=row_ok,
+                                      other=float("-inf"), cache_modifier=".cg") - m_safe)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    for d0 in tl.static_range(0, HEAD_DIM, D_CHUNK):
+        offs_d = d0 + tl.arange(0, D_CHUNK)
+        part_rows = (part_ptr + tok[:, None] * stride_pt + head[:, None] * stride_ph
+                     + offs_d[None, :])
+        acc = tl.zeros([BLOCK_M, D_CHUNK], tl.float32)
+        for s in range(num_splits):
+            w = tl.math.exp2(tl.load(lse_rows + s * stride_ls, mask=row_ok,
+                                     other=float("-inf"), cache_modifier=".cg") - m_safe)
+            part = tl.load(part_rows + s * stride_ps, mask=row_ok[:, None], other=0.0,
+                           cache_modifier=".cg")
+            acc += part * w[:, None]
+        out = acc / denom[:, None]
+        tl.store(fin_ptr + tok[:, None] * stride_ft + head[:, None] * stride_fh
+                 + offs_d[None, :], out.to(fin_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @dataclass(frozen=True)
@@ -183,6 +233,15 @@ def tiles(max_q_len: int, group: int, head_dim: int, ieee: bool, tree: bool) -> 
         # fp32 tiles (tf32x3 dots) hold twice the bytes of bf16 ones plus the hi/lo halves of
         # each operand: at 64 x 64 they spill, at 32 x 32 they fit (scripts/compile_kernels.py).
         cap, block_n = cap // 2, block_n // 2
+    elif tree:
+        # A tree tile also holds its [BLOCK_M, BLOCK_N] mask words: at 64 rows (16 nodes x 4
+        # heads) it needed 8 warps, 180-208 registers and 98.8 KB of shared memory, one block
+        # per SM, so each tile's loads and its dots ran one after the other. 32 rows fit 2
+        # blocks per SM at 4 warps (~200 registers, 52.5 KB) without spills on Triton 3.6 and
+        # 3.9 (scripts/compile_kernels.py; benchmarks/RESULTS.md, issue 35); the two query
+        # tiles of a sequence are adjacent programs, so the second read of each K/V tile is
+        # mostly an L2 hit.
+        cap = min(cap, 32)
     block_m = min(max(16, triton.next_power_of_2(max(max_q_len, 1) * group)), cap)
     block_m = max(block_m, triton.next_power_of_2(group))  # at least one whole query per tile
     # A tree tile also holds its [BLOCK_M, BLOCK_N] mask words: at 64 x 128 rows that tips
@@ -256,29 +315,29 @@ def paged_attention(
         max_kv_tiles = triton.cdiv(block_tables.shape[1] * block_size, block_n)
         num_splits = default_num_splits(q.device, num_seqs * n_q_tiles * hkv, max_kv_tiles)
     split = num_splits > 1
+    grid = (num_seqs * n_q_tiles, hkv, num_splits)
     if split:
         part = torch.empty(num_splits, num_tokens, hq, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(num_splits, num_tokens, hq, dtype=torch.float32, device=q.device)
         dst, lse_arg = part, lse  # [S, T, Hq, D], [S, T, Hq]
         stride_os, stride_ls, stride_lt = part.stride(0), lse.stride(0), lse.stride(1)
+        counts = split_counters(q.device, grid[0] * grid[1])
     else:
-        dst, lse_arg = out, out  # lse unused (SPLIT is a constexpr False)
+        dst, lse_arg, counts = out, out, out  # lse and counters unused (SPLIT is False)
         stride_os, stride_ls, stride_lt = 0, 0, 0
     mask_arg = tree_mask if tree_mask is not None else block_tables  # dummy pointer when causal
     stride_mt = tree_mask.stride(0) if tree_mask is not None else 0
     stride_mw = tree_mask.stride(1) if tree_mask is not None else 0
-    grid = (num_seqs * n_q_tiles, hkv, num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, dst, lse_arg, block_tables, context_lens, qo_indptr, mask_arg,
-        scale * _LOG2E, num_splits, n_q_tiles,
+        q, k_cache, v_cache, dst, lse_arg, out, counts, block_tables, context_lens, qo_indptr,
+        mask_arg, scale * _LOG2E, num_splits, n_q_tiles,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         stride_os, dst.stride(-3), dst.stride(-2), stride_ls, stride_lt,
-        block_tables.stride(0), stride_mt, stride_mw,
+        out.stride(0), out.stride(1), block_tables.stride(0), stride_mt, stride_mw,
         GROUP=group, QT=qt, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d,
         BLOCK_SIZE=block_size, TREE=tree_mask is not None, SPLIT=split,
-        IEEE=ieee, num_warps=shape.num_warps, num_stages=shape.num_stages,
+        IEEE=ieee, MERGE_D=min(d, 32), num_warps=shape.num_warps,
+        num_stages=shape.num_stages,
     )
-    if split:
-        combine_splits(part, lse, out)
     return out

@@ -3,8 +3,10 @@
 When a batch has few sequences and few query tiles, one program per (sequence, tile, kv head)
 leaves most SMs idle while each program walks a long context. Splitting the KV range across
 ``num_splits`` programs fills the machine; every split writes its normalised partial output and
-its log-sum-exp (base 2), and ``combine_splits`` merges them exactly:
-``o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s``.
+its log-sum-exp (base 2), and the last split to finish merges them exactly in the same launch:
+``o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s``. "Last" is
+counted per (tile, kv head) in an int32 counter from :func:`split_counters`, which the last
+split sets back to 0, so the counters are zero before and after every launch.
 """
 
 from __future__ import annotations
@@ -13,56 +15,23 @@ import functools
 
 import torch
 import triton
-import triton.language as tl
 from torch import Tensor
 
-
-@triton.jit
-def _combine_kernel(
-    part_ptr,  # [S, T, Hq, D] float32: each split's normalised output
-    lse_ptr,  # [S, T, Hq] float32: each split's log2-sum-exp2 (-inf when it saw no key)
-    out_ptr,  # [T, Hq, D] in the output dtype
-    num_splits,
-    stride_ps, stride_pt, stride_ph,
-    stride_ls, stride_lt,
-    stride_ot, stride_oh,
-    SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_ok = offs_s < num_splits
-    lse = tl.load(lse_ptr + offs_s * stride_ls + tok * stride_lt + head, mask=s_ok,
-                  other=float("-inf"))  # [SPLITS_PAD]
-    m = tl.max(lse, 0)
-    # A row no split saw (fully masked) has m = -inf: give it weight 0 everywhere, output 0.
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(lse - m_safe)  # [SPLITS_PAD]; 0 for empty splits
-    denom = tl.sum(w, 0)
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    part = tl.load(
-        part_ptr + offs_s[:, None] * stride_ps + tok * stride_pt + head * stride_ph
-        + offs_d[None, :],
-        mask=s_ok[:, None], other=0.0,
-    )  # [SPLITS_PAD, D]
-    # Empty splits stored zeros (never NaN), so 0-weight rows cannot poison the sum.
-    out = tl.sum(part * w[:, None], 0) / denom  # [D]
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d,
-             out.to(out_ptr.dtype.element_ty))
+#: Counter buffers per (device, stream): launches on one stream run one after another, so they
+#: can share counters; launches on two streams may overlap, so they get separate ones. Every
+#: buffer ever made stays referenced: a CUDA graph captured with it keeps its address.
+_COUNTERS: dict[tuple[str, int | None, int], list[Tensor]] = {}
 
 
-def combine_splits(part: Tensor, lse: Tensor, out: Tensor) -> None:
-    """Merge split partials ``part [S, T, Hq, D]`` / ``lse [S, T, Hq]`` into ``out [T, Hq, D]``."""
-    num_splits, num_tokens, num_heads, head_dim = part.shape
-    _combine_kernel[(num_tokens, num_heads)](
-        part, lse, out, num_splits,
-        part.stride(0), part.stride(1), part.stride(2),
-        lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1),
-        SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-    )
+def split_counters(device: torch.device, needed: int) -> Tensor:
+    """Zeroed int32 counters (at least ``needed``) for the split-KV launches of the current
+    stream. Made once per stream and size (a zero-fill launch then, inside a capture part of
+    the graph); the kernel leaves them zero after each launch, so reuse needs no reset."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    buffers = _COUNTERS.setdefault((device.type, device.index, stream), [])
+    if not buffers or buffers[-1].numel() < needed:
+        buffers.append(torch.zeros(max(needed, 1024), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 @functools.cache

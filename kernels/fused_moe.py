@@ -6,20 +6,31 @@ verify pass that runs this stays CUDA-graph capturable):
 
 1. ``_topk_softmax_kernel``: per token, the float32 softmax of the router logits, its top-k
    (largest first, ties to the lower expert id), renormalised to sum 1 when asked.
-2. :func:`moe_align_block_size` (a few torch ops, as vLLM's / SGLang's ``moe_align_block_size``):
-   the ``M = T·k`` (token, slot) pairs sorted by expert, each expert's run padded to a multiple
-   of ``BLOCK_M`` with the sentinel ``M``, so every ``BLOCK_M`` block of the sorted list belongs
-   to one expert. The list has the static length ``M + min(E, M)·(BLOCK_M - 1)`` (the most
-   padding possible); ``num_tokens_post_padded`` (a device scalar) says how much of it is used
-   and blocks past it return at once.
-3. ``_moe_gemm_kernel`` for gate·up: block ``(m, n)`` multiplies its ``BLOCK_M`` rows of ``x``
-   (row = pair // k) by the expert's gate rows ``n`` and up rows ``I + n`` of ``w13 [E, 2I, H]``
-   and writes ``silu(gate) * up`` ``[M, I]`` (SiLU·mul fused; gate, SiLU and up each rounded to
-   the activation dtype, as ``F.silu(gate) * up``).
-4. ``_moe_gemm_kernel`` for down: ``[M, I]`` by ``w2 [E, H, I]``, rounded to the activation
-   dtype (the expert's output, as transformers computes it) then scaled by the pair's float32
-   routing weight, into a float32 ``[M, H]`` buffer.
-5. The combine: the ``k`` rows of each token summed in float32 and rounded once.
+
+Then one of two paths, chosen from shapes alone (:func:`uses_alignment`):
+
+- **Per pair** (decode / verify: ``T·k·4 <= E``, so nearly every pair has an expert to itself
+  and sorting would only add launches): ``_moe_gemv_kernel`` gate·up runs one program per
+  ((token, slot) pair, ``BLOCK_N`` rows of the expert): a weight-streaming matrix-vector
+  product, no alignment at all; then ``_moe_gemv_kernel`` down likewise. Two pairs that share an
+  expert read its weights twice (rare at these sizes, and the second read often hits L2).
+- **Aligned** (otherwise): :func:`moe_align_block_size` sorts the ``M = T·k`` pairs by expert,
+  each expert's run padded to a multiple of ``BLOCK_M`` with the sentinel ``M``, so every
+  ``BLOCK_M`` block of the sorted list belongs to one expert (as vLLM's / SGLang's
+  ``moe_align_block_size``): one Triton program (``_moe_align_kernel``) up to
+  ``ALIGN_KERNEL_MAX_PAIRS`` pairs, a few torch ops past it (a prefill chunk, where they cost
+  nothing next to the GEMMs). The list has the static length ``M + min(E, M)·(BLOCK_M - 1)``
+  (the most padding possible); ``num_tokens_post_padded`` (a device scalar) says how much of it
+  is used and blocks past it return at once. ``_moe_gemm_kernel`` gate·up: block ``(m, n)``
+  multiplies its ``BLOCK_M`` rows of ``x`` (row = pair // k) by the expert's gate rows ``n``
+  and up rows ``I + n`` of ``w13 [E, 2I, H]``; ``_moe_gemm_kernel`` down: ``[M, I]`` by
+  ``w2 [E, H, I]``.
+
+Both paths write, for gate·up, ``silu(gate) * up`` ``[M, I]`` (SiLU·mul fused; gate, SiLU and
+up each rounded to the activation dtype, as ``F.silu(gate) * up``), and for down the expert's
+output rounded to the activation dtype (as transformers computes it) then scaled by the pair's
+float32 routing weight, into a float32 ``[M, H]`` buffer. ``_moe_combine_kernel`` then sums
+each token's ``k`` rows in float32 (slot order) and rounds once.
 
 Accumulation is float32 throughout; weights are addressed with 64-bit offsets (235B-A22B's
 ``w13`` has 1.6·10⁹ elements).
@@ -93,8 +104,67 @@ def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
     return num_pairs + min(num_experts, num_pairs) * (block_m - 1)
 
 
-def moe_align_block_size(topk_ids: Tensor, num_experts: int,
-                         block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+#: Pair counts up to which the alignment is one Triton program (``_moe_align_kernel``): it walks
+#: the pairs in chunks, so its time grows with ``T·k``; past this the sort-based torch ops
+#: (a prefill chunk) are cheaper than a serial walk and negligible next to the GEMMs.
+ALIGN_KERNEL_MAX_PAIRS = 1024
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, num_pairs,
+                      num_experts, total,
+                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                      J_CHUNK: tl.constexpr, B_CHUNK: tl.constexpr, TAIL_CHUNK: tl.constexpr):
+    """One program: ``moe_align_block_size`` without a sort. Each pair's place is its expert's
+    padded start plus the number of earlier pairs of that expert, counted with a one-hot
+    ``[CHUNK, E_PAD]`` prefix sum per chunk of pairs (flat order within an expert kept). Its
+    serial steps: 2·M/CHUNK pair chunks, BLOCK_M/J_CHUNK padding tiles, the tail in 1,024s,
+    blocks/B_CHUNK owner tiles (T=16 at E=128, top-8: 4 + 4 + 1 + 2 + 4)."""
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    tl.store(num_post_ptr, tl.sum(padded, axis=0))
+    seen = tl.zeros([E_PAD], dtype=tl.int32)  # pairs of each expert placed so far
+    for c0 in range(0, num_pairs, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        live = offs < num_pairs
+        e = tl.load(ids_ptr + offs, mask=live, other=-1).to(tl.int32)
+        hit = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_PAD] one-hot
+        before = tl.cumsum(hit, axis=0) - hit  # earlier pairs of the same expert in the chunk
+        dest = tl.sum(hit * (before + (padded_start + seen)[None, :]), axis=1)
+        tl.store(sorted_ids_ptr + dest, offs, mask=live)
+        seen += tl.sum(hit, axis=0)
+    # The rest of the list gets the sentinel, disjoint from the places written above (so no
+    # ordering between the passes is needed): each expert's padding, at most BLOCK_M - 1
+    # places after its pairs, as an [E_PAD, J_CHUNK] tile; then the unused tail.
+    pad_start = padded_start + counts
+    pad_len = padded - counts
+    for j0 in tl.static_range(0, BLOCK_M, J_CHUNK):
+        j = j0 + tl.arange(0, J_CHUNK)
+        tl.store(sorted_ids_ptr + pad_start[:, None] + j[None, :],
+                 tl.zeros([E_PAD, J_CHUNK], dtype=tl.int32) + num_pairs,
+                 mask=j[None, :] < pad_len[:, None])
+    num_post = tl.sum(padded, axis=0)
+    for p0 in range(num_post, total, TAIL_CHUNK):
+        pos = p0 + tl.arange(0, TAIL_CHUNK)
+        tl.store(sorted_ids_ptr + pos, tl.zeros_like(pos) + num_pairs, mask=pos < total)
+    # Block b gets the expert whose padded run holds b·BLOCK_M (the last expert past the used
+    # length: those blocks return before reading weights).
+    for b0 in range(0, total // BLOCK_M, B_CHUNK):
+        blk = b0 + tl.arange(0, B_CHUNK)
+        owner = tl.sum((padded_end[None, :] <= (blk * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + blk, tl.minimum(owner, num_experts - 1),
+                 mask=blk < total // BLOCK_M)
+
+
+def moe_align_block_size(topk_ids: Tensor, num_experts: int, block_m: int, *,
+                         use_kernel: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The (token, slot) pairs of ``topk_ids [T, k]`` sorted by expert, per expert padded to a
     multiple of ``block_m``.
 
@@ -102,17 +172,47 @@ def moe_align_block_size(topk_ids: Tensor, num_experts: int,
     int32)`` with ``P = max_padded_pairs(T·k, E, block_m)`` rounded up to ``block_m``: entry
     ``i < num_tokens_post_padded`` of ``sorted_ids`` is a flat pair index ``t·k + j`` or the
     sentinel ``T·k`` (padding); block ``b``'s pairs all go to expert ``expert_ids[b]``; pairs of
-    one expert keep their flat order. Static shapes, no host sync.
+    one expert keep their flat order. Static shapes, no host sync. ``use_kernel`` picks the one
+    Triton program (True) or the torch ops (False); None: the program up to
+    ``ALIGN_KERNEL_MAX_PAIRS`` pairs. Both give identical lists.
     """
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, k], got {tuple(topk_ids.shape)}")
     if block_m <= 0:
         raise ValueError(f"block_m must be positive, got {block_m}")
+    num_pairs = topk_ids.numel()
+    total = triton.cdiv(max(max_padded_pairs(num_pairs, num_experts, block_m), 1),
+                        block_m) * block_m
+    if use_kernel is None:
+        use_kernel = num_pairs <= ALIGN_KERNEL_MAX_PAIRS
+    if not use_kernel:
+        return _align_torch(topk_ids, num_experts, block_m, total)
+    device = topk_ids.device
+    sorted_ids = torch.empty(total, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(total // block_m, dtype=torch.int32, device=device)
+    num_post = torch.empty(1, dtype=torch.int32, device=device)
+    e_pad = triton.next_power_of_2(max(num_experts, 1))
+    # Chunks (of pairs, padding columns, blocks) sized so an [x, E_PAD] tile stays <= 4,096
+    # entries (32 per thread with 4 warps); the tail is plain stores.
+    per_tile = max(1, 4096 // e_pad)
+    num_blocks = total // block_m
+    _moe_align_kernel[(1,)](
+        topk_ids.reshape(-1), sorted_ids, expert_ids, num_post, num_pairs, num_experts, total,
+        BLOCK_M=block_m, E_PAD=e_pad,
+        CHUNK=min(triton.next_power_of_2(max(num_pairs, 1)), per_tile),
+        J_CHUNK=min(triton.next_power_of_2(block_m), per_tile),
+        B_CHUNK=min(triton.next_power_of_2(num_blocks), per_tile),
+        TAIL_CHUNK=min(triton.next_power_of_2(total), 1024),
+        num_warps=4 if e_pad <= 128 else 8)
+    return sorted_ids, expert_ids, num_post
+
+
+def _align_torch(topk_ids: Tensor, num_experts: int, block_m: int,
+                 total: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``moe_align_block_size`` as torch ops (a sort, cumsums, a scatter, a searchsorted)."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     num_pairs = flat.numel()
-    total = triton.cdiv(max(max_padded_pairs(num_pairs, num_experts, block_m), 1),
-                        block_m) * block_m
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -186,6 +286,79 @@ def _moe_gemm_kernel(
         tl.store(c_ptr + c_rows, out.to(dtype), mask=out_mask)
 
 
+@triton.jit
+def _moe_gemv_kernel(
+    a_ptr, b_ptr, c_ptr, topk_weights_ptr, topk_ids_ptr, N, K,
+    stride_am, stride_be, stride_bn, stride_cm,
+    A_ROW_DIV: tl.constexpr,  # pair -> row of a: t = pair // k for gate-up, the pair for down
+    GATED: tl.constexpr,  # gate-up: also read rows N + n of b and write silu(gate) * up
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The per-pair path: program ``(pair, n)`` streams rows ``n`` of the pair's expert
+    (``b``'s last dim contiguous) against one row of ``a``; float32 products and sums."""
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    a_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = b_ptr + expert * stride_be + offs_n.to(tl.int64)[:, None] * stride_bn
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(a_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        b_mask = n_mask[:, None] & k_mask[None, :]
+        b = tl.load(rows + offs_k[None, :], mask=b_mask, other=0.0)
+        acc += tl.sum(b.to(tl.float32) * a[None, :], axis=1)
+        if GATED:
+            b_up = tl.load(rows + N * stride_bn + offs_k[None, :], mask=b_mask, other=0.0)
+            acc_up += tl.sum(b_up.to(tl.float32) * a[None, :], axis=1)
+    act_dtype = a_ptr.dtype.element_ty
+    c_row = c_ptr + pair.to(tl.int64) * stride_cm + offs_n
+    if GATED:
+        gate = acc.to(act_dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(act_dtype).to(tl.float32)
+        out = act * acc_up.to(act_dtype).to(tl.float32)
+    else:
+        out = acc.to(act_dtype).to(tl.float32) * tl.load(topk_weights_ptr + pair)
+    tl.store(c_row, out.to(c_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _moe_combine_kernel(src_ptr, out_ptr, hidden, stride_src, stride_out,
+                        TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``out[t] = sum_j src[t·k + j]`` in float32 (slot order), rounded once to out's dtype."""
+    tok = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(src_ptr + (tok * TOP_K + j) * stride_src + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + tok * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def uses_alignment(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether a pass of ``num_tokens`` sorts its pairs by expert (the grouped GEMMs) or runs
+    one program per (token, slot) pair: per pair while ``T·k·4 <= E``, where pairs rarely share
+    an expert, so the alignment would buy almost no weight reuse for its launch."""
+    return num_tokens * top_k * 4 > num_experts
+
+
+#: Rows of an expert per program on the per-pair path: 16 rows give 30B-A3B at T=1 8 x 48
+#: gate-up and 8 x 128 down programs (>= 2 waves of 132 SMs) while each load is still
+#: ``16 x BLOCK_K`` elements (8 KB at bf16) in flight.
+GEMV_BLOCK_N = 16
+
+
+def _gemv_block_k(k: int, dtype: torch.dtype, gated: bool) -> int:
+    """``BLOCK_K`` of the per-pair path: the whole row up to 256 elements for the gated
+    program (two tiles in flight), 512 for down; half that at float32 (same bytes)."""
+    cap = (256 if gated else 512) // (2 if dtype == torch.float32 else 1)
+    return max(16, min(cap, triton.next_power_of_2(k)))
+
+
 def block_m_for(num_pairs: int) -> int:
     """``BLOCK_M``: small for decode-sized batches (little padding per expert), larger when
     each expert gets many rows."""
@@ -198,6 +371,16 @@ def _gated_num_warps(precision: str, block_m: int) -> int:
     8 warps halve each thread's share (184 / 148 registers, no spill). Everything else keeps
     Triton's default 4 (scripts/compile_kernels.py checks both Tritons)."""
     return 8 if precision == "ieee" and block_m >= 64 else 4
+
+
+def _gemm_num_stages(block_m: int, dtype: torch.dtype) -> int:
+    """Software-pipelining depth of the grouped GEMMs: at ``BLOCK_M`` 16 (batched decode /
+    verify sizes) a 16-bit stage is small (16 x 64 of ``x`` and one or two 64 x 64 weight
+    tiles, 18 KB), so 4 stages keep three weight tiles in flight per program where Triton's
+    default 3 keeps two (4 blocks/SM by shared memory on sm_90a, scripts/compile_kernels.py).
+    float32 stages are twice the bytes (4 stages: 110 KB, 2 blocks/SM) and the prefill tile
+    is compute-bound: both keep the default."""
+    return 4 if block_m <= 16 and dtype != torch.float32 else 3
 
 
 def _block_nk(n: int, k: int) -> tuple[int, int]:
@@ -264,26 +447,45 @@ def _fused_moe_group(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor,
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    block_m = block_m_for(num_pairs)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, num_experts, block_m)
-    num_blocks = expert_ids.shape[0]
     weights = topk_weights.contiguous()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    bn, bk = _block_nk(inter, hidden)
-    _moe_gemm_kernel[(num_blocks, triton.cdiv(inter, bn))](
-        x, w13, act, weights, sorted_ids, expert_ids, num_post, inter, hidden, num_pairs,
-        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
-        A_ROW_DIV=top_k, GATED=True, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=_gated_num_warps(precision, block_m))
     out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    bn, bk = _block_nk(hidden, inter)
-    _moe_gemm_kernel[(num_blocks, triton.cdiv(hidden, bn))](
-        act, w2, out, weights, sorted_ids, expert_ids, num_post, hidden, inter, num_pairs,
-        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
-        A_ROW_DIV=1, GATED=False, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk)
+    if not uses_alignment(num_tokens, top_k, num_experts):
+        ids = topk_ids.contiguous()
+        bn = GEMV_BLOCK_N
+        _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, bn))](
+            x, w13, act, weights, ids, inter, hidden,
+            x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+            A_ROW_DIV=top_k, GATED=True, BLOCK_N=bn,
+            BLOCK_K=_gemv_block_k(hidden, x.dtype, True))
+        _moe_gemv_kernel[(num_pairs, triton.cdiv(hidden, bn))](
+            act, w2, out, weights, ids, hidden, inter,
+            act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+            A_ROW_DIV=1, GATED=False, BLOCK_N=bn, BLOCK_K=_gemv_block_k(inter, x.dtype, False))
+    else:
+        block_m = block_m_for(num_pairs)
+        precision = "ieee" if x.dtype == torch.float32 else "tf32"
+        stages = _gemm_num_stages(block_m, x.dtype)
+        sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, num_experts, block_m)
+        num_blocks = expert_ids.shape[0]
+        bn, bk = _block_nk(inter, hidden)
+        _moe_gemm_kernel[(num_blocks, triton.cdiv(inter, bn))](
+            x, w13, act, weights, sorted_ids, expert_ids, num_post, inter, hidden, num_pairs,
+            x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
+            A_ROW_DIV=top_k, GATED=True, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=bn,
+            BLOCK_K=bk, num_warps=_gated_num_warps(precision, block_m), num_stages=stages)
+        bn, bk = _block_nk(hidden, inter)
+        _moe_gemm_kernel[(num_blocks, triton.cdiv(hidden, bn))](
+            act, w2, out, weights, sorted_ids, expert_ids, num_post, hidden, inter, num_pairs,
+            act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
+            A_ROW_DIV=1, GATED=False, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=bn,
+            BLOCK_K=bk, num_stages=stages)
     # The combine: each token's k weighted expert outputs, summed in float32, rounded once.
-    return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    result = torch.empty_like(x, memory_format=torch.contiguous_format)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _moe_combine_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        out, result, hidden, out.stride(0), result.stride(0), TOP_K=top_k, BLOCK_H=block_h)
+    return result
 
 
 def moe_forward(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int,
@@ -301,9 +503,11 @@ AOT_SHAPES = (("Qwen3-30B-A3B", 2048, 768), ("Qwen3-235B-A22B", 4096, 1536))
 
 
 def aot_configs() -> list[tuple[str, Callable[[], object]]]:
-    """``scripts/compile_kernels.py``'s configurations: routing and both grouped GEMMs at the
-    Qwen3-MoE shapes, for 4 tokens (32 pairs: ``BLOCK_M`` 16, a decode / verify step) and
-    256 tokens (2,048 pairs: ``BLOCK_M`` 64, prefill), bf16 and fp32."""
+    """``scripts/compile_kernels.py``'s configurations at the Qwen3-MoE shapes, bf16 and fp32:
+    1 and 4 tokens (the per-pair path: ``T·k·4 <= E``), 16 tokens (128 pairs: the alignment
+    program and ``BLOCK_M`` 16, a batched decode / verify step), 64 tokens (512 pairs: the
+    alignment program at ``BLOCK_M`` 64) and 256 tokens (2,048 pairs: the torch alignment and
+    ``BLOCK_M`` 64, prefill)."""
     num_experts, top_k = 128, 8
 
     def call(dtype: torch.dtype, tokens: int, hidden: int, inter: int) -> Callable[[], object]:
@@ -320,7 +524,7 @@ def aot_configs() -> list[tuple[str, Callable[[], object]]]:
     out: list[tuple[str, Callable[[], object]]] = []
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         for model, hidden, inter in AOT_SHAPES:
-            for tokens in (4, 256):
+            for tokens in (1, 4, 16, 64, 256):
                 out.append((f"{name} {model} E={num_experts} top-{top_k} T={tokens}",
                             call(dtype, tokens, hidden, inter)))
     return out

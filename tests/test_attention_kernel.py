@@ -165,6 +165,38 @@ def test_fully_masked_tree_row_is_zero() -> None:
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_tree_16_nodes_fp16_two_query_tiles(num_splits: int) -> None:
+    """16-node trees at GQA 4 (64 rows): the 16-bit tree tile holds 32 rows, so each tree is
+    two query tiles that must each see the whole context and their own mask rows; contexts off
+    the 64-key tile and the 16-slot page, a 9-node tree and a decode row beside them."""
+    check(make_case([0, 63, 65, 131, 7], [16, 16, 9, 16, 1], hq=8, hkv=2, mask="tree",
+                    dtype=torch.float16, seed=16 + num_splits), num_splits=num_splits)
+
+
+def test_tree_tile_fits_two_blocks_per_sm() -> None:
+    """The 16-bit tree tile is capped at 32 rows and 4 warps (64 rows needed 8 warps and 180-208
+    registers: one block per SM); causal tiles keep 64 rows, fp32 its own 32."""
+    from specengine.kernels.attention import tiles
+
+    tree = tiles(16, 4, 128, ieee=False, tree=True)
+    assert (tree.block_m, tree.qt, tree.num_warps) == (32, 8, 4)
+    assert tiles(16, 4, 128, ieee=False, tree=False).block_m == 64
+    assert tiles(16, 4, 128, ieee=True, tree=True).block_m == 32
+    assert tiles(1, 64, 128, ieee=False, tree=True).block_m == 64  # one whole query per tile
+
+
+def test_split_counters_reset_between_launches() -> None:
+    """The folded combine: the last split of each tile merges, then zeroes its counter, so
+    launches with other split counts reusing the counters still merge (a stale count would
+    leave the output unwritten) and the counters are zero afterwards."""
+    args = make_case([40, 3, 129], [1, 2, 1], hq=4, hkv=2, seed=21)
+    for num_splits in (3, 5, 2, 5):
+        check(args, num_splits=num_splits)
+    counters = attention_combine.split_counters(torch.device("cpu"), 1)
+    assert counters.numel() >= 3 * 2 and not counters.any()
+
+
 def test_default_num_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert attention_combine.default_num_splits(cpu, 4, 1000) == 1
@@ -259,3 +291,19 @@ def test_gpu_cuda_graph_capture() -> None:
     torch.cuda.synchronize()
     ref = reference.paged_attention(*args)
     torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_folded_combine_repeatable() -> None:
+    """The folded combine under real concurrency: B=1 decode at 4k (the heuristic splits
+    every (tile, kv head) 32 ways; the last split to arrive merges) and a 16-node tree at
+    B=2 with 7 splits, 50 launches each: every one equals the first (the merge order is
+    fixed: a stale or early read of another split's partial would show) and the reference."""
+    for ctx, q_lens, mask, splits in (([4095], [1], "causal", None),
+                                      ([4000, 1234], [16, 16], "tree", 7)):
+        args = make_case(ctx, q_lens, hq=32, hkv=8, d=128, dtype=torch.bfloat16, mask=mask,
+                         device="cuda", seed=len(q_lens))
+        first = check(args, num_splits=splits, max_q_len=max(q_lens))
+        for _ in range(50):
+            out = paged_attention(*args, num_splits=splits, max_q_len=max(q_lens))
+            assert torch.equal(out, first)

@@ -80,12 +80,12 @@ def test_blocks_per_sm_arithmetic() -> None:
 
 
 @pytest.mark.skipif(_ptxas_path() is None, reason="Triton's bundled ptxas is unavailable")
-def test_compile_combine_kernel_for_sm90(tmp_path: Path) -> None:
+def test_compile_moe_combine_kernel_for_sm90(tmp_path: Path) -> None:
     module = _script_module()
     out = tmp_path / "table.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--only", "_combine_kernel", "--targets", "90",
+        [sys.executable, str(SCRIPT), "--only", "_moe_combine_kernel", "--targets", "90",
          "--jobs", "1", "--json", str(out)],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -93,7 +93,7 @@ def test_compile_combine_kernel_for_sm90(tmp_path: Path) -> None:
     assert table["errors"] == []
     rows = table["rows"]
     assert rows and {r["target"] for r in rows} == {"sm_90a"}
-    assert {r["kernel"] for r in rows} == {"_combine_kernel"}
+    assert {r["kernel"] for r in rows} == {"_moe_combine_kernel"}
     for row in rows:
         assert isinstance(row["registers"], int) and 0 < row["registers"] <= 255, row
         assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
@@ -102,5 +102,5 @@ def test_compile_combine_kernel_for_sm90(tmp_path: Path) -> None:
             row["registers"], row["num_warps"], row["shared_bytes"])
         assert row["blocks_per_sm"] >= 1
     assert table["triton"]
-    assert "sm_90a" in proc.stdout and "_combine_kernel" in proc.stdout  # the printed table
+    assert "sm_90a" in proc.stdout and "_moe_combine_kernel" in proc.stdout  # the printed table
     assert "blocks/SM" in proc.stdout

@@ -81,6 +81,87 @@ def test_experts_without_tokens_and_explicit_routing() -> None:
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inter", [
+    (1, 16, 3, 40, 24),  # T=1 decode: one program per (token, slot), no alignment
+    (2, 20, 2, 300, 272),  # H and I over BLOCK_K and off it: the K loops' masked tails
+    (3, 13, 1, 72, 40),  # T·k·4 = 12 <= 13: the per-pair path at its edge
+])
+def test_per_pair_path_matches_reference(num_tokens: int, num_experts: int, top_k: int,
+                                         hidden: int, inter: int, dtype: torch.dtype,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """At ``T·k·4 <= E`` the launcher runs one program per pair and never aligns (the
+    alignment is made to fail here); the sums equal the reference's."""
+    assert not fused_moe.uses_alignment(num_tokens, top_k, num_experts)
+
+    def no_alignment(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the per-pair path must not align")
+
+    monkeypatch.setattr(fused_moe, "moe_align_block_size", no_alignment)
+    g = torch.Generator().manual_seed(num_tokens * 7 + hidden)
+    x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
+    w13, w2 = _weights(num_experts, hidden, inter, dtype, g)
+    logits = torch.randn(num_tokens, num_experts, generator=g).to(dtype)
+    for renorm in (False, True):
+        ref = reference.moe_forward(x, logits, w13, w2, top_k, renorm)
+        out = fused_moe.moe_forward(x, logits, w13, w2, top_k, renorm)
+        assert out.dtype == dtype and out.shape == x.shape
+        assert torch.allclose(out.float(), ref.float(), **tol(dtype))
+
+
+def test_per_pair_path_shared_expert_and_idle_experts() -> None:
+    """Per-pair programs of two tokens that pick the same expert (each reads it) and of one
+    token whose slots repeat an expert with different weights; the experts nobody picked are
+    never read (NaN there changes nothing)."""
+    g = torch.Generator().manual_seed(3)
+    num_experts, hidden, inter = 32, 48, 40
+    x = torch.randn(3, hidden, generator=g)
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, g)
+    ids = torch.tensor([[5, 9], [9, 30], [7, 7]], dtype=torch.int32)
+    weights = torch.rand(3, 2, generator=g)
+    assert not fused_moe.uses_alignment(3, 2, num_experts)
+    ref = reference.fused_moe(x, w13, w2, weights, ids.long())
+    idle = torch.ones(num_experts, dtype=torch.bool)
+    idle[ids.flatten().long()] = False
+    w13[idle] = float("nan")
+    w2[idle] = float("nan")
+    out = fused_moe.fused_moe(x, w13, w2, weights, ids)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_path_choice() -> None:
+    """Per pair exactly while ``T·k·4 <= E`` (Qwen3-MoE, E=128 top-8: T <= 4)."""
+    assert not fused_moe.uses_alignment(4, 8, 128)
+    assert fused_moe.uses_alignment(5, 8, 128)
+    assert fused_moe.uses_alignment(1, 2, 7) and not fused_moe.uses_alignment(1, 2, 8)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [
+    (1, 1, 1, 16),  # one pair, one expert
+    (5, 3, 7, 4),  # E not a power of two
+    (37, 2, 5, 8),  # 74 pairs: several chunks of the pair walk
+    (19, 4, 200, 16),  # E_PAD 256: 16-pair chunks, 8 warps; most experts idle
+    (3, 2, 128, 64),  # fewer pairs than experts, BLOCK_M 64 (the tail is mostly padding)
+    (6, 2, 9, 12),  # BLOCK_M not a power of two: the padding tile is wider than a run's pad
+])
+def test_align_kernel_equals_torch_ops(num_tokens: int, top_k: int, num_experts: int,
+                                       block_m: int) -> None:
+    """The one-program alignment gives exactly the torch ops' lists (sorted pairs, padding,
+    block experts, used length), ids int32 and int64."""
+    g = torch.Generator().manual_seed(num_tokens + num_experts)
+    # Skewed: half the pairs go to experts 0-2, so runs of several blocks occur.
+    ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=g)
+    low = torch.randint(0, min(3, num_experts), (num_tokens, top_k), generator=g)
+    ids = torch.where(torch.rand(num_tokens, top_k, generator=g) < 0.5, low, ids)
+    for id_dtype in (torch.int32, torch.int64):
+        want = fused_moe.moe_align_block_size(ids.to(id_dtype), num_experts, block_m,
+                                              use_kernel=False)
+        got = fused_moe.moe_align_block_size(ids.to(id_dtype), num_experts, block_m,
+                                             use_kernel=True)
+        for w, o in zip(want, got):
+            assert o.dtype == torch.int32 and torch.equal(o, w)
+
+
 @pytest.mark.parametrize("num_pairs_shape,num_experts,block_m", [((5, 3), 7, 4), ((1, 1), 3, 16),
                                                                   ((33, 2), 5, 8)])
 def test_align_block_size(num_pairs_shape: tuple[int, int], num_experts: int,
@@ -157,12 +238,59 @@ def test_compile_table_has_the_moe_rows_without_spills(tmp_path: Path) -> None:
     table = json.loads(out.read_text())
     assert table["errors"] == []
     rows = table["rows"]
-    assert {r["kernel"] for r in rows} == {"_topk_softmax_kernel", "_moe_gemm_kernel"}
+    assert {r["kernel"] for r in rows} == {"_topk_softmax_kernel", "_moe_gemm_kernel",
+                                           "_moe_gemv_kernel", "_moe_align_kernel",
+                                           "_moe_combine_kernel"}
     labels = " ".join(" ".join(r["all_configs"]) for r in rows)
     assert "Qwen3-30B-A3B E=128 top-8" in labels and "Qwen3-235B-A22B" in labels
     for row in rows:
         assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
-    # 235B-A22B shares the 30B variants (H and I are runtime arguments); decode-sized and
-    # prefill-sized launches (BLOCK_M 16 and 64) are separate variants.
-    assert {r["kernel"] for r in rows if "T=4" in r["config"]} == {"_topk_softmax_kernel",
-                                                                   "_moe_gemm_kernel"}
+    # 235B-A22B shares the 30B variants (H and I are runtime arguments); the per-pair path
+    # (T=1, T=4), the aligned decode-sized and prefill-sized launches (BLOCK_M 16 and 64) are
+    # separate variants.
+    by_tokens = {t: {r["kernel"] for r in rows if any(f"T={t}" in c for c in r["all_configs"])}
+                 for t in (4, 16)}
+    assert by_tokens[4] == {"_topk_softmax_kernel", "_moe_gemv_kernel", "_moe_combine_kernel"}
+    assert by_tokens[16] == {"_topk_softmax_kernel", "_moe_align_kernel", "_moe_gemm_kernel",
+                             "_moe_combine_kernel"}
+
+
+# GPU only: bf16 at Qwen3-30B-A3B's shapes through every path, and CUDA-graph capture.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 4, 16, 300])
+def test_gpu_qwen3_moe_paths_bf16(num_tokens: int) -> None:
+    """T=1 and 4: per pair; 16: the alignment program; 300 (2,400 pairs): the torch
+    alignment and the prefill tile. bf16 against the reference at 30B-A3B's E, k, H, I."""
+    g = torch.Generator().manual_seed(num_tokens)
+    num_experts, top_k, hidden, inter = 128, 8, 2048, 768
+    x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16).cuda()
+    w13, w2 = (w.cuda() for w in _weights(num_experts, hidden, inter, torch.bfloat16, g))
+    logits = torch.randn(num_tokens, num_experts, generator=g).to(torch.bfloat16).cuda()
+    ref = reference.moe_forward(x, logits, w13, w2, top_k, True)
+    out = fused_moe.moe_forward(x, logits, w13, w2, top_k, True)
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_gpu_moe_cuda_graph_capture(num_tokens: int) -> None:
+    """Both small-T paths launch without a host sync: captured once, replayed on new inputs,
+    they equal an eager call."""
+    g = torch.Generator().manual_seed(5)
+    num_experts, top_k, hidden, inter = 64, 4, 256, 128
+    x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16).cuda()
+    w13, w2 = (w.cuda() for w in _weights(num_experts, hidden, inter, torch.bfloat16, g))
+    logits = torch.randn(num_tokens, num_experts, generator=g).to(torch.bfloat16).cuda()
+    fused_moe.moe_forward(x, logits, w13, w2, top_k, True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe.moe_forward(x, logits, w13, w2, top_k, True)
+    x.normal_()
+    logits.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = fused_moe.moe_forward(x, logits, w13, w2, top_k, True)
+    assert torch.equal(out, want)
