@@ -228,7 +228,8 @@ def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(blocks) > 25
     for block in blocks:
         flag = block.split()[0].rstrip(",")
-        if flag in ("-h", "--resume", "--overwrite", "--no-progress", "--prompts", "--out"):
+        if flag in ("-h", "--resume", "--overwrite", "--no-progress", "--prompts", "--out",
+                    "--norm-before-residual"):
             continue  # switches, and the two required options
         assert "default" in " ".join(block.split()), block
     for opt in ("--samples-per-prompt", "--steps", "--seed", "--rollout-tokens", "--epochs"):
@@ -244,7 +245,8 @@ def test_budget_is_the_same_whatever_the_number_of_prompts(tmp_path: Path) -> No
         write_training_prompts(path, n)
         runs[n] = train_draft(model=DEFAULT_TARGET, prompts=path, out=tmp_path / f"h{n}",
                               holdout=0, max_tokens=24, rollout_tokens=1200, steps=5,
-                              batch_tokens=128, save_every=0, progress=False, device="cpu")
+                              batch_tokens=128, save_every=0, progress=False, device="cpu",
+                              norm_before_residual=n == 96)
     for res in runs.values():
         assert res.num_steps == 5  # steps, not epochs of whatever set was given
         # the token budget (each rollout's last token trains nothing), overshooting by at
@@ -254,6 +256,13 @@ def test_budget_is_the_same_whatever_the_number_of_prompts(tmp_path: Path) -> No
     few, many = runs[12], runs[96]
     assert few.rollout_passes > 1 and few.num_seqs > 12 * 4  # more samples of few prompts
     assert many.rollout_passes == 1 and many.num_seqs < 96 * 4  # not all of many prompts
+    # --norm-before-residual reaches the written head, which the engine loads with it
+    for n, want in ((12, None), (96, True)):
+        assert json.loads((tmp_path / f"h{n}" / "config.json").read_text()).get(
+            "norm_before_residual") == want
+    engine = SpecEngine(DEFAULT_TARGET, str(tmp_path / "h96"), device="cpu", dtype="float32")
+    assert engine.drafter.module.midlayer.norm_before_residual
+    engine.close()
 
 
 def test_training_schedule_counts_steps_not_epochs() -> None:

@@ -90,8 +90,12 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFor
                    help="fresh head: keep the most frequent generated tokens (capped at the "
                         "target's vocab)")
     t.add_argument("--head-init", choices=HEAD_INITS, default=C.head_init,
-                   help="fresh head: 'target' starts lm_head (draft vocabulary rows) and the "
-                        "final norm from the target's, 'random' from scratch")
+                   help="fresh head: 'random' from scratch, 'target' starts lm_head (draft "
+                        "vocabulary rows) and the final norm from the target's")
+    t.add_argument("--norm-before-residual", action="store_true",
+                   help="fresh head: its residual is the normalised target feature "
+                        "(hidden_norm(g), as vLLM / speculators heads), not the raw one: for "
+                        "targets with massive activations")
     t.add_argument("--steps", type=_positive(1), default=C.steps,
                    help="training budget in optimiser steps, whatever the number of prompts")
     t.add_argument("--epochs", type=_positive(1), default=None,
@@ -152,6 +156,7 @@ def main(args: argparse.Namespace, default_model: Path) -> int:
             dtype=args.dtype, num_threads=args.threads, eval_max_tokens=args.eval_max_tokens,
             eval_temperatures=_temperatures(temps) if isinstance(temps, str) else temps,
             curve_points=args.curve_points, head_dtype=args.head_dtype,
+            norm_before_residual=args.norm_before_residual,
             progress=not args.no_progress)
         handler = logging.StreamHandler(sys.stdout)  # the plan, estimate and curve
         handler.setFormatter(logging.Formatter("%(message)s"))

@@ -90,9 +90,9 @@ KV_FILL = 0.9  # share of the KV cache a call's sequences may fill (blocks round
 GROUP_SEQS_EVAL = 16  # held-out sequences per unrolled pass of offline_acceptance
 # Settings a resumed run must share with the run that wrote the checkpoint.
 RESUME_KEYS = ("steps", "epochs", "lr", "batch_tokens", "ttt_steps", "seed", "draft_vocab_size",
-               "init", "arch", "head_init")
+               "init", "arch", "head_init", "norm_before_residual")
 ARCHS = ("eagle3", "mtp")
-HEAD_INITS = ("target", "random")
+HEAD_INITS = ("random", "target")
 HEAD_DTYPES = ("auto", "float32", "bfloat16", "float16")
 AUTO_SAMPLES = 4  # samples per prompt when sampling (TrainDraftConfig.num_samples)
 CALIBRATION_ROLLOUTS = 32  # rollouts of the first generate call, timed for the estimate
@@ -121,8 +121,10 @@ class TrainDraftConfig:
     lr: float = 3e-3
     batch_tokens: int = 2048
     ttt_steps: int = 3
-    head_init: str = "target"  # fresh head: "target" (lm_head / norm from the target), "random"
+    head_init: str = "random"  # fresh head: "random", or "target" (lm_head / norm from the
+    #                            target's; RESULTS.md: no gain measured, so not the default)
     head_dtype: str = "auto"  # dtype of the written head ("auto": the target's)
+    norm_before_residual: bool = False  # fresh head: the residual is hidden_norm(g), not g
     seed: int = 0
     holdout: int | None = None  # None: min(64, a tenth of the prompts, at least 1)
     save_every: int = 100  # 0: no checkpoints (and no saved data)
@@ -818,6 +820,8 @@ def _make_head(cfg: TrainDraftConfig, target_cfg: dict[str, Any], embed: nn.Embe
         return head, init_cfg, None
     vocab = embed.num_embeddings
     head_cfg = fresh_config(target_cfg, min(vocab, cfg.draft_vocab_size), "bfloat16")
+    if cfg.norm_before_residual:
+        head_cfg["norm_before_residual"] = True
     torch.manual_seed(cfg.seed)
     head = build_head(head_cfg, embed, device,
                       draft_to_target=most_frequent(counts, head_cfg["draft_vocab_size"]))
@@ -874,7 +878,8 @@ def plan_text(cfg: TrainDraftConfig, num_train: int, num_holdout: int,
     head = (f"warm start from {cfg.init}" if cfg.init is not None else
             "the checkpoint's MTP layer" if cfg.arch == "mtp" else
             f"fresh EAGLE-3 head, draft vocabulary of the {cfg.draft_vocab_size} most frequent "
-            f"generated tokens, output side from the {cfg.head_init}")
+            "generated tokens, " + ("output side from the target" if cfg.head_init ==
+                                     "target" else "random init"))
     temps = ", ".join("greedy" if t == 0 else f"T={t:g}" for t in cfg.eval_temperatures)
     return "\n".join([
         f"train-draft plan ({device.type}):",
