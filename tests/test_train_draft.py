@@ -205,7 +205,7 @@ def test_plan_estimate_and_curve_are_printed(trained: tuple[Path, str]) -> None:
     first_step = printed.index("step 0 (0 trained tokens)")
     assert plan < estimate < first_step  # the plan first, the estimate before training
     assert re.search(r"rollouts ~[\d.]+ min more, training ~[\d.]+ min \(\d+ steps\), "
-                     r"evaluation ~[\d.]+ min; total ~[\d.]+ min", printed), printed
+                     r"evaluation at most [\d.]+ min; total at most [\d.]+ min", printed), printed
     ev = json.loads((out / "eval.json").read_text())
     curve = ev["curve"]
     assert [p["step"] for p in curve] == sorted({p["step"] for p in curve})

@@ -934,14 +934,16 @@ def estimate_text(cfg: TrainDraftConfig, part: GeneratedSet, st: RolloutProgress
         steps = cfg.steps
     train_s = steps * step_s
     eval_tokens = num_holdout * (cfg.eval_max_tokens or cfg.max_tokens) * 0.6
-    eval_s = eval_tokens * (1 + len(EVAL_KS)) * len(cfg.eval_temperatures) / max(rate, 1e-9)
+    # at most: a step at k verifies k + 1 tokens and may keep only one (compute-bound CPU)
+    eval_s = eval_tokens * (1 + sum(k + 1 for k in EVAL_KS)) * len(cfg.eval_temperatures) \
+        / max(rate, 1e-9)
     held_s = num_holdout * (cfg.eval_max_tokens or cfg.max_tokens) * 0.6 / max(rate, 1e-9)
     total = gen_s + held_s + train_s + eval_s
     return (f"estimate (from {st.num_rollouts} rollouts, {st.num_tokens} tokens in "
             f"{st.seconds:.0f} s = {rate:.1f} tok/s, and one timed training step of "
             f"{step_s:.1f} s): rollouts ~{(gen_s + held_s) / 60:.1f} min more, training "
-            f"~{train_s / 60:.1f} min ({steps:.0f} steps), evaluation ~{eval_s / 60:.1f} min; "
-            f"total ~{(st.seconds + total) / 60:.1f} min")
+            f"~{train_s / 60:.1f} min ({steps:.0f} steps), evaluation at most {eval_s / 60:.1f} "
+            f"min; total at most {(st.seconds + total) / 60:.1f} min")
 
 
 def _save_checkpoint(opt: HeadOptimizer, ckpt_dir: Path, step: int) -> None:
