@@ -36,14 +36,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--num-prompts", type=int, default=2000)
-    p.add_argument("--epochs", type=int, default=TrainDraftConfig.epochs)
+    p.add_argument("--steps", type=int, default=TrainDraftConfig.steps)
+    p.add_argument("--epochs", type=int, default=None, help="instead of --steps")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="arith-eagle3-") as tmp:
         prompts = Path(tmp) / "arith.txt"
         write_training_prompts(prompts, args.num_prompts)
         res = train_draft(model=DEFAULT_TARGET, prompts=prompts, out=Path(tmp) / "head",
-                          draft_vocab_size=19, max_tokens=64, epochs=args.epochs,
+                          draft_vocab_size=19, max_tokens=64, steps=args.steps,
+                          epochs=args.epochs,
                           seed=args.seed, save_every=0)
         args.out.mkdir(parents=True, exist_ok=True)
         for name in ("config.json", "model.safetensors"):

@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from draft_checks import greedy_acceptance
@@ -27,8 +29,10 @@ from specengine.train.offline import GeneratedSet, epoch_batches, read_embedding
 
 EVAL = [encode(p) for p in heldout_prompts(8)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
-TINY = ["--max-tokens", "48", "--batch-tokens", "256", "--epochs", "5", "--no-progress",
-        "--device", "cpu"]
+# one pass over the prompts, one sample each, five passes of training (the old defaults' shape)
+TINY = ["--max-tokens", "48", "--batch-tokens", "256", "--epochs", "5", "--rollout-tokens", "0",
+        "--samples-per-prompt", "1", "--no-progress", "--device", "cpu"]
+ONE_PASS = dict(rollout_tokens=0, samples_per_prompt=1)
 
 
 def acceptance_per_draft(draft: Path) -> tuple[float, list, list]:
@@ -85,7 +89,7 @@ def test_resume_continues_with_the_uninterrupted_runs_losses(prompts: Path,
                                                              tmp_path: Path) -> None:
     common = dict(model=DEFAULT_TARGET, prompts=prompts, out=tmp_path / "h", holdout=0,
                   max_tokens=24, batch_tokens=160, epochs=2, save_every=3, seed=5,
-                  progress=False, device="cpu")
+                  progress=False, device="cpu", **ONE_PASS)
     full = train_draft(**common)
     assert full.num_steps > 6 and [s for s, _ in full.losses] == list(range(full.num_steps))
     ckpts = sorted((tmp_path / "h" / "checkpoints").glob("step-*.safetensors"))
@@ -104,7 +108,7 @@ def test_init_warm_starts_from_the_heads_own_loss(prompts: Path, tmp_path: Path)
     res = train_draft(model=DEFAULT_TARGET, prompts=prompts, out=tmp_path / "h",
                       init=DEFAULT_DRAFT, holdout=0, max_tokens=24, batch_tokens=256,
                       epochs=1, save_every=1000, seed=2, ttt_steps=3, progress=False,
-                      device="cpu")
+                      device="cpu", **ONE_PASS)
     data = GeneratedSet.load(tmp_path / "h" / "checkpoints" / "data.safetensors")
     first = [data.seqs[i] for i in epoch_batches(data.seqs, 256, 2, 0)[0]]
     # the bundled head as the engine loads it, scored by the shared loss
@@ -192,3 +196,155 @@ def test_bad_input_is_refused_with_a_clear_message_touching_nothing(
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     _fails(capsys, ["--prompts", str(prompts), "--out", str(out), "--resume", "--overwrite"],
            "give one of them")
+
+
+def test_plan_estimate_and_curve_are_printed(trained: tuple[Path, str]) -> None:
+    out, printed = trained
+    plan = printed.index("train-draft plan")
+    estimate = printed.index("estimate (from")
+    first_step = printed.index("step 0 (0 trained tokens)")
+    assert plan < estimate < first_step  # the plan first, the estimate before training
+    assert re.search(r"rollouts ~[\d.]+ min more, training ~[\d.]+ min \(\d+ steps\), "
+                     r"evaluation at most [\d.]+ min; total at most [\d.]+ min", printed), printed
+    ev = json.loads((out / "eval.json").read_text())
+    curve = ev["curve"]
+    assert [p["step"] for p in curve] == sorted({p["step"] for p in curve})
+    assert curve[0]["step"] == 0 and curve[-1]["step"] == ev["training"]["steps"]
+    assert curve[-1]["trained_tokens"] > curve[1]["trained_tokens"] > 0
+    # the replay of greedy decoding by the head's maths tracks the engine's own greedy runs
+    end = curve[-1]["greedy"]["3"]["mean_accepted_length"]
+    assert end > curve[0]["greedy"]["3"]["mean_accepted_length"]
+    assert end == pytest.approx(ev["k"]["3"]["mean_accepted_length"], abs=0.3)
+    assert set(ev["by_temperature"]) == {"0", "1"}
+    for row in ev["by_temperature"]["1"].values():  # sampling: acceptance, no equality check
+        assert "identical_to_k0" not in row and 1.0 <= row["mean_accepted_length"]
+
+
+def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["train-draft", "--help"])
+    text = capsys.readouterr().out
+    blocks = re.split(r"\n  (?=-)", text.split("options:", 1)[1])[1:]
+    assert len(blocks) > 25
+    for block in blocks:
+        flag = block.split()[0].rstrip(",")
+        if flag in ("-h", "--resume", "--overwrite", "--no-progress", "--prompts", "--out",
+                    "--norm-before-residual"):
+            continue  # switches, and the two required options
+        assert "default" in " ".join(block.split()), block
+    for opt in ("--samples-per-prompt", "--steps", "--seed", "--rollout-tokens", "--epochs"):
+        assert any(b.startswith(opt) for b in blocks), opt
+    flat = " ".join(text.split())
+    assert "(default: 400)" in flat and "(default: 100000)" in flat
+
+
+def test_budget_is_the_same_whatever_the_number_of_prompts(tmp_path: Path) -> None:
+    runs = {}
+    for n in (12, 96):
+        path = tmp_path / f"p{n}.txt"
+        write_training_prompts(path, n)
+        runs[n] = train_draft(model=DEFAULT_TARGET, prompts=path, out=tmp_path / f"h{n}",
+                              holdout=0, max_tokens=24, rollout_tokens=1200, steps=5,
+                              batch_tokens=128, save_every=0, progress=False, device="cpu",
+                              norm_before_residual=n == 96)
+    for res in runs.values():
+        assert res.num_steps == 5  # steps, not epochs of whatever set was given
+        # the token budget (each rollout's last token trains nothing), overshooting by at
+        # most the last call's rollouts
+        generated = res.num_tokens + res.num_seqs
+        assert 1200 <= generated <= 1200 + 4 * 24 * 8
+    few, many = runs[12], runs[96]
+    assert few.rollout_passes > 1 and few.num_seqs > 12 * 4  # more samples of few prompts
+    assert many.rollout_passes == 1 and many.num_seqs < 96 * 4  # not all of many prompts
+    # --norm-before-residual reaches the written head, which the engine loads with it
+    for n, want in ((12, None), (96, True)):
+        assert json.loads((tmp_path / f"h{n}" / "config.json").read_text()).get(
+            "norm_before_residual") == want
+    engine = SpecEngine(DEFAULT_TARGET, str(tmp_path / "h96"), device="cpu", dtype="float32")
+    assert engine.drafter.module.midlayer.norm_before_residual
+    engine.close()
+
+
+def test_training_schedule_counts_steps_not_epochs() -> None:
+    from specengine.drafters.adapt import BufferedSeq
+    from specengine.train.offline import TrainDraftConfig, training_schedule
+
+    def seqs(n: int) -> list[BufferedSeq]:
+        return [BufferedSeq(i, np.arange(30), 10) for i in range(n)]
+
+    cfg = TrainDraftConfig(model=DEFAULT_TARGET, prompts=Path("p"), out=Path("o"), steps=50,
+                           batch_tokens=60)
+    for n in (3, 40, 500):
+        sched = training_schedule(seqs(n), cfg)
+        assert len(sched) == 50 and all(0 < len(b) <= 2 for b in sched)
+    by_epochs = TrainDraftConfig(model=DEFAULT_TARGET, prompts=Path("p"), out=Path("o"),
+                                 epochs=2, batch_tokens=60)
+    assert len(training_schedule(seqs(40), by_epochs)) == 40  # 2 passes of 20 batches
+    with pytest.raises(ValueError, match="steps"):
+        TrainDraftConfig(model=DEFAULT_TARGET, prompts=Path("p"), out=Path("o"), steps=0)
+    with pytest.raises(ValueError, match="eval_temperatures"):
+        TrainDraftConfig(model=DEFAULT_TARGET, prompts=Path("p"), out=Path("o"),
+                         eval_temperatures=(-1.0,))
+
+
+def test_head_starts_its_output_side_from_the_target() -> None:
+    from specengine.train.head_init import init_from_target, read_target_tensors
+
+    embed = read_embedding(DEFAULT_TARGET)
+    cfg = fresh_config(read_config(DEFAULT_TARGET), 12, "float32")
+    ids = torch.tensor([0, 2, 3, 5, 7, 8, 9, 11, 12, 13, 15, 19])
+    head = build_head(cfg, embed, torch.device("cpu"), draft_to_target=ids)
+    assert not torch.equal(head.lm_head.weight, embed.weight[ids])
+    done = init_from_target(head, DEFAULT_TARGET, embed)
+    target = read_target_tensors(DEFAULT_TARGET, ("lm_head.weight", "norm.weight"))
+    lm = target.get("lm_head.weight", embed.weight)
+    assert torch.equal(head.lm_head.weight, lm[ids].float())
+    assert "norm.weight" in done and torch.equal(head.norm.weight,
+                                                 target["norm.weight"].float())
+
+
+def test_loss_skips_the_prompt_rows_exactly() -> None:
+    """Entries before the first anchor are keys and values only: their queries, MLP and
+    logits are not computed, and the anchors' logits are those of the full unroll."""
+    from specengine.drafters.adapt_math import HeadMath
+
+    embed = read_embedding(DEFAULT_TARGET)
+    cfg = fresh_config(read_config(DEFAULT_TARGET), 20, "float32")
+    torch.manual_seed(3)
+    head = build_head(cfg, embed, torch.device("cpu"))
+    hm = HeadMath(head, embed)
+    params = {n: p.detach() for n, p in head.named_parameters()}
+    b, t, depth = 2, 11, 3
+    feats = torch.randn(b, t, 3 * cfg["hidden_size"])
+    ids = torch.randint(2, 20, (b, t + depth))
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, 8:] = False
+    with torch.no_grad():
+        full = hm.unroll(params, feats, ids, valid, depth)
+        cut = hm.unroll(params, feats, ids, valid, depth, start=4)
+    for f, c in zip(full, cut):
+        assert c.shape[1] == t - 4
+        torch.testing.assert_close(c, f[:, 4:], rtol=1e-5, atol=1e-5)
+
+
+def test_catch_up_at_k0_records_what_drafting_records() -> None:
+    prompts = [encode(p) for p in heldout_prompts(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    got = {}
+    for mode in ("k1", "k0-catch-up", "k0"):
+        engine = SpecEngine(DEFAULT_TARGET, DEFAULT_DRAFT, device="cpu", dtype="float32",
+                            draft_options={"adapt_buffer_tokens": 4096})
+        engine.drafter.catch_up_at_k0 = mode == "k0-catch-up"
+        outs = engine.generate(prompts, k=1 if mode == "k1" else 0, sampling=params)
+        buf = engine.drafter.adapter.buffer
+        seqs = sorted(buf.sequences(), key=lambda s: s.seq_id)
+        got[mode] = ([o.token_ids for o in outs],
+                     [(buf.tokens[s.rows].tolist(), buf.feats[s.rows].clone()) for s in seqs])
+        engine.close()
+    assert got["k0-catch-up"][0] == got["k1"][0] == got["k0"][0]  # lossless
+    assert got["k0"][1] == []  # a plain k=0 run records nothing (costs a plain engine's)
+    a, b = got["k0-catch-up"][1], got["k1"][1]
+    assert len(a) == len(b) == len(prompts)
+    for (ta, fa), (tb, fb) in zip(a, b):
+        assert ta == tb  # every position, with the token that followed
+        torch.testing.assert_close(fa, fb, rtol=1e-4, atol=1e-4)

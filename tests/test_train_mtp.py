@@ -89,8 +89,10 @@ def test_loss_unrolls_the_mtp_layer_as_drafting_does(spoilt: Path) -> None:
     draft_checks.assert_unroll_is_paged_drafting(d, s, unrolled, d.module.compute_logits)
 
 
-TINY = ["--max-tokens", "48", "--batch-tokens", "256", "--epochs", "5", "--no-progress",
-        "--device", "cpu"]
+# one pass over the prompts, one sample each (not train-draft's token budget), five passes of
+# training
+TINY = ["--max-tokens", "48", "--batch-tokens", "256", "--epochs", "5", "--rollout-tokens", "0",
+        "--samples-per-prompt", "1", "--no-progress", "--device", "cpu"]
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +134,7 @@ def test_resume_and_init_of_an_mtp_run(spoilt: Path, prompts: Path, trained: tup
                                        tmp_path: Path) -> None:
     common = dict(model=spoilt, prompts=prompts, out=tmp_path / "r", arch="mtp", holdout=0,
                   max_tokens=16, batch_tokens=96, epochs=2, save_every=3, seed=5,
-                  progress=False, device="cpu")
+                  progress=False, device="cpu", rollout_tokens=0, samples_per_prompt=1)
     full = train_draft(**common)
     assert full.num_steps > 4
     last = 3 * ((full.num_steps - 1) // 3)

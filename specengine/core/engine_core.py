@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from specengine.config import EngineConfig
-from specengine.core.auto_k import AutoK
+from specengine.core.auto_k import SYNC, AutoK
 from specengine.core.graphs import GraphRunner
 from specengine.core.isolation import Isolation
 from specengine.core.kv_cache import KVCache
@@ -295,6 +295,9 @@ class EngineCore:
                     len(group), k, run.times,
                     lambda k, g=group: self.decode_step(g, k, None, run.times, version)))
             else:
+                if k == 0 and tree is None and self.drafter is not None \
+                        and self.drafter.catch_up_at_k0:
+                    k = SYNC  # no drafts, the drafter catches up (Drafter.catch_up_at_k0)
                 self.decode_step(group, k, tree, run.times, version)
             run.num_forwards += 1
         self._isolation.lone_failures = 0  # a verify step went through: the engine works
@@ -361,6 +364,8 @@ class EngineCore:
     def _prefill_observes(self, seqs: tuple[Sequence, ...]) -> bool:
         """Whether the drafter catches up on this prefill: some request will draft (a k="auto"
         one while the auto rule keeps the drafter in sync, ``core.auto_k``)."""
+        if self.drafter is not None and self.drafter.catch_up_at_k0:
+            return True
         reqs = [self._by_seq[s.seq_id] for s in seqs]
         auto = [r.k for r in reqs if r.auto and r.k > 0]
         return any(r.k > 0 and not r.auto for r in reqs) or (

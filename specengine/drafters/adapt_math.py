@@ -102,15 +102,18 @@ class HeadMath:
         return F.linear(rms_norm(g, p["norm.weight"], self.eps), p["lm_head.weight"])
 
     def unroll(self, p: dict[str, Tensor], feats: Tensor, ids: Tensor, valid: Tensor,
-               depth: int) -> list[Tensor]:
-        """Draft logits ``[B, T, Vd]`` per depth ``0 .. depth-1`` (module docstring).
-        ``feats [B, T, 3H]`` float32, ``ids [B, T + depth]`` (``ids[:, j] = x_{j+1}``,
-        padded), ``valid [B, T]`` marks real entries."""
+               depth: int, start: int = 0) -> list[Tensor]:
+        """Draft logits ``[B, T - start, Vd]`` per depth ``0 .. depth-1`` (module docstring)
+        of the anchors ``start .. T-1``. ``feats [B, T, 3H]`` float32, ``ids [B, T + depth]``
+        (``ids[:, j] = x_{j+1}``, padded), ``valid [B, T]`` marks real entries. Entries
+        before ``start`` are only keys and values (a prompt's: no anchor there), so their
+        queries, MLP and logits are not computed."""
         b, t = valid.shape
         group = self.num_heads // self.num_kv_heads
         pos = torch.arange(t, device=feats.device)
-        causal = (pos[None, :] <= pos[:, None])[None, None] & valid[:, None, None, :]
+        causal = (pos[start:, None] >= pos[None, :])[None, None] & valid[:, None, None, :]
         q, k0, v0, res = self.qkv(p, ids[:, :t], feats, pos)
+        q, res = q[:, start:], res[:, start:]
         k0 = k0.repeat_interleave(group, dim=2)  # [B, T, Hq, D]
         v0 = v0.repeat_interleave(group, dim=2)
         own_k: list[Tensor] = []  # the anchor's entries of depths 1 .. d (diagonal keys)
@@ -119,14 +122,14 @@ class HeadMath:
         g = feats  # replaced by each depth's output before depth d + 1 reads it
         for d in range(depth):
             if d > 0:
-                q, k, v, res = self.qkv(p, ids[:, d: d + t], g, pos + d)
+                q, k, v, res = self.qkv(p, ids[:, start + d: d + t], g, pos[start:] + d)
                 own_k.append(k.repeat_interleave(group, dim=2))
                 own_v.append(v.repeat_interleave(group, dim=2))
             scores = torch.einsum("bqhd,bkhd->bhqk", q, k0) * self.scale
             scores = scores.masked_fill(~causal, float("-inf"))
             if own_k:
                 diag = torch.stack([(q * kk).sum(-1) for kk in own_k], -1) * self.scale
-                scores = torch.cat([scores, diag.permute(0, 2, 1, 3)], -1)  # [B, Hq, T, T+d]
+                scores = torch.cat([scores, diag.permute(0, 2, 1, 3)], -1)  # [B, Hq, T', T+d]
             probs = torch.softmax(scores, dim=-1)
             attn = torch.einsum("bhqk,bkhd->bqhd", probs[..., :t], v0)
             for e, vv in enumerate(own_v):
@@ -140,9 +143,14 @@ def ttt_sums(math: HeadMath, p: dict[str, Tensor], feats: Tensor, ids: Tensor,
              valid: Tensor, targets: list[Tensor]) -> tuple[Tensor, Tensor]:
     """Per depth ``d``: the summed cross-entropy of the depth-d logits against ``targets[d]``
     (``-100``: no loss at that entry) and the number of entries it sums over."""
-    logits = math.unroll(p, feats, ids, valid, len(targets))
-    sums = torch.stack([F.cross_entropy(lg.flatten(0, 1), tg.flatten(), ignore_index=-100,
-                                        reduction="sum") for lg, tg in zip(logits, targets)])
+    # the first entry with a loss at any depth (anchors start at a prompt's last token):
+    # the entries before it only serve as keys and values
+    has = torch.stack([(tg >= 0).any(0) for tg in targets]).any(0)
+    start = int(has.int().argmax()) if bool(has.any()) else 0
+    logits = math.unroll(p, feats, ids, valid, len(targets), start)
+    sums = torch.stack([F.cross_entropy(lg.flatten(0, 1), tg[:, start:].flatten(),
+                                        ignore_index=-100, reduction="sum")
+                        for lg, tg in zip(logits, targets)])
     counts = torch.stack([(tg >= 0).sum() for tg in targets])
     return sums, counts
 

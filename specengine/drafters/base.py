@@ -50,6 +50,10 @@ class Drafter(ABC):
     #: the vocabulary ``propose``'s ``probs`` cover when it is not the target's (the verify
     #: pass then reads them through ``to_draft``); None: the target's
     draft_vocab: DraftVocab | None = None
+    #: True: k = 0 steps and prefills still run the catch-up (``core.auto_k.SYNC``: no
+    #: drafts, ``observe`` only), so a capturing drafter (a rollout buffer) records every
+    #: position without drafting; ``train-draft`` sets it on its rollout engine
+    catch_up_at_k0: bool = False
 
     @abstractmethod
     def propose(self, seqs: tuple[Sequence, ...], num_drafts: list[int],

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -23,9 +24,21 @@ def _positive(low: int):  # noqa: ANN202 - an argparse type
     return parse
 
 
+def _temperatures(text: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
+                                         "numbers") from None
+    if not out or any(not t >= 0 for t in out):
+        raise argparse.ArgumentTypeError(f"temperatures must be >= 0, got {text!r}")
+    return out
+
+
 def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]
                ) -> None:
     from specengine.config import DTYPES
+    from specengine.train.offline import AUTO_SAMPLES, HEAD_DTYPES, HEAD_INITS
     from specengine.train.offline import TrainDraftConfig as C
 
     t = sub.add_parser(
@@ -47,6 +60,10 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFor
                         "'messages') or .parquet (--prompt-column)")
     t.add_argument("--out", type=Path, required=True, metavar="HEAD_DIR",
                    help="where the trained head (and checkpoints, eval.json) go")
+    t.add_argument("--eval-prompts", type=Path, default=None, metavar="FILE",
+                   help="held-out evaluation prompts from this file (e.g. the task's held-out "
+                        "split; --holdout caps their number) instead of a split of --prompts "
+                        "(default: a split of --prompts)")
     t.add_argument("--prompt-column", default=DEFAULT_PROMPT_COLUMN,
                    help="JSONL field / Parquet column of the prompts (strings or chats)")
     t.add_argument("--arch", choices=("eagle3", "mtp"), default=C.arch,
@@ -55,26 +72,46 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFor
     t.add_argument("--init", type=Path, default=None, metavar="HEAD_DIR",
                    help="warm-start from this EAGLE-3 head (default: a fresh head); --arch "
                         "mtp: from this checkpoint's mtp.* weights (default: the target's)")
-    t.add_argument("--samples-per-prompt", type=_positive(1), default=C.samples_per_prompt)
+    t.add_argument("--samples-per-prompt", type=_positive(1), default=None,
+                   help="samples per prompt and pass (default: 1 when greedy, "
+                        f"{AUTO_SAMPLES} when sampling: they share the prompt's prefill)")
     t.add_argument("--temperature", type=float, default=C.temperature,
                    help="rollout temperature (0 = greedy)")
     t.add_argument("--max-tokens", type=_positive(1), default=C.max_tokens,
                    help="most new tokens per rollout")
-    t.add_argument("--gen-k", type=_positive(1), default=None,
-                   help="draft length while generating (default: 3 with --init or --arch mtp, "
-                        "else 1)")
+    t.add_argument("--rollout-tokens", type=_positive(0), default=C.rollout_tokens,
+                   help="data budget: roll out until this many tokens were generated, making "
+                        "more passes over the prompts (new seeds) when they are few; 0: one "
+                        "pass over the prompts")
+    t.add_argument("--gen-k", type=_positive(0), default=None,
+                   help="draft length while generating (default: 0, the drafter only catches "
+                        "up: every position is recorded at the least cost)")
     t.add_argument("--draft-vocab-size", type=_positive(1), default=C.draft_vocab_size,
                    help="fresh head: keep the most frequent generated tokens (capped at the "
                         "target's vocab)")
-    t.add_argument("--epochs", type=_positive(1), default=C.epochs)
+    t.add_argument("--head-init", choices=HEAD_INITS, default=C.head_init,
+                   help="fresh head: 'random' from scratch, 'target' starts lm_head (draft "
+                        "vocabulary rows) and the final norm from the target's")
+    t.add_argument("--norm-before-residual", action="store_true",
+                   help="fresh head: its residual is the normalised target feature "
+                        "(hidden_norm(g), as vLLM / speculators heads), not the raw one: for "
+                        "targets with massive activations")
+    t.add_argument("--steps", type=_positive(1), default=C.steps,
+                   help="training budget in optimiser steps, whatever the number of prompts")
+    t.add_argument("--epochs", type=_positive(1), default=None,
+                   help="instead of --steps: this many passes over the generated set "
+                        "(default: none, --steps is the budget)")
     t.add_argument("--lr", type=float, default=C.lr, help="peak learning rate (Adam)")
     t.add_argument("--batch-tokens", type=_positive(1), default=C.batch_tokens,
                    help="positions per optimiser step")
     t.add_argument("--ttt-steps", type=_positive(1), default=C.ttt_steps,
                    help="unrolled draft steps of the loss")
-    t.add_argument("--seed", type=_positive(0), default=C.seed)
+    t.add_argument("--seed", type=_positive(0), default=C.seed,
+                   help="seed of the held-out split, rollout order and samples, head init and "
+                        "batch order")
     t.add_argument("--holdout", type=_positive(0), default=None,
-                   help="held-out prompts for the evaluation (default: min(64, a tenth))")
+                   help="held-out prompts for the evaluation (default: min(64, a tenth of "
+                        "--prompts; all of --eval-prompts)")
     t.add_argument("--save-every", type=_positive(0), default=C.save_every,
                    help="checkpoint every N steps (0: none)")
     t.add_argument("--resume", action="store_true",
@@ -88,6 +125,14 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFor
                    help="torch CPU threads (default: the engine's policy)")
     t.add_argument("--eval-max-tokens", type=_positive(1), default=None,
                    help="most new tokens per evaluation rollout (default: --max-tokens)")
+    t.add_argument("--eval-temperatures", type=_temperatures,
+                   default=",".join(f"{x:g}" for x in C.eval_temperatures),
+                   help="comma-separated temperatures of the held-out evaluation (0 = greedy)")
+    t.add_argument("--curve-points", type=_positive(0), default=C.curve_points,
+                   help="held-out greedy acceptance measured this many times during training "
+                        "(replayed by the head on greedy held-out rollouts; 0: none)")
+    t.add_argument("--head-dtype", choices=HEAD_DTYPES, default=C.head_dtype,
+                   help="dtype of the written head (auto: the target's)")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -96,18 +141,34 @@ def main(args: argparse.Namespace, default_model: Path) -> int:
     from specengine.train.offline import TrainDraftConfig, format_table, train_draft
 
     try:
+        temps = args.eval_temperatures
         cfg = TrainDraftConfig(
             model=args.model or default_model, prompts=args.prompts, out=args.out,
             prompt_column=args.prompt_column, arch=args.arch, init=args.init,
+            eval_prompts=args.eval_prompts,
             samples_per_prompt=args.samples_per_prompt, temperature=args.temperature,
-            max_tokens=args.max_tokens, gen_k=args.gen_k,
-            draft_vocab_size=args.draft_vocab_size, epochs=args.epochs, lr=args.lr,
+            max_tokens=args.max_tokens, rollout_tokens=args.rollout_tokens, gen_k=args.gen_k,
+            draft_vocab_size=args.draft_vocab_size, head_init=args.head_init,
+            steps=args.steps, epochs=args.epochs, lr=args.lr,
             batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, seed=args.seed,
             holdout=args.holdout, save_every=args.save_every, resume=args.resume,
             overwrite=args.overwrite, device=None if args.device == "auto" else args.device,
             dtype=args.dtype, num_threads=args.threads, eval_max_tokens=args.eval_max_tokens,
+            eval_temperatures=_temperatures(temps) if isinstance(temps, str) else temps,
+            curve_points=args.curve_points, head_dtype=args.head_dtype,
+            norm_before_residual=args.norm_before_residual,
             progress=not args.no_progress)
-        res = train_draft(cfg)
+        handler = logging.StreamHandler(sys.stdout)  # the plan, estimate and curve
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log = logging.getLogger("specengine.train")
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+        try:
+            res = train_draft(cfg)
+        finally:
+            log.removeHandler(handler)
+            log.propagate = True
     except ValueError as e:  # bad input (CheckpointError too): a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

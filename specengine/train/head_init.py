@@ -128,3 +128,48 @@ def write_head(head: Eagle3Head, cfg: dict[str, Any], out: str | Path,
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps({**cfg, "torch_dtype": str(dtype).split(".")[-1]},
                                                 indent=2) + "\n")
+
+
+def read_target_tensors(model: str | Path, names: tuple[str, ...]) -> dict[str, Tensor]:
+    """The target checkpoint's tensors whose names end with one of ``names`` (the shortest
+    such name each: ``model.norm.weight`` over nested copies), read alone from its files."""
+    from safetensors import safe_open
+
+    from specengine.model.loader import checkpoint_files
+
+    found: dict[str, tuple[str, Tensor]] = {}
+    for file in checkpoint_files(Path(model)):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                for want in names:
+                    if key == want or key.endswith("." + want):
+                        if "mtp" in key or "layers." in key:
+                            continue
+                        if want not in found or len(key) < len(found[want][0]):
+                            found[want] = (key, f.get_tensor(key))
+    return {want: t for want, (_, t) in found.items()}
+
+
+@torch.no_grad()
+def init_from_target(head: Eagle3Head, model: str | Path, embed: nn.Embedding) -> list[str]:
+    """Start a fresh head's output side from the target's (as the speculators library does):
+    ``lm_head`` rows of the draft vocabulary from the target's ``lm_head`` (its input
+    embeddings when they are tied) and ``norm`` from the target's final norm, so the head's
+    logits start in the target's own output space and training only has to learn what to
+    put there. Returns the names initialised (a target without a final norm keeps the
+    head's)."""
+    got = read_target_tensors(model, ("lm_head.weight", "norm.weight"))
+    lm = got.get("lm_head.weight")
+    if lm is None:
+        lm = embed.weight  # tied embeddings
+    if lm.shape[1] != head.lm_head.weight.shape[1]:
+        raise CheckpointError(f"{model}: lm_head width {lm.shape[1]} differs from the head's "
+                              f"{head.lm_head.weight.shape[1]}")
+    ids = head.draft_to_target.to(lm.device)
+    head.lm_head.weight.copy_(lm[ids].to(head.lm_head.weight))
+    done = ["lm_head.weight"]
+    norm = got.get("norm.weight")
+    if norm is not None and norm.shape == head.norm.weight.shape:
+        head.norm.weight.copy_(norm.to(head.norm.weight))
+        done.append("norm.weight")
+    return done

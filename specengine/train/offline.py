@@ -64,6 +64,7 @@ from specengine.train.data import DEFAULT_PROMPT_COLUMN, read_prompts, tokenize_
 from specengine.train.head_init import (
     build_head,
     fresh_config,
+    init_from_target,
     most_frequent,
     read_config,
     read_head,
@@ -85,10 +86,16 @@ EVAL_KS = (1, 2, 3, 4, 5)
 WARMUP_FRACTION = 0.05
 FINAL_LR_FRACTION = 0.1
 GEN_BATCH = 256  # sequences per generate call (the engine's default max_batch_size)
+KV_FILL = 0.9  # share of the KV cache a call's sequences may fill (blocks round up)
+GROUP_SEQS_EVAL = 16  # held-out sequences per unrolled pass of offline_acceptance
 # Settings a resumed run must share with the run that wrote the checkpoint.
-RESUME_KEYS = ("epochs", "lr", "batch_tokens", "ttt_steps", "seed", "draft_vocab_size", "init",
-               "arch")
+RESUME_KEYS = ("steps", "epochs", "lr", "batch_tokens", "ttt_steps", "seed", "draft_vocab_size",
+               "init", "arch", "head_init", "norm_before_residual")
 ARCHS = ("eagle3", "mtp")
+HEAD_INITS = ("random", "target")
+HEAD_DTYPES = ("auto", "float32", "bfloat16", "float16")
+AUTO_SAMPLES = 4  # samples per prompt when sampling (TrainDraftConfig.num_samples)
+CALIBRATION_ROLLOUTS = 32  # rollouts of the first generate call, timed for the estimate
 
 
 @dataclass(frozen=True)
@@ -101,16 +108,23 @@ class TrainDraftConfig:
     prompt_column: str = DEFAULT_PROMPT_COLUMN
     arch: str = "eagle3"  # "mtp": the target checkpoint's MTP layer
     init: Path | None = None
-    samples_per_prompt: int = 1
+    eval_prompts: Path | None = None  # held-out prompts from this file (no split of prompts)
+    samples_per_prompt: int | None = None  # None: 1 greedy, AUTO_SAMPLES when sampling
     temperature: float = 1.0
     max_tokens: int = 256
-    gen_k: int | None = None  # draft length while generating (None: 3 with init or mtp,
-    #                          else 1)
+    rollout_tokens: int = 100_000  # generated tokens to train on (0: one pass over the prompts)
+    gen_k: int | None = None  # draft length while generating (None: 0, the drafter only
+    #                          catches up, which records every position at the least cost)
     draft_vocab_size: int = 32000
-    epochs: int = 4
+    steps: int = 400  # optimiser steps (the training budget; epochs=None)
+    epochs: int | None = None  # instead of steps: this many passes over the generated set
     lr: float = 3e-3
     batch_tokens: int = 2048
     ttt_steps: int = 3
+    head_init: str = "random"  # fresh head: "random", or "target" (lm_head / norm from the
+    #                            target's; RESULTS.md: no gain measured, so not the default)
+    head_dtype: str = "auto"  # dtype of the written head ("auto": the target's)
+    norm_before_residual: bool = False  # fresh head: the residual is hidden_norm(g), not g
     seed: int = 0
     holdout: int | None = None  # None: min(64, a tenth of the prompts, at least 1)
     save_every: int = 100  # 0: no checkpoints (and no saved data)
@@ -120,34 +134,56 @@ class TrainDraftConfig:
     dtype: str = "auto"
     num_threads: int | None = None
     eval_max_tokens: int | None = None  # None: max_tokens
+    eval_temperatures: tuple[float, ...] = (0.0, 1.0)
+    curve_points: int = 10  # held-out greedy acceptance measured this many times in training
     progress: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("model", "prompts", "out", "init"):
+        for name in ("model", "prompts", "out", "init", "eval_prompts"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, Path):
                 object.__setattr__(self, name, Path(v))
-        for name, low in (("samples_per_prompt", 1), ("max_tokens", 1), ("epochs", 1),
+        for name, low in (("max_tokens", 1), ("steps", 1), ("rollout_tokens", 0),
                           ("batch_tokens", 1), ("ttt_steps", 1), ("draft_vocab_size", 1),
-                          ("save_every", 0), ("seed", 0)):
+                          ("save_every", 0), ("seed", 0), ("curve_points", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"train-draft: {name} must be an int >= {low}, got {v!r}")
-        for name in ("holdout", "gen_k", "eval_max_tokens"):
+        for name in ("holdout", "gen_k", "eval_max_tokens", "samples_per_prompt", "epochs"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0
-                                  or (name != "holdout" and v < 1)):
-                raise ValueError(f"train-draft: {name} must be an int >= "
-                                 f"{0 if name == 'holdout' else 1}, got {v!r}")
+            low = 0 if name in ("holdout", "gen_k") else 1
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise ValueError(f"train-draft: {name} must be an int >= {low}, got {v!r}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"train-draft: lr must be a finite number > 0, got {self.lr!r}")
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
             raise ValueError(f"train-draft: temperature must be >= 0, got {self.temperature!r}")
+        temps = tuple(self.eval_temperatures)
+        if not temps or not all(isinstance(t, (int, float)) and not isinstance(t, bool)
+                                and math.isfinite(t) and t >= 0 for t in temps):
+            raise ValueError("train-draft: eval_temperatures must be one or more numbers >= 0, "
+                             f"got {self.eval_temperatures!r}")
+        object.__setattr__(self, "eval_temperatures", temps)
         if self.arch not in ARCHS:
             raise ValueError(f"train-draft: arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.head_init not in HEAD_INITS:
+            raise ValueError(f"train-draft: head_init must be one of {HEAD_INITS}, got "
+                             f"{self.head_init!r}")
+        if self.head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"train-draft: head_dtype must be one of {HEAD_DTYPES}, got "
+                             f"{self.head_dtype!r}")
         if self.resume and self.overwrite:
             raise ValueError("train-draft: --resume continues the run in the output dir and "
                              "--overwrite deletes it: give one of them")
+
+    @property
+    def num_samples(self) -> int:
+        """Samples per prompt of one rollout pass: the given count, else 1 when greedy
+        (repeats would be identical) and :data:`AUTO_SAMPLES` when sampling (a prompt's
+        samples share its prefill, and few prompts still give varied data)."""
+        if self.samples_per_prompt is not None:
+            return self.samples_per_prompt
+        return 1 if self.temperature == 0 else AUTO_SAMPLES
 
 
 @dataclass(frozen=True)
@@ -167,6 +203,7 @@ class TrainDraftResult:
     train_s: float
     eval_s: float
     resumed_from: int | None = None
+    rollout_passes: int = 0  # passes over the training prompts the rollouts started
 
     def __post_init__(self) -> None:
         if self.num_seqs < 1 or self.num_steps < 1:
@@ -184,6 +221,7 @@ class GeneratedSet:
     seqs: list[BufferedSeq] = field(default_factory=list)
     counts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     holdout: list[list[int]] = field(default_factory=list)
+    passes: int = 0  # passes over the prompts the rollouts started (0: unknown, a resume)
     _parts: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     _num_rows: int = 0
 
@@ -202,9 +240,13 @@ class GeneratedSet:
             self._num_rows += n
 
     def finish(self) -> None:
+        """Join the parts taken so far onto the rows (it may be called again after more
+        :meth:`take` calls)."""
         if self._parts:
-            self.feats = torch.cat([f for f, _ in self._parts])
-            self.tokens = torch.cat([t for _, t in self._parts])
+            old = [] if self.feats is None else [(self.feats, self.tokens)]
+            parts = old + self._parts
+            self.feats = torch.cat([f for f, _ in parts])
+            self.tokens = torch.cat([t for _, t in parts])
             self._parts.clear()
 
     @property
@@ -320,11 +362,12 @@ def learning_rate(step: int, total: int, lr: float) -> float:
                                                                                    * frac)))
 
 
-def _progress(total: int, desc: str, enabled: bool, initial: int = 0) -> Any:
+def _progress(total: int | None, desc: str, enabled: bool, initial: int = 0,
+              unit: str = "step") -> Any:
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, unit="step"
-                if desc == "train" else "prompt", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, unit=unit,
+                dynamic_ncols=True)
 
 
 def _engine(cfg: TrainDraftConfig, draft: Path | str | None, model: Path | None = None,
@@ -336,43 +379,126 @@ def _engine(cfg: TrainDraftConfig, draft: Path | str | None, model: Path | None 
                       num_threads=cfg.num_threads, **kw)
 
 
+@dataclass
+class RolloutProgress:
+    """Where the rollouts stand (what the calibration callback and the plan read)."""
+
+    num_rollouts: int = 0
+    num_tokens: int = 0  # generated tokens
+    num_prompts: int = 0  # prompt passes started (a prompt with n samples counts once)
+    passes: int = 0  # complete passes over the prompts
+    seconds: float = 0.0
+
+
+def _run_rollouts(engine: Any, prompts: list[list[int]], params: list[Any], k: int,
+                  on_done: Any) -> None:
+    """Roll out ``prompts`` (one :class:`SamplingParams` each) through the engine's step API,
+    calling ``on_done(output)`` as each rollout finishes (per-rollout progress)."""
+    for p, sp in zip(prompts, params):
+        engine.add_request(p, sp, k=k)
+    while engine.has_unfinished():  # (an error ends the run: the caller closes the engine)
+        for out in engine.step():
+            if out.output is not None:
+                on_done(out.output)
+
+
 def generate_set(cfg: TrainDraftConfig, prompts: list[list[int]], gen_head: Path | str,
-                 vocab_size: int, init_tensors: dict[str, Tensor] | None = None
-                 ) -> GeneratedSet:
-    """Roll out ``prompts`` with the engine, keeping what its catch-up pass computes.
-    ``gen_head``: the draft (a head dir, or ``"mtp"``); ``init_tensors`` replace the MTP
-    layer's weights first."""
+                 vocab_size: int, init_tensors: dict[str, Tensor] | None = None,
+                 holdout: list[list[int]] | None = None,
+                 on_calibrated: Any = None) -> tuple[GeneratedSet, GeneratedSet | None]:
+    """Roll out ``prompts`` with the engine, keeping what its catch-up pass computes, until
+    ``cfg.rollout_tokens`` tokens were generated: passes over the prompts in a seeded order,
+    ``cfg.num_samples`` samples each, each pass with new seeds (only one pass when greedy);
+    ``rollout_tokens=0``: exactly one pass. ``gen_head``: the draft (a head dir, or
+    ``"mtp"``); ``init_tensors`` replace the MTP layer's weights first. The first call rolls
+    out about :data:`CALIBRATION_ROLLOUTS` sequences and then calls ``on_calibrated(data,
+    progress)`` (the estimate). Then greedy rollouts of ``holdout`` (the training curve's
+    held-out set, returned second)."""
     from specengine.sampling import SamplingParams
 
-    n = cfg.samples_per_prompt
-    per_call = max(1, GEN_BATCH // n)
-    longest = max(len(p) for p in prompts) + cfg.max_tokens
+    n = cfg.num_samples
+    eval_tokens = cfg.eval_max_tokens or cfg.max_tokens
+    longest = max(len(p) for p in prompts + (holdout or [])) + max(cfg.max_tokens, eval_tokens)
+    # a call's sequences must fit the KV caches at once: the drafter's own cache holds as many
+    # tokens as the target's but shares no prompt between a prompt's samples
+    probe = _engine(cfg, gen_head, max_batch_size=max(GEN_BATCH, n))
+    kv_tokens = probe.kv_cache.num_blocks * probe.kv_cache.block_size
+    probe.close()
+    per_call = max(1, min(GEN_BATCH // n, int(KV_FILL * kv_tokens) // (n * longest)))
     capacity = per_call * n * longest  # a whole call's sequences fit: none loses its start
     engine = _engine(cfg, gen_head, max_batch_size=max(GEN_BATCH, n),
                      draft_options={"adapt_buffer_tokens": capacity})
     if init_tensors is not None:
         engine.load_weights(init_tensors, which="draft")
+    k = cfg.gen_k or 0
+    if k == 0:  # no drafts: the drafter only catches up, recording every position
+        engine.drafter.catch_up_at_k0 = True
     buffer = engine.drafter.adapter.buffer
-    k = cfg.gen_k or (3 if cfg.init is not None or cfg.arch == "mtp" else 1)
     data = GeneratedSet(counts=np.zeros(vocab_size, dtype=np.int64))
-    bar = _progress(len(prompts), "generate", cfg.progress)
-    t0, num_new = time.perf_counter(), 0
+    budget = cfg.rollout_tokens
+    bar = _progress(budget if budget else None, "rollouts", cfg.progress, unit="tok")
+    st = RolloutProgress()
+    t0 = time.perf_counter()
+
+    def done(o: Any) -> None:
+        ids = np.asarray(o.token_ids, dtype=np.int64)
+        data.counts += np.bincount(ids, minlength=vocab_size)[:vocab_size]
+        st.num_rollouts += 1
+        st.num_tokens += len(ids)
+        bar.update(len(ids))
+        bar.set_postfix(rollouts=st.num_rollouts, prompts=st.num_prompts,
+                        tok_s=f"{st.num_tokens / (time.perf_counter() - t0):.1f}")
+
+    order = np.random.default_rng([cfg.seed, 2]).permutation(len(prompts))
+    pos = 0
     try:
-        for i in range(0, len(prompts), per_call):
-            chunk = prompts[i: i + per_call]
+        while True:
+            if pos >= len(order):
+                st.passes += 1
+                pos = 0
+                if not budget or cfg.temperature == 0:
+                    break
+                order = np.random.default_rng([cfg.seed, 2, st.passes]).permutation(
+                    len(prompts))
+            if budget and st.num_tokens >= budget:
+                break
+            if st.num_rollouts == 0:
+                m = max(1, min(per_call, CALIBRATION_ROLLOUTS // n))
+            elif budget:  # as many prompts as the budget still needs, at the mean length
+                mean = st.num_tokens / st.num_rollouts
+                m = min(per_call, max(1, math.ceil((budget - st.num_tokens) / max(mean, 1.0)
+                                                   / n)))
+            else:
+                m = per_call
+            idx = order[pos: pos + m]
+            pos += len(idx)
+            st.num_prompts += len(idx)
             params = [SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                     n=n, seed=(cfg.seed * 1_000_003 + i + j) % (2**62))
-                      for j in range(len(chunk))]
-            outs = engine.generate(chunk, k=k, sampling=params)
-            for o in outs:
-                data.counts += np.bincount(np.asarray(o.token_ids, dtype=np.int64),
-                                           minlength=vocab_size)[:vocab_size]
-                num_new += len(o.token_ids)
+                                     n=n, seed=(cfg.seed * 1_000_003 + st.passes * 7_919
+                                                + int(i) * 31 + 17) % (2**62))
+                      for i in idx]
+            first = st.num_rollouts == 0
+            _run_rollouts(engine, [prompts[int(i)] for i in idx], params, k, done)
             data.take(buffer)
             buffer.clear()
-            bar.update(len(chunk))
-            bar.set_postfix(seqs=len(data.seqs),
-                            tok_s=f"{num_new / (time.perf_counter() - t0):.0f}")
+            st.seconds = time.perf_counter() - t0
+            if first and on_calibrated is not None:
+                on_calibrated(data, st)
+        bar.close()
+        data.passes = st.passes + (1 if pos > 0 else 0)
+        held = None
+        if holdout:
+            held = GeneratedSet(counts=np.zeros(vocab_size, dtype=np.int64))
+            greedy = SamplingParams(temperature=0.0, max_tokens=eval_tokens)
+            hbar = _progress(len(holdout), "held-out rollouts", cfg.progress, unit="rollout")
+            for i in range(0, len(holdout), GEN_BATCH):
+                chunk = holdout[i: i + GEN_BATCH]
+                _run_rollouts(engine, chunk, [greedy] * len(chunk), k,
+                              lambda o: hbar.update(1))
+                held.take(buffer)
+                buffer.clear()
+            hbar.close()
+            held.finish()
     finally:
         bar.close()
         engine.close()
@@ -380,46 +506,112 @@ def generate_set(cfg: TrainDraftConfig, prompts: list[list[int]], gen_head: Path
     if not data.seqs:
         raise ValueError("train-draft: the rollouts produced no sequence to train on (every "
                          "completion ended at its first token?)")
-    return data
+    if budget and st.num_tokens < budget:
+        logger.warning("train-draft: the rollouts gave %d tokens, fewer than rollout_tokens "
+                       "%d (%s)", st.num_tokens, budget, "greedy: one pass over the prompts, "
+                       "whose repeats would be identical" if cfg.temperature == 0 else "")
+    return data, held
 
 
 def evaluate(cfg: TrainDraftConfig, prompts: list[list[int]]) -> dict[str, Any]:
-    """Greedy rollouts of ``prompts`` with the head in ``cfg.out`` at k = 0 and 1..5."""
+    """Rollouts of ``prompts`` with the head in ``cfg.out`` at k = 0 and 1..5, at each of
+    ``cfg.eval_temperatures`` (greedy: whether each k reproduced k = 0; sampling: seeded,
+    the policy's distribution whatever k, so only the acceptance is compared)."""
     from specengine.sampling import SamplingParams
 
     batch = max(1, min(len(prompts), GEN_BATCH))
     engine = (_engine(cfg, "mtp", cfg.out, max_batch_size=batch) if cfg.arch == "mtp"
               else _engine(cfg, cfg.out, max_batch_size=batch))
-    params = SamplingParams(temperature=0.0, max_tokens=cfg.eval_max_tokens or cfg.max_tokens)
+    max_tokens = cfg.eval_max_tokens or cfg.max_tokens
+    by_temp: dict[str, Any] = {}
     try:
-        base = engine.generate(prompts, k=0, sampling=params)
-        rows = {}
-        for k in EVAL_KS:
-            outs = engine.generate(prompts, k=k, sampling=params)
-            st = engine.stats
-            rows[str(k)] = {
-                "mean_accepted_length": st.mean_accepted_length,
-                "acceptance_per_position": list(st.acceptance_rate_per_position),
-                "acceptance_per_draft": st.num_accepted_tokens / max(1, st.num_draft_tokens),
-                "identical_to_k0": sum(a.token_ids == b.token_ids for a, b in zip(outs, base)),
-            }
+        for temp in cfg.eval_temperatures:
+            params = [SamplingParams(temperature=float(temp), max_tokens=max_tokens,
+                                     seed=cfg.seed * 7_919 + i) for i in range(len(prompts))]
+            base = engine.generate(prompts, k=0, sampling=params) if temp == 0 else None
+            rows = {}
+            for k in EVAL_KS:
+                outs = engine.generate(prompts, k=k, sampling=params)
+                st = engine.stats
+                rows[str(k)] = {
+                    "mean_accepted_length": st.mean_accepted_length,
+                    "acceptance_per_position": list(st.acceptance_rate_per_position),
+                    "acceptance_per_draft": st.num_accepted_tokens / max(1, st.num_draft_tokens),
+                    "generated_tokens": sum(len(o.token_ids) for o in outs),
+                }
+                if base is not None:
+                    rows[str(k)]["identical_to_k0"] = sum(a.token_ids == b.token_ids
+                                                          for a, b in zip(outs, base))
+            by_temp[f"{float(temp):g}"] = rows
     finally:
         engine.close()
-    return {"num_prompts": len(prompts), "temperature": 0.0, "max_tokens": params.max_tokens,
-            "k": rows}
+    first = by_temp[f"{float(cfg.eval_temperatures[0]):g}"]
+    return {"num_prompts": len(prompts), "temperature": float(cfg.eval_temperatures[0]),
+            "max_tokens": max_tokens, "k": first, "by_temperature": by_temp}
 
 
 def format_table(evaluation: dict[str, Any]) -> str:
     n = evaluation["num_prompts"]
-    lines = [f"held-out evaluation: {n} prompts, greedy, at most {evaluation['max_tokens']} "
-             "tokens",
-             f"{'k':>2} | {'mean accepted length':>20} | {'identical to k=0':>16} | "
-             "acceptance per position"]
-    for k, r in evaluation["k"].items():
-        acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-        lines.append(f"{k:>2} | {r['mean_accepted_length']:>20.2f} | "
-                     f"{str(r['identical_to_k0']) + '/' + str(n):>16} | {acc}")
+    by_temp = evaluation.get("by_temperature") or {f"{evaluation['temperature']:g}":
+                                                   evaluation["k"]}
+    lines = []
+    for temp, rows in by_temp.items():
+        greedy = float(temp) == 0
+        lines += [f"held-out evaluation: {n} prompts, "
+                  + ("greedy" if greedy else f"sampling at temperature {temp}")
+                  + f", at most {evaluation['max_tokens']} tokens",
+                  f"{'k':>2} | {'mean accepted length':>20} | "
+                  + (f"{'identical to k=0':>16} | " if greedy else "")
+                  + "acceptance per position"]
+        for k, r in rows.items():
+            acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+            same = (f"{str(r['identical_to_k0']) + '/' + str(n):>16} | "
+                    if greedy and "identical_to_k0" in r else "")
+            lines.append(f"{k:>2} | {r['mean_accepted_length']:>20.2f} | {same}{acc}")
     return "\n".join(lines)
+
+
+def offline_acceptance(trainer: DraftTrainer, params: dict[str, Tensor], held: GeneratedSet,
+                       ks: tuple[int, ...] = EVAL_KS) -> dict[str, Any]:
+    """Greedy speculative decoding of the held-out greedy rollouts replayed with the head's
+    unrolled maths (no target pass): from each sequence's first anchor, a step at ``k``
+    accepts the drafts up to the first that differs from the policy's token, then the next
+    step starts after the kept tokens, as the engine's greedy steps do. Returns per k the
+    mean accepted length and the acceptance per position (the engine's definitions)."""
+    depth = max(ks)
+    saved = trainer.depth
+    trainer.depth = depth
+    try:
+        proposed = {k: np.zeros(k) for k in ks}
+        accepted = {k: np.zeros(k) for k in ks}
+        steps = {k: 0 for k in ks}
+        kept = {k: 0 for k in ks}
+        with torch.no_grad():
+            for i in range(0, len(held.seqs), GROUP_SEQS_EVAL):
+                seqs = held.seqs[i: i + GROUP_SEQS_EVAL]
+                feats, ids, valid, targets = trainer.batch(held, seqs)
+                logits = trainer.math.unroll(params, feats, ids, valid, depth)
+                hit = torch.stack([(lg.argmax(-1) == tg) & (tg >= 0)
+                                   for lg, tg in zip(logits, targets)], -1).cpu().numpy()
+                for b, s in enumerate(seqs):
+                    end = len(s.rows) - 1  # the last position with a next token
+                    for k in ks:
+                        a = s.num_prompt_tokens - 1
+                        while a < end:
+                            n = 0
+                            while n < k and hit[b, a, n]:
+                                n += 1
+                            width = min(k, end - a)  # drafts past the end are not made
+                            proposed[k][:width] += 1
+                            accepted[k][:n] += 1
+                            steps[k] += 1
+                            kept[k] += n + 1
+                            a += n + 1
+    finally:
+        trainer.depth = saved
+    return {str(k): {"mean_accepted_length": kept[k] / max(1, steps[k]),
+                     "acceptance_per_position": (accepted[k] / np.maximum(proposed[k], 1))
+                     .tolist()} for k in ks}
 
 
 def plot(evaluation: dict[str, Any], path: Path) -> bool:
@@ -487,22 +679,39 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
     ckpt_dir = cfg.out / CHECKPOINT_DIR
     embed = read_embedding(cfg.model)
     vocab = embed.num_embeddings
+    device = torch.device(cfg.device if cfg.device not in (None, "auto") else
+                          ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
+    held = None
     if resume_from is None:
         prompts = tokenize_prompts(cfg.model, read_prompts(cfg.prompts, cfg.prompt_column))
-        train_prompts, holdout = _split(prompts, cfg.holdout, cfg.seed)
+        if cfg.eval_prompts is not None:  # the task's own held-out split, all of it
+            train_prompts = prompts
+            holdout = tokenize_prompts(cfg.model, read_prompts(cfg.eval_prompts,
+                                                               cfg.prompt_column))
+            if cfg.holdout is not None:
+                holdout = holdout[: cfg.holdout]
+        else:
+            train_prompts, holdout = _split(prompts, cfg.holdout, cfg.seed)
+        logger.info("%s", plan_text(cfg, len(train_prompts), len(holdout), device))
+
+        def calibrated(part: GeneratedSet, st: RolloutProgress) -> None:
+            logger.info("%s", estimate_text(cfg, part, st, len(train_prompts), len(holdout),
+                                            embed, target_cfg, device, vocab))
+
         with tempfile.TemporaryDirectory(prefix="specengine-gen-head-") as tmp:
             if mtp:
                 gen_head: Path | str = "mtp"
             elif cfg.init is not None:
                 gen_head = cfg.init
-            else:  # a random head that only drives the capture (k=1)
+            else:  # a random head that only drives the capture (its catch-up pass)
                 torch.manual_seed(cfg.seed)
                 gen_cfg = fresh_config(target_cfg, min(vocab, cfg.draft_vocab_size), "float32")
                 write_head(build_head(gen_cfg, embed, torch.device("cpu")), gen_cfg, tmp,
                            torch.float32)
                 gen_head = Path(tmp)
-            data = generate_set(cfg, train_prompts, gen_head, vocab, init_tensors)
+            data, held = generate_set(cfg, train_prompts, gen_head, vocab, init_tensors,
+                                      holdout if cfg.curve_points else None, calibrated)
         data.holdout = holdout
         if cfg.overwrite and cfg.out.exists():  # only once the rollouts succeeded
             shutil.rmtree(cfg.out) if cfg.out.is_dir() else cfg.out.unlink()
@@ -525,50 +734,51 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
         num_train_prompts = int(saved.get("num_train_prompts", 0))
         start = int(resume_from.stem.split("-")[1])
     gen_s = time.perf_counter() - t0
-    device = torch.device(cfg.device if cfg.device not in (None, "auto") else
-                          ("cuda" if torch.cuda.is_available() else "cpu"))
     embed = embed.to(device)
-    math = None
-    if mtp:
-        head = build_mtp(cfg.model, embed, device, init_tensors if init_tensors is not None
-                         else read_mtp_tensors(cfg.model, "--model"))
-        math = MTPMath(head, embed)
-    elif cfg.init is not None:
-        head_cfg, head = read_head(cfg.init, embed, device)
-    else:
-        head_cfg = fresh_config(target_cfg, min(vocab, cfg.draft_vocab_size), "bfloat16")
-        torch.manual_seed(cfg.seed)
-        head = build_head(head_cfg, embed, device,
-                          draft_to_target=most_frequent(data.counts, head_cfg["draft_vocab_size"]))
+    head, head_cfg, head_math = _make_head(cfg, target_cfg, embed, device, data.counts,
+                                           init_tensors, init_cfg)
     opt = HeadOptimizer(head)
     if resume_from is not None:
         opt.load_state_dict(load_file(str(resume_from), device=str(device)))
     trainer = DraftTrainer(head, embed, device, depth=cfg.ttt_steps,
-                           batch_tokens=cfg.batch_tokens, seed=cfg.seed, math=math)
-    schedule = [b for e in range(cfg.epochs)
-                for b in epoch_batches(data.seqs, cfg.batch_tokens, cfg.seed, e)]
+                           batch_tokens=cfg.batch_tokens, seed=cfg.seed, math=head_math)
+    schedule = training_schedule(data.seqs, cfg)
     total = len(schedule)
     if start > total:
         raise ValueError(f"--resume: the checkpoint is at step {start} but this run has "
                          f"{total} steps")
+    logger.info("training: %d steps of about %d positions (%.1f passes over %d generated "
+                "tokens in %d sequences)", total, cfg.batch_tokens,
+                sum(len(b) for b in schedule) / max(1, len(data.seqs)), data.num_tokens,
+                len(data.seqs))
+    curve_at = set()
+    if held is not None and held.seqs and cfg.curve_points and not mtp:
+        curve_at = {max(1, round(total * (i + 1) / cfg.curve_points))
+                    for i in range(cfg.curve_points)} | {0}
+    curve: list[dict[str, Any]] = []
     losses: list[tuple[int, float]] = []
     bar = _progress(total, "train", cfg.progress, initial=start)
     t1 = time.perf_counter()
-    positions = 0
+    positions = trained = 0
     try:
         for step in range(start, total):
+            if step in curve_at:
+                curve.append(_curve_point(trainer, opt, held, step, trained))
             batch = [data.seqs[i] for i in schedule[step]]
             with torch.enable_grad():
                 loss = trainer.objective(data, batch, opt.masters)
             opt.step(loss, learning_rate(step, total, cfg.lr))
             losses.append((step, float(loss.detach())))
             positions += sum(len(s.rows) for s in batch)
+            trained += sum(len(s.rows) - s.num_prompt_tokens for s in batch)
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1][1]:.4f}",
                             tok_s=f"{positions / (time.perf_counter() - t1):.0f}")
             done = step + 1
             if cfg.save_every and done % cfg.save_every == 0 and done < total:
                 _save_checkpoint(opt, ckpt_dir, done)
+        if total in curve_at:
+            curve.append(_curve_point(trainer, opt, held, total, trained))
     finally:
         bar.close()
     train_s = time.perf_counter() - t1
@@ -576,11 +786,7 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
     if mtp:  # the target checkpoint, its mtp.* tensors trained (same names and dtypes)
         write_mtp_checkpoint(cfg.model, head, cfg.out)
     else:
-        save_dtype = getattr(torch, str(target_cfg.get("torch_dtype") or target_cfg.get("dtype")
-                                        or "bfloat16"), torch.bfloat16)
-        if cfg.init is not None and init_cfg is not None:
-            head_cfg = init_cfg
-        write_head(head, head_cfg, cfg.out, save_dtype)
+        write_head(head, head_cfg, cfg.out, head_save_dtype(cfg, target_cfg))
     logger.info("wrote the %s to %s after %d steps (%.1f s)", "checkpoint with the trained "
                 "MTP layer" if mtp else "head", cfg.out, total, train_s)
     t2 = time.perf_counter()
@@ -590,12 +796,154 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
         evaluation["training"] = {"num_seqs": len(data.seqs), "num_tokens": data.num_tokens,
                                   "steps": total, "final_loss": losses[-1][1] if losses
                                   else None, "generate_s": gen_s, "train_s": train_s}
+        if curve:
+            evaluation["curve"] = curve
         (cfg.out / "eval.json").write_text(json.dumps(evaluation, indent=2) + "\n")
         plot(evaluation, cfg.out / "eval.png")
     return TrainDraftResult(cfg.out, num_train_prompts, len(data.holdout),
                             len(data.seqs), data.num_tokens, total, tuple(losses), evaluation,
                             gen_s, train_s, time.perf_counter() - t2,
-                            None if resume_from is None else start)
+                            None if resume_from is None else start, data.passes)
+
+
+def _make_head(cfg: TrainDraftConfig, target_cfg: dict[str, Any], embed: nn.Embedding,
+               device: torch.device, counts: np.ndarray,
+               init_tensors: dict[str, Tensor] | None, init_cfg: dict[str, Any] | None
+               ) -> tuple[nn.Module, dict[str, Any] | None, MTPMath | None]:
+    """The head to train, its config (None for MTP) and its maths (None: EAGLE-3's)."""
+    if cfg.arch == "mtp":
+        head = build_mtp(cfg.model, embed, device, init_tensors if init_tensors is not None
+                         else read_mtp_tensors(cfg.model, "--model"))
+        return head, None, MTPMath(head, embed)
+    if cfg.init is not None:
+        _, head = read_head(cfg.init, embed, device)
+        return head, init_cfg, None
+    vocab = embed.num_embeddings
+    head_cfg = fresh_config(target_cfg, min(vocab, cfg.draft_vocab_size), "bfloat16")
+    if cfg.norm_before_residual:
+        head_cfg["norm_before_residual"] = True
+    torch.manual_seed(cfg.seed)
+    head = build_head(head_cfg, embed, device,
+                      draft_to_target=most_frequent(counts, head_cfg["draft_vocab_size"]))
+    if cfg.head_init == "target":
+        init_from_target(head, cfg.model, embed)
+    return head, head_cfg, None
+
+
+def head_save_dtype(cfg: TrainDraftConfig, target_cfg: dict[str, Any]) -> torch.dtype:
+    """``cfg.head_dtype``, or the target's dtype for ``"auto"`` (bfloat16 when unnamed)."""
+    name = cfg.head_dtype if cfg.head_dtype != "auto" else str(
+        target_cfg.get("torch_dtype") or target_cfg.get("dtype") or "bfloat16")
+    return getattr(torch, name, torch.bfloat16)
+
+
+def training_schedule(seqs: list[BufferedSeq], cfg: TrainDraftConfig) -> list[list[int]]:
+    """The batches of every step: ``cfg.steps`` steps (``cfg.epochs`` passes instead when
+    given) cut from shuffled passes over the generated set, so the budget is the same
+    whatever the number of prompts or sequences."""
+    if cfg.epochs is not None:
+        return [b for e in range(cfg.epochs)
+                for b in epoch_batches(seqs, cfg.batch_tokens, cfg.seed, e)]
+    out: list[list[int]] = []
+    epoch = 0
+    while len(out) < cfg.steps:
+        out += epoch_batches(seqs, cfg.batch_tokens, cfg.seed, epoch)
+        epoch += 1
+    return out[: cfg.steps]
+
+
+def _curve_point(trainer: DraftTrainer, opt: HeadOptimizer, held: GeneratedSet | None,
+                 step: int, trained: int) -> dict[str, Any]:
+    assert held is not None
+    acc = offline_acceptance(trainer, opt.masters, held)
+    logger.info("step %d (%d trained tokens): held-out greedy mean accepted length %s", step,
+                trained, " ".join(f"k={k}: {r['mean_accepted_length']:.2f}"
+                                  for k, r in acc.items()))
+    return {"step": step, "trained_tokens": trained, "greedy": acc}
+
+
+def plan_text(cfg: TrainDraftConfig, num_train: int, num_holdout: int,
+              device: torch.device) -> str:
+    """What the run will do, printed before any work."""
+    n = cfg.num_samples
+    if cfg.rollout_tokens:
+        data = (f"rollouts until {cfg.rollout_tokens:,} generated tokens: passes over the "
+                f"{num_train} training prompts in a seeded order, {n} sample(s) each"
+                + (" (greedy: one pass at most)" if cfg.temperature == 0 else
+                   ", new seeds every pass"))
+    else:
+        data = f"one pass over the {num_train} training prompts, {n} sample(s) each"
+    train = (f"{cfg.epochs} passes over the generated set" if cfg.epochs is not None
+             else f"{cfg.steps} optimiser steps")
+    head = (f"warm start from {cfg.init}" if cfg.init is not None else
+            "the checkpoint's MTP layer" if cfg.arch == "mtp" else
+            f"fresh EAGLE-3 head, draft vocabulary of the {cfg.draft_vocab_size} most frequent "
+            "generated tokens, " + ("output side from the target" if cfg.head_init ==
+                                     "target" else "random init"))
+    temps = ", ".join("greedy" if t == 0 else f"T={t:g}" for t in cfg.eval_temperatures)
+    return "\n".join([
+        f"train-draft plan ({device.type}):",
+        f"  data:      {data}; temperature {cfg.temperature:g}, at most {cfg.max_tokens} "
+        f"tokens per rollout, k={cfg.gen_k or 0} while generating",
+        f"  head:      {head}",
+        f"  training:  {train} of about {cfg.batch_tokens} positions, lr {cfg.lr:g}, "
+        f"{cfg.ttt_steps} unrolled steps, seed {cfg.seed}",
+        f"  held out:  {num_holdout} prompts; evaluation at k=0..{max(EVAL_KS)} ({temps}), "
+        f"at most {cfg.eval_max_tokens or cfg.max_tokens} tokens"
+        + (f"; greedy acceptance curve at {cfg.curve_points} points" if cfg.curve_points
+           and num_holdout else ""),
+        "  estimate:  after the first rollouts (timed)"])
+
+
+def estimate_text(cfg: TrainDraftConfig, part: GeneratedSet, st: RolloutProgress,
+                  num_train: int, num_holdout: int, embed: nn.Embedding, target_cfg: dict[str, Any],
+                  device: torch.device, vocab: int) -> str:
+    """Minutes the run should take, from the first rollouts' rate and one timed training
+    step on them (a throwaway fresh head: the real one needs every rollout's counts)."""
+    rate = st.num_tokens / max(st.seconds, 1e-9)  # generated tokens per second
+    if cfg.rollout_tokens:
+        left = max(0, cfg.rollout_tokens - st.num_tokens)
+        total_tokens = cfg.rollout_tokens
+    else:
+        left = st.num_tokens / max(1, st.num_rollouts) * max(
+            0, cfg.num_samples * num_train - st.num_rollouts)
+        total_tokens = st.num_tokens + left
+    gen_s = left / max(rate, 1e-9)
+    mean_rows = 1.0
+    step_s = float("nan")
+    part.finish()
+    if part.seqs and cfg.arch == "eagle3":
+        mean_rows = float(np.mean([len(s.rows) for s in part.seqs]))
+        hc = fresh_config(target_cfg, min(vocab, cfg.draft_vocab_size), "float32")
+        head = build_head(hc, embed.to(device), device,
+                          draft_to_target=most_frequent(part.counts, hc["draft_vocab_size"]))
+        trainer = DraftTrainer(head, embed.to(device), device, depth=cfg.ttt_steps,
+                               batch_tokens=cfg.batch_tokens, seed=cfg.seed)
+        opt = HeadOptimizer(head)
+        batch = trainer.pick(part.seqs)
+        scale = cfg.batch_tokens / max(1, sum(len(s.rows) for s in batch))
+        t = time.perf_counter()
+        with torch.enable_grad():
+            loss = trainer.objective(part, batch, opt.masters)
+            loss.backward()
+        step_s = (time.perf_counter() - t) * max(1.0, scale)
+    if cfg.epochs is not None:
+        rows = total_tokens / max(1.0, st.num_tokens / max(1, len(part.seqs))) * mean_rows
+        steps = cfg.epochs * rows / cfg.batch_tokens
+    else:
+        steps = cfg.steps
+    train_s = steps * step_s
+    eval_tokens = num_holdout * (cfg.eval_max_tokens or cfg.max_tokens) * 0.6
+    # at most: a step at k verifies k + 1 tokens and may keep only one (compute-bound CPU)
+    eval_s = eval_tokens * (1 + sum(k + 1 for k in EVAL_KS)) * len(cfg.eval_temperatures) \
+        / max(rate, 1e-9)
+    held_s = num_holdout * (cfg.eval_max_tokens or cfg.max_tokens) * 0.6 / max(rate, 1e-9)
+    total = gen_s + held_s + train_s + eval_s
+    return (f"estimate (from {st.num_rollouts} rollouts, {st.num_tokens} tokens in "
+            f"{st.seconds:.0f} s = {rate:.1f} tok/s, and one timed training step of "
+            f"{step_s:.1f} s): rollouts ~{(gen_s + held_s) / 60:.1f} min more, training "
+            f"~{train_s / 60:.1f} min ({steps:.0f} steps), evaluation at most {eval_s / 60:.1f} "
+            f"min; total at most {(st.seconds + total) / 60:.1f} min")
 
 
 def _save_checkpoint(opt: HeadOptimizer, ckpt_dir: Path, step: int) -> None:
