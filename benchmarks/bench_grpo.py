@@ -245,12 +245,15 @@ def summarize(records: list[dict[str, Any]], configs: list[RunSpec]) -> list[dic
             tokens_per_step=statistics.mean(r["tokens_per_step"] for r in rs),
             acceptance_per_position=[statistics.mean(p) if p else None for p in pos[:4]],
             logprob_gap_max=max(r["logprob_gap_max"] for r in rs)))
-    base = {r["config"]: r["rollout_s"] for r in rows}
-    fixed = [r["rollout_s"] for r in rows if isinstance(r["k"], int) and not r["adapt"]]
-    best = min(fixed) if fixed else None
-    for r in rows:
-        r["vs_k0"] = r["rollout_s"] / base["k0"] if "k0" in base else None
-        r["vs_best_fixed"] = r["rollout_s"] / best if best else None
+    # On a shared CPU the process's CPU seconds are the cost (wall time also counts the
+    # other processes' turns, which change from one configuration's run to the next).
+    for key, suffix in (("rollout_s", ""), ("rollout_cpu_s", "_cpu")):
+        base = {r["config"]: r[key] for r in rows}
+        fixed = [r[key] for r in rows if isinstance(r["k"], int) and not r["adapt"]]
+        best = min(fixed) if fixed else None
+        for r in rows:
+            r["vs_k0" + suffix] = r[key] / base["k0"] if base.get("k0") else None
+            r["vs_best_fixed" + suffix] = r[key] / best if best else None
     return rows
 
 
@@ -258,15 +261,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     def f(x: Any, spec: str) -> str:
         return "-" if x is None else format(x, spec)
 
-    lines = ["| config | reward (first half -> last) | rollout s | vs k0 | vs best fixed | "
-             "tokens/step | accept pos 1 / 2 / 3 | max logprob gap |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | reward (first half -> last) | rollout wall s | rollout CPU s | "
+             "CPU vs k0 | CPU vs best fixed | tokens/step | accept pos 1 / 2 / 3 | "
+             "max logprob gap |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = " / ".join(f(a, ".2f") for a in r["acceptance_per_position"][:3])
         lines.append(f"| {r['config']} | {r['reward_first']:.3f} -> {r['reward_last']:.3f} | "
-                     f"{r['rollout_s']:.1f} | {f(r['vs_k0'], '.2f')} | "
-                     f"{f(r['vs_best_fixed'], '.2f')} | {r['tokens_per_step']:.2f} | {acc} | "
-                     f"{r['logprob_gap_max']:.1e} |")
+                     f"{r['rollout_s']:.1f} | {r['rollout_cpu_s']:.1f} | "
+                     f"{f(r['vs_k0_cpu'], '.2f')} | {f(r['vs_best_fixed_cpu'], '.2f')} | "
+                     f"{r['tokens_per_step']:.2f} | {acc} | {r['logprob_gap_max']:.1e} |")
     return "\n".join(lines)
 
 
@@ -278,7 +281,7 @@ def plots(records: list[dict[str, Any]], configs: list[RunSpec], out: Path) -> N
         return
     names = [c.name for c in configs]
     for key, label, name in (("reward", "mean reward", "grpo_reward"),
-                             ("rollout_s", "rollout wall s", "grpo_rollout")):
+                             ("rollout_cpu_s", "rollout CPU s", "grpo_rollout")):
         fig, ax = plt.subplots(figsize=(7, 4))
         for c in names:
             rs = [r for r in records if r["config"] == c]
@@ -302,6 +305,25 @@ def plots(records: list[dict[str, Any]], configs: list[RunSpec], out: Path) -> N
     benchlib.save_figure(fig, out, "grpo_acceptance")
 
 
+def run_all(args: argparse.Namespace, configs: list[RunSpec],
+            records: list[dict[str, Any]]) -> None:
+    """Every configuration in turn (until ``--budget-s``); records are appended to
+    ``records`` and written to ``grpo_steps.jsonl`` as they come."""
+    task = make_task(args.task, args.model)
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with open(args.out / "grpo_steps.jsonl", "w") as f:
+        for spec in configs:
+            if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+                logger.warning("time budget spent: %s and later configurations not run",
+                               spec.name)
+                break
+            for rec in run_config(spec, args, task):
+                f.write(json.dumps(rec) + "\n")
+                records.append(rec)
+            f.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="target dir (default: the task's model)")
@@ -321,7 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no configuration after this many seconds (the rest is "
+                         "left out of the table; a lent GPU's command has a time limit)")
     ap.add_argument("--out", type=Path, default=HERE / "out" / "grpo")
+    ap.add_argument("--summarize-only", action="store_true",
+                    help="no runs: the table and plots again from --out's grpo_steps.jsonl")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if os.environ.get("BENCH_VERBOSE") else
                         logging.WARNING)
@@ -336,15 +363,14 @@ def main(argv: list[str] | None = None) -> int:
 
             args.model = str(DEFAULT_TARGET)
             args.draft = args.draft or str(DEFAULT_DRAFT)
-    task = make_task(args.task, args.model)
-    args.out.mkdir(parents=True, exist_ok=True)
     records: list[dict[str, Any]] = []
-    with open(args.out / "grpo_steps.jsonl", "w") as f:
-        for spec in configs:
-            for rec in run_config(spec, args, task):
-                f.write(json.dumps(rec) + "\n")
-                records.append(rec)
-            f.flush()
+    if args.summarize_only:
+        lines = (args.out / "grpo_steps.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+        done = {r["config"] for r in records}
+        configs = [c for c in configs if c.name in done]
+    else:
+        run_all(args, configs, records)
     rows = summarize(records, configs)
     setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     setup["load"] = os.getloadavg()[0]

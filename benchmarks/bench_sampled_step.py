@@ -8,7 +8,8 @@ cost: wall time also counts the other processes' turns). Configurations are inte
 round by round and the medians over all timed steps are reported, with the load.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_sampled_step.py \\
-        --model ~/.cache/specengine/smollm2-135m-instruct --batch 32 --ks 0 3 --rounds 3
+        --model ~/.cache/specengine/smollm2-135m-instruct --draft HEAD_DIR --batch 32 \\
+        --ks 0 3 --rounds 3
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=os.path.expanduser(
         "~/.cache/specengine/smollm2-135m-instruct"))
-    ap.add_argument("--draft", default="ngram", help="drafter for k > 0 (its drafts' "
-                    "acceptance does not matter: every step verifies k + 1 tokens per row)")
+    ap.add_argument("--draft", default="ngram", help="drafter for k > 0: an EAGLE-3 head "
+                    "proposes k drafts every step, so every step verifies k + 1 tokens per "
+                    "row (n-grams propose only on a match)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 3])
@@ -85,7 +87,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sampled_step.json").write_text(json.dumps(result, indent=1))
     print(f"batch {args.batch}, load {min(load):.1f}-{max(load):.1f}, medians per step")
-    print("| k | greedy CPU s | T=1 CPU s | ratio (CPU) | greedy wall s | T=1 wall s | ratio (wall) |")
+    print("| k | greedy CPU s | T=1 CPU s | ratio (CPU) | greedy wall s | T=1 wall s | "
+          "ratio (wall) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['k']} | {r['greedy_cpu_s']:.3f} | {r['sampled_cpu_s']:.3f} | "

@@ -57,5 +57,9 @@ def test_tiny_run_on_the_bundled_pair(bench, tmp_path: Path) -> None:
     assert sum(sum(r["auto_k_steps"]) for r in recs if r["config"] == "auto") > 0
     summary = json.loads((out / "grpo_summary.json").read_text())
     assert [r["config"] for r in summary["rows"]] == ["k0", "eagle3-k3", "auto"]
-    assert summary["rows"][0]["vs_k0"] == 1
+    assert summary["rows"][0]["vs_k0"] == summary["rows"][0]["vs_k0_cpu"] == 1
     assert "| eagle3-k3 |" in (out / "grpo_table.md").read_text()
+    (out / "grpo_table.md").unlink()  # --summarize-only writes it again from the JSONL
+    assert bench.main(["--task", "arith", "--configs", "k0,eagle3-k3,auto", "--out", str(out),
+                       "--summarize-only"]) == 0
+    assert "| auto |" in (out / "grpo_table.md").read_text()
