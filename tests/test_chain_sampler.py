@@ -2,8 +2,8 @@
 sampler output for output, bit for bit (ids, accepted counts, logprobs, row ids), on random
 batches mixing greedy and sampled rows, temperatures, top-k / top-p / min-p, point-mass and
 probabilistic drafts (with and without a draft vocabulary), ``-inf`` logits and ties; it runs
-one sampling race per batch row, no sort without top-p, and the engine's sampler takes it for
-sampled chain steps on the CPU torch backend."""
+one sampling race per batch row, no sort for rows without filters, and the engine's sampler
+takes it for sampled chain steps on the CPU torch backend."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ class _Ops(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls: list[tuple[str, int]] = []
+        self.calls: list[tuple[str, int, torch.dtype]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

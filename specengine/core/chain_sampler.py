@@ -12,8 +12,8 @@ what each batch row reads is:
   probability ``p_j(x)``; the draft's acceptance uniform;
 * the race only at the node where the walk ends (``num_accepted``): one race per batch row,
   whichever node that is. Every other node's race is drawn by the reference and discarded;
-* the threshold only for rows whose request turned top-k, top-p or min-p on (for the others
-  it keeps the whole vocabulary), and a sort only for rows with top-p.
+* the threshold (a sort) only for rows whose request turned top-k, top-p or min-p on: for
+  the others it keeps the whole vocabulary.
 
 This module computes exactly those, in the reference's float32 operations, so its outputs
 equal the reference's bit for bit (``tests/test_chain_sampler.py``): the same tokens for the

@@ -107,7 +107,7 @@ class Sampler:
                 return SamplerOutput(*greedy_chain_sample(target_logits, draft_token_ids,
                                                           num_draft_tokens))
             # Sampled rows: the reference's outputs with one race per row and no sort unless
-            # a row asked for top-p (chain_sampler's docstring).
+            # a row filters (top-k / top-p / min-p; chain_sampler's docstring).
             return SamplerOutput(*sampled_chain_sample(
                 target_logits, draft_token_ids, num_draft_tokens, draft_probs,
                 params.temperature, params.top_k, params.top_p, params.seeds, params.offsets,
