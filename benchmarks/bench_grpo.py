@@ -148,8 +148,11 @@ def engine_kwargs(spec: RunSpec, args: argparse.Namespace, device: str) -> dict[
     return kw
 
 
-def run_config(spec: RunSpec, args: argparse.Namespace, task: Task) -> list[dict[str, Any]]:
-    """The run of one configuration: a record per step."""
+def run_config(spec: RunSpec, args: argparse.Namespace, task: Task,
+               on_record: Callable[[dict[str, Any]], None] | None = None
+               ) -> list[dict[str, Any]]:
+    """The run of one configuration: a record per step (each also handed to ``on_record``
+    as it is made, so a run cut short keeps its steps)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -207,6 +210,8 @@ def run_config(spec: RunSpec, args: argparse.Namespace, task: Task) -> list[dict
                 logprob_gap_max=float(gap.max()), logprob_gap_mean=float(gap.sum() /
                                                                          mask.sum()),
                 loss=loss.item()))
+            if on_record is not None:
+                on_record(records[-1])
             logger.info("%s step %d: reward %.3f, rollout %.2f s, %.2f tok/step, gap %.1e",
                         spec.name, step, records[-1]["reward"], rollout_s,
                         records[-1]["tokens_per_step"], records[-1]["logprob_gap_max"])
@@ -318,10 +323,12 @@ def run_all(args: argparse.Namespace, configs: list[RunSpec],
                 logger.warning("time budget spent: %s and later configurations not run",
                                spec.name)
                 break
-            for rec in run_config(spec, args, task):
+            def keep(rec: dict[str, Any]) -> None:
                 f.write(json.dumps(rec) + "\n")
+                f.flush()
                 records.append(rec)
-            f.flush()
+
+            run_config(spec, args, task, keep)
 
 
 def main(argv: list[str] | None = None) -> int:
