@@ -25,22 +25,27 @@ _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox multipliers
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
 
 
-def _mulhilo(a: Tensor, b: int) -> tuple[Tensor, Tensor]:
-    """(a * b) >> 32 and (a * b) & 0xFFFFFFFF for a, b < 2**32. The int64 product wraps modulo
-    2**64 (two's complement), which keeps all 64 bits of the unsigned product."""
-    prod = a * b
-    return (prod >> 32) & _U32, prod & _U32
-
-
 def philox4x32(seed: Tensor, c0, c1, c2, c3) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Philox4x32-10 (Salmon et al., 2011) on broadcastable int64 tensors holding uint32s."""
+    """Philox4x32-10 (Salmon et al., 2011) on broadcastable int64 tensors holding uint32s.
+
+    The counters are broadcast to one shape up front so that every round can work in place
+    (the CPU engine runs this over batch x vocabulary / 4 lanes: fewer full-size passes and
+    temporaries)."""
+    seed = torch.as_tensor(seed)
     k0, k1 = seed & _U32, (seed >> 32) & _U32
     c0, c1, c2, c3 = (torch.as_tensor(c, device=seed.device) & _U32 for c in (c0, c1, c2, c3))
+    shape = torch.broadcast_shapes(k0.shape, c0.shape, c1.shape, c2.shape, c3.shape)
+    c0, c1, c2, c3 = (c.expand(shape).contiguous() for c in (c0, c1, c2, c3))
     for _ in range(10):
-        hi_a, lo_a = _mulhilo(c0, _ROUND_A)
-        hi_b, lo_b = _mulhilo(c2, _ROUND_B)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        prod_a, prod_b = c0 * _ROUND_A, c2 * _ROUND_B  # < 2**64: wraps, all 64 bits kept
+        # (hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a) with hi = product >> 32, lo = its low
+        # half. lo is kept whole (its high half is garbage): it is only ever xored into a
+        # word that is masked before the next product, and masked at the end.
+        c0 = (prod_b >> 32).bitwise_xor_(c1).bitwise_xor_(k0).bitwise_and_(_U32)
+        c2 = (prod_a >> 32).bitwise_xor_(c3).bitwise_xor_(k1).bitwise_and_(_U32)
+        c1, c3 = prod_b, prod_a
         k0, k1 = (k0 + _KEY_A) & _U32, (k1 + _KEY_B) & _U32
+    c1, c3 = c1.bitwise_and_(_U32), c3.bitwise_and_(_U32)
     return c0, c1, c2, c3
 
 
@@ -59,12 +64,21 @@ def exponential_from_bits(x: Tensor) -> Tensor:
     return torch.where(w < 2.0**-12, w + 0.5 * w * w, -torch.log(1.0 - w))
 
 
-def race_exponentials(seeds: Tensor, positions: Tensor, node: int, vocab: int) -> Tensor:
-    """E[b, i] of the sampling race of row `node` ([B, V]); see the counter layout above."""
-    i = torch.arange(vocab, device=seeds.device)
-    lane, word = i // (4 * RNG_GROUP) * RNG_GROUP + i % RNG_GROUP, i // RNG_GROUP % 4
-    words = torch.stack(philox4x32(seeds[:, None], positions[:, None], node, 1, lane), -1)
-    return exponential_from_bits(words.gather(-1, word.expand(len(seeds), -1)[..., None])[..., 0])
+def race_exponentials(seeds: Tensor, positions: Tensor, node: int | Tensor,
+                      vocab: int) -> Tensor:
+    """E[b, i] of the sampling race of row `node` ([B, V]); see the counter layout above.
+    ``node`` is one row for all of the batch or one per batch row (``[B]``).
+
+    Each Philox call (lane) is made once and its four words laid out as the four runs of G
+    tokens they feed: lanes ``[B, blocks * G]`` -> words ``[B, blocks, 4, G]`` -> tokens."""
+    bsz, group = len(seeds), RNG_GROUP
+    blocks = -(-vocab // (4 * group))
+    lane = torch.arange(blocks * group, device=seeds.device)
+    if isinstance(node, Tensor):
+        node = node[:, None]
+    words = philox4x32(seeds[:, None], positions[:, None], node, 1, lane)  # 4 x [B, lanes]
+    bits = torch.stack([w.view(bsz, blocks, group) for w in words], 2)  # [B, blocks, 4, G]
+    return exponential_from_bits(bits.view(bsz, -1)[:, :vocab])
 
 
 def keep_threshold(z: Tensor, top_k: Tensor, top_p: Tensor,

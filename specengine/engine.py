@@ -42,7 +42,7 @@ from specengine.model.weight_names import hf_named_tensors
 from specengine.native import check_native
 from specengine.outputs import EngineStats, GenerationOutput, RequestOutput
 from specengine.sampling import SamplingParams
-from specengine.threads import apply_thread_policy
+from specengine.threads import apply_thread_policy, keep_freed_memory
 from specengine.tree import DraftTree
 from specengine.weights.receiver import (
     WeightReceiver,
@@ -188,6 +188,8 @@ class SpecEngine:
         check_native(self.device)  # on CUDA: _C built with its CUDA kernels, else how to rebuild
         # Process-wide torch CPU threads: a count that does not thrash small or shared machines.
         apply_thread_policy(num_threads, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # CPU steps reuse freed tensors' pages (threads.py)
         if cfg.kernel_backend != "torch" and self.device.type == "cpu":
             # Triton runs on the CPU only through its interpreter, which must be on before any
             # kernel is defined.

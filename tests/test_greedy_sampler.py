@@ -82,7 +82,7 @@ def test_the_sampler_uses_it_only_for_all_greedy_chains(monkeypatch) -> None:
     mixed = s(logits, drafts, num_draft, None, None, _params([0.0, 1.0, 0.0, 0.0]))
     tree = s(logits, drafts, num_draft, None, torch.tensor([-1, 0, 0], dtype=torch.int32),
              _params([0.0] * 4))
-    assert len(calls) == 1  # a sampled row, or a tree: the reference
+    assert len(calls) == 1  # a sampled row (chain_sampler), or a tree (the reference)
     assert mixed.output_ids.shape == tree.output_ids.shape == (4, 3)
     assert np.array_equal(mixed.output_ids[0].numpy(), _reference(logits, drafts,
                                                                   num_draft)[0][0].numpy())

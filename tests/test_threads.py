@@ -3,6 +3,7 @@ chose one (``OMP_NUM_THREADS``, ``torch.set_num_threads`` or ``num_threads=``)."
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,3 +82,41 @@ def test_cli_threads_flag(tiny_checkpoint: Path) -> None:
     assert main(["generate", "--model", str(tiny_checkpoint), "--prompt-ids", "1 2 3",
                  "--k", "0", "--max-tokens", "2", "--threads", "2", "--device", "cpu"]) == 0
     assert torch.get_num_threads() == 2
+
+
+_MALLINFO = """
+import ctypes, sys
+from specengine.threads import keep_freed_memory
+libc = ctypes.CDLL("libc.so.6")
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
+                "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+def big_block():  # (mapped on its own, heap kept after free) for a 64 MiB block
+    p = libc.malloc(64 << 20)
+    ctypes.memset(p, 1, 64 << 20)
+    mapped = libc.mallinfo2().hblkhd >= 64 << 20
+    libc.free(ctypes.c_void_p(p))
+    return mapped, libc.mallinfo2().fordblks >= 64 << 20
+print(big_block(), keep_freed_memory(), big_block())
+"""
+
+
+def test_keep_freed_memory_keeps_large_blocks_on_the_heap() -> None:
+    """By default glibc maps a 64 MiB block on its own and unmaps it when freed (fresh pages,
+    page faults, every time); after ``keep_freed_memory`` it comes from the heap and stays
+    there for reuse. A user's MALLOC_* tunable wins: nothing is changed."""
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's mallopt")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", _MALLINFO], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert " ".join(out) == "(True, False) True (False, True)"
+    env["MALLOC_TRIM_THRESHOLD_"] = "131072"
+    out = subprocess.run([sys.executable, "-c", _MALLINFO], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert " ".join(out) == "(True, False) False (True, False)"

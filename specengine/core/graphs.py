@@ -594,9 +594,9 @@ def build_graph_runner(cfg: EngineConfig, runner: ModelRunner, sampler: Sampler,
         static = False
     # (the plan is read only for a runner that may capture)
     verifier.share_outputs = static  # captured graphs' outputs: views of one allocation
-    # A captured pass may not branch on data: the sampler's CPU greedy shortcut (chosen from
-    # the rows' temperatures) is for eager passes only.
-    sampler.greedy_shortcut = not static
+    # A captured pass may not branch on data: the sampler's CPU fast paths (chosen from the
+    # rows' values) are for eager passes only.
+    sampler.cpu_fast_paths = not static
     budget = GraphBudget(cfg.max_graphs, max_graph_bytes(cfg, runner.model.config, device)
                          if static else cfg.max_graph_bytes)
     return GraphRunner(verifier, cfg.graph_buckets, static, device, budget=budget)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specengine.core.chain_sampler import sampled_chain_sample
 from specengine.core.greedy_sampler import greedy_chain_sample
 from specengine.core.sequence import Sequence
 from specengine.core.transfer import to_device
@@ -82,9 +83,10 @@ class Sampler:
     def __init__(self, kernel_backend: str, device: torch.device) -> None:
         self.kernel_backend = kernel_backend
         self.device = device
-        #: all-greedy chains on the CPU take ``greedy_chain_sample`` (a choice read from the
-        #: rows' temperatures: off for passes that are captured, ``core.graphs``)
-        self.greedy_shortcut = True
+        #: chains on the CPU take ``greedy_chain_sample`` (all rows greedy) or
+        #: ``sampled_chain_sample`` (choices and row subsets read from the rows' values on the
+        #: host: off for passes that are captured, ``core.graphs``)
+        self.cpu_fast_paths = True
 
     def __call__(
         self,
@@ -96,14 +98,20 @@ class Sampler:
         params: SamplingTensors,
         draft_index: Tensor | None = None,  # [V] int32: draft_probs over a draft vocabulary
     ) -> SamplerOutput:
-        if (self.greedy_shortcut and self.kernel_backend == "torch" and tree_parents is None
-                and target_logits.device.type == "cpu"
-                and not params.temperature.numpy().any()):
-            # All rows greedy on the CPU: the same outputs in ~20 whole-batch operators
-            # instead of the reference's general race (greedy_sampler's docstring). Reading
-            # the temperatures is a memory read here, not a device sync (CPU only).
-            return SamplerOutput(*greedy_chain_sample(target_logits, draft_token_ids,
-                                                      num_draft_tokens))
+        if (self.cpu_fast_paths and self.kernel_backend == "torch" and tree_parents is None
+                and target_logits.device.type == "cpu"):
+            # Reading the rows' values is a memory read here, not a device sync (CPU only).
+            if not params.temperature.numpy().any():
+                # All rows greedy: the same outputs in ~20 whole-batch operators instead of
+                # the reference's general race (greedy_sampler's docstring).
+                return SamplerOutput(*greedy_chain_sample(target_logits, draft_token_ids,
+                                                          num_draft_tokens))
+            # Sampled rows: the reference's outputs with one race per row and no sort unless
+            # a row filters (top-k / top-p / min-p; chain_sampler's docstring).
+            return SamplerOutput(*sampled_chain_sample(
+                target_logits, draft_token_ids, num_draft_tokens, draft_probs,
+                params.temperature, params.top_k, params.top_p, params.seeds, params.offsets,
+                params.log_min_p, draft_index))
         if self.kernel_backend == "torch":
             from specengine.kernels.reference import rejection_sample
         else:

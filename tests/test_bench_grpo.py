@@ -1,0 +1,65 @@
+"""benchmarks/bench_grpo.py on the bundled pair at a tiny size: every configuration runs its
+steps, the engine's logprobs equal the learner's before each update, the weights are pushed
+every step, drafting configurations draft, and the table / JSONL / plots are written; bad
+configuration names are refused."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("bench_grpo")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_config_names(bench) -> None:
+    p = bench.parse_config
+    assert p("k0") == bench.RunSpec("k0", None, 0)
+    assert p("auto") == bench.RunSpec("auto", "eagle3", "auto")
+    assert p("suffix-k3") == bench.RunSpec("suffix-k3", "suffix", 3)
+    assert p("eagle3-k3-adapt") == bench.RunSpec("eagle3-k3-adapt", "eagle3", 3, True)
+    assert p("hybrid-auto").k == "auto"
+    for bad in ("k3", "eagle3-3", "foo-k3", "suffix-k3-adapt", "eagle3-k0"):
+        with pytest.raises(ValueError):
+            p(bad)
+
+
+def test_tiny_run_on_the_bundled_pair(bench, tmp_path: Path) -> None:
+    out = tmp_path / "grpo"
+    assert bench.main(["--task", "arith", "--steps", "2", "--prompts", "2", "--group", "2",
+                       "--max-tokens", "12", "--configs", "k0,eagle3-k3,auto",
+                       "--out", str(out)]) == 0
+    recs = [json.loads(line) for line in (out / "grpo_steps.jsonl").read_text().splitlines()]
+    assert [(r["config"], r["step"]) for r in recs] == [
+        (c, s) for c in ("k0", "eagle3-k3", "auto") for s in (0, 1)]
+    for r in recs:
+        assert r["logprob_gap_max"] <= 1e-4  # the engine samples the learner's policy
+        assert r["version"] == r["step"] + 1  # pushed after every step
+        assert r["tokens"] > 0 and r["rollout_s"] > 0
+        assert all(a is None or 0 <= a <= 1 for a in r["acceptance_per_position"])
+    k0 = [r for r in recs if r["config"] == "k0"]
+    assert all(r["tokens_per_step"] == 1 and not r["proposed_per_position"] for r in k0)
+    eagle = [r for r in recs if r["config"] == "eagle3-k3"]
+    assert all(len(r["proposed_per_position"]) == 3 and r["tokens_per_step"] > 1
+               for r in eagle)  # the bundled head is good: drafts are proposed and kept
+    assert sum(sum(r["auto_k_steps"]) for r in recs if r["config"] == "auto") > 0
+    summary = json.loads((out / "grpo_summary.json").read_text())
+    assert [r["config"] for r in summary["rows"]] == ["k0", "eagle3-k3", "auto"]
+    assert summary["rows"][0]["vs_k0"] == summary["rows"][0]["vs_k0_cpu"] == 1
+    assert "| eagle3-k3 |" in (out / "grpo_table.md").read_text()
+    (out / "grpo_table.md").unlink()  # --summarize-only writes it again from the JSONL
+    assert bench.main(["--task", "arith", "--configs", "k0,eagle3-k3,auto", "--out", str(out),
+                       "--summarize-only"]) == 0
+    assert "| auto |" in (out / "grpo_table.md").read_text()
