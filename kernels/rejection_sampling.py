@@ -8,8 +8,9 @@ the same inputs and seeds. Two launches, no host sync (CUDA-graph capturable):
    * sampled row: pass 1 (online softmax stats + min + two exponential races over all tokens:
      plain and without the row's children's tokens); with min-p, one pass for its cut (the
      smallest z >= max(z) + log(min_p), its mass and count); with top-k / top-p (applied after
-     min-p, vLLM's order), a threshold search of
-     ~4-8 counting passes each (``threshold_search``: bisection over value space, never a sort);
+     min-p, vLLM's order), a threshold search each (``threshold_search``: one counting pass
+     over the row, then over only the candidates it leaves, compacted into a per-row scratch
+     buffer; bisection over value space, never a sort);
      then one last race pass only if a pass-1 winner fell outside the kept set or the row's
      sampled draft (``draft_probs``) was rejected (residual max(p - q, 0), reads q too; q
      over a drafter's own vocabulary is read through ``draft_index``, 0 off it).
@@ -31,6 +32,8 @@ from .debug import check_values_now
 from .sampling_checks import validate_inputs
 from .sampling_pass import (
     NEG_INF,
+    SEARCH_CAP,
+    SEARCH_CAP_ENTRIES,
     acceptance_uniform,
     final_pass,
     first_pass,
@@ -39,17 +42,17 @@ from .sampling_pass import (
     seed_key,
 )
 
-# Search-pass tile: small on GPUs (registers: P int64 + 3 float32 partials per lane, four
-# tiles in flight; at 128 the row kernel spills on sm_90a / sm_100a, scripts/compile_kernels.py
-# checks, at 64 it does not); large in the CPU interpreter (fewer numpy ops).
+# Search-pass tile [P, SBLOCK]: on GPUs one token per lane (32 * num_warps), so each lane
+# holds all P pivots of its own tokens (sampling_pass._pivot_tile); large in the CPU
+# interpreter (fewer numpy ops).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_SBLOCK = 1024 if _INTERPRET else 64
-_SBLOCK_TREE = 1024 if _INTERPRET else 64
+_SBLOCK = 1024 if _INTERPRET else 128
+_SBLOCK_TREE = _SBLOCK
 
 
 @triton.jit
 def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s_qb, s_qn,
-                map_ptr, temp_ptr, inv_t_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
+                map_ptr, buf_ptr, temp_ptr, inv_t_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
                 offset_ptr, parents_ptr, tok_end_ptr, lp_end_ptr, p_child_ptr, lp_child_ptr,
                 acc_ptr, N, V, HAS_Q: tl.constexpr, HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr,
                 HAS_MIN_P: tl.constexpr,
@@ -91,8 +94,9 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
         else:
             m, s, zmin, i1, i2 = first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j,
                                             n, N, V, inv_t, IS_TREE)
-            tau, s_tau = keep_cut(row_ptr, V, inv_t, m, s, zmin, top_k_ptr, top_p_ptr,
-                                  min_p_ptr, b, HAS_MIN_P, P, SBLOCK, GBLOCK)
+            tau, s_tau = keep_cut(row_ptr, buf_ptr + pid.to(tl.int64) * SEARCH_CAP, V, inv_t, m,
+                                  s, zmin, top_k_ptr, top_p_ptr, min_p_ptr, b, HAS_MIN_P, P,
+                                  SBLOCK, GBLOCK)
         log_s = tl.log(s_tau)
 
         # p_j(x_c) for each child c judged at this row; chains also decide acceptance here.
@@ -269,10 +273,13 @@ def rejection_sample(
     q = draft_probs if draft_probs is not None else target_logits  # dummy when unused
     parents = tree_parents if is_tree else num_draft_tokens  # dummy when unused
     vocab_map = draft_index if draft_index is not None else num_draft_tokens  # dummy too
+    # top-k / top-p search candidates, SEARCH_CAP_ENTRIES per row program (uninitialised:
+    # a search reads only what it wrote)
+    scratch = torch.empty(bsz * n_rows, SEARCH_CAP_ENTRIES, dtype=torch.float32, device=dev)
     s_db = draft_token_ids.stride(0) if n_rows > 1 else 0
     _row_kernel[(bsz * n_rows,)](
         target_logits, target_logits.stride(0), target_logits.stride(1),
-        draft_token_ids, s_db, num_draft_tokens, q, q.stride(0), q.stride(1), vocab_map,
+        draft_token_ids, s_db, num_draft_tokens, q, q.stride(0), q.stride(1), vocab_map, scratch,
         temperature, inv_t, top_k, top_p, log_min_p if log_min_p is not None else top_p,
         seeds, offsets, parents, tok_end, lp_end, p_child, lp_child, acc, n_rows, vocab,
         HAS_Q=draft_probs is not None, HAS_MAP=draft_index is not None, IS_TREE=is_tree,
