@@ -126,7 +126,18 @@ def _lowest_argmax(g, i):
 def first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t,
                IS_TREE: tl.constexpr):
     """Pass 1 over a sampled row: max, sum exp(z - max), min, and two unfiltered races — over
-    all tokens and over all but row j's children's tokens (its point-mass residual).
+    all tokens and over all but row j's children's tokens (its point-mass residual)."""
+    m, s, zmin, _, i1, _, i2 = first_pass_part(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos,
+                                               j, n, N, V, inv_t, 0, V, IS_TREE)
+    return m, s, zmin, i1, i2
+
+
+@triton.jit
+def first_pass_part(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t, start,
+                    end, IS_TREE: tl.constexpr):
+    """``first_pass`` over tokens [start, end) (start a multiple of 4 * RNG_GROUP, end <= V):
+    (max, sum exp(z - max), min, top key and winner of the plain race, the same of the
+    residual race). Parts merge exactly (``merge_parts``): the races' keys are per token.
 
     State is kept per lane and reduced once at the end (no cross-lane reduction per step)."""
     G: tl.constexpr = RNG_GROUP
@@ -140,12 +151,12 @@ def first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv
     i1 = tl.full([G], -1, tl.int32)
     i2 = i1
     x_ex = _chain_child_token(draft_row_ptr, j, n, IS_TREE)
-    for base in range(0, V, 4 * G):
+    for base in range(start, end, 4 * G):
         # One Philox call gives 4 words: word w drives tokens base + w*G + lane.
         r0, r1, r2, r3 = philox(k0, k1, c0, c1, c2, (base // 4 + lane).to(tl.uint32))
         for w in tl.static_range(4):
             at = base + w * G + lane
-            valid = at < V
+            valid = at < end
             z = tl.load(row_ptr + at, mask=valid, other=NEG_INF).to(tl.float32) * inv_t
             # Online softmax per lane with one exp: e = exp(-|z - m|) rescales whichever side.
             e = tl.exp(-tl.abs(z - m))
@@ -161,20 +172,61 @@ def first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv
             g2 = tl.maximum(g2, g)
     m_row = tl.max(m, 0)
     s_row = tl.sum(s * tl.exp(m - m_row), 0)
-    _, i1 = _lowest_argmax(g1, i1)
-    _, i2 = _lowest_argmax(g2, i2)
-    return m_row, s_row, tl.min(zmin, 0), i1, i2
+    top1, i1 = _lowest_argmax(g1, i1)
+    top2, i2 = _lowest_argmax(g2, i2)
+    return m_row, s_row, tl.min(zmin, 0), top1, i1, top2, i2
+
+
+@triton.jit
+def merge_parts(part_f_ptr, part_i_ptr, C, GREEDY: tl.constexpr):
+    """One row's ``first_pass`` (or ``greedy_pass`` with GREEDY) from the C parts written by
+    ``_part_kernel`` over consecutive token ranges, in order: (max, sum exp(z - max), min,
+    i1, i2). The races merge exactly: the largest key wins, ties going to the earlier part
+    (strict >), whose winner has the lower index, as in one pass; likewise the greedy argmax
+    (first part holding the max). Only the sum's rounding differs from one pass (as the
+    per-lane partials of one pass do from a sorted sum)."""
+    m = -3.4028234663852886e38 + tl.load(part_f_ptr) * 0.0
+    zmin = m * 0.0 + POS_INF
+    g1 = m * 0.0 + NEG_INF
+    g2 = g1
+    i1 = C * 0 - 1
+    i2 = i1
+    for c in range(0, C):
+        m_c = tl.load(part_f_ptr + c * 5)
+        if GREEDY:
+            i1 = tl.where(m_c > m, tl.load(part_i_ptr + c * 2), i1)
+        else:
+            t1 = tl.load(part_f_ptr + c * 5 + 3)
+            t2 = tl.load(part_f_ptr + c * 5 + 4)
+            i1 = tl.where(t1 > g1, tl.load(part_i_ptr + c * 2), i1)
+            i2 = tl.where(t2 > g2, tl.load(part_i_ptr + c * 2 + 1), i2)
+            g1 = tl.maximum(g1, t1)
+            g2 = tl.maximum(g2, t2)
+            zmin = tl.minimum(zmin, tl.load(part_f_ptr + c * 5 + 2))
+        m = tl.maximum(m, m_c)
+    s = m * 0.0
+    for c in range(0, C):
+        s += tl.load(part_f_ptr + c * 5 + 1) * tl.exp(tl.load(part_f_ptr + c * 5) - m)
+    if GREEDY:
+        i2 = i1
+    return m, s, zmin, i1, i2
 
 
 @triton.jit
 def greedy_pass(row_ptr, V, BLOCK: tl.constexpr):
     """One pass over a greedy row: argmax (lowest index), max and sum exp(logit - max)."""
+    return greedy_pass_part(row_ptr, 0, V, BLOCK)
+
+
+@triton.jit
+def greedy_pass_part(row_ptr, start, end, BLOCK: tl.constexpr):
+    """``greedy_pass`` over tokens [start, end): (max, sum exp(logit - max), argmax)."""
     lane = tl.arange(0, BLOCK)
     m = tl.full([BLOCK], -3.4028234663852886e38, tl.float32)
     s = tl.zeros([BLOCK], tl.float32)
     arg = tl.full([BLOCK], -1, tl.int32)
-    for base in range(0, V, BLOCK):
-        z = tl.load(row_ptr + base + lane, mask=base + lane < V, other=NEG_INF).to(tl.float32)
+    for base in range(start, end, BLOCK):
+        z = tl.load(row_ptr + base + lane, mask=base + lane < end, other=NEG_INF).to(tl.float32)
         e = tl.exp(-tl.abs(z - m))
         s = tl.where(z > m, s * e + 1.0, s + e)
         arg = tl.where(z > m, base + lane, arg)
