@@ -19,15 +19,15 @@ import triton.language as tl
 from torch import Tensor
 
 from .sampling_checks import MAX_VOCAB
-from .sampling_pass import first_pass, keep_cut
+from .sampling_pass import SEARCH_CAP, SEARCH_CAP_ENTRIES, first_pass, keep_cut
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_SBLOCK = 1024 if _INTERPRET else 64  # = rejection_sampling._SBLOCK (chains)
+_SBLOCK = 1024 if _INTERPRET else 128  # = rejection_sampling._SBLOCK (chains)
 
 
 @triton.jit
 def _keep_threshold_kernel(logits_ptr, s_lb, inv_t_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-                           tau_ptr, mass_ptr, max_ptr, V, HAS_MIN_P: tl.constexpr,
+                           buf_ptr, tau_ptr, mass_ptr, max_ptr, V, HAS_MIN_P: tl.constexpr,
                            P: tl.constexpr, SBLOCK: tl.constexpr, GBLOCK: tl.constexpr):
     b = tl.program_id(0)
     row_ptr = logits_ptr + b.to(tl.int64) * s_lb
@@ -37,8 +37,8 @@ def _keep_threshold_kernel(logits_ptr, s_lb, inv_t_ptr, top_k_ptr, top_p_ptr, mi
     # are unused here; a chain row with no draft reads no draft token).
     m, s, zmin, _, _ = first_pass(row_ptr, top_k_ptr, top_k_ptr, zero, zero, b * 0, b * 0,
                                   b * 0, 1, V, inv_t, False)
-    tau, s_tau = keep_cut(row_ptr, V, inv_t, m, s, zmin, top_k_ptr, top_p_ptr, min_p_ptr, b,
-                          HAS_MIN_P, P, SBLOCK, GBLOCK)
+    tau, s_tau = keep_cut(row_ptr, buf_ptr + b.to(tl.int64) * SEARCH_CAP, V, inv_t, m, s, zmin,
+                          top_k_ptr, top_p_ptr, min_p_ptr, b, HAS_MIN_P, P, SBLOCK, GBLOCK)
     tl.store(tau_ptr + b, tau)
     tl.store(mass_ptr + b, s_tau)
     tl.store(max_ptr + b, m)
@@ -75,9 +75,11 @@ def keep_threshold(
     tau = torch.empty(bsz, dtype=torch.float32, device=dev)
     mass = torch.empty_like(tau)
     top = torch.empty_like(tau)
+    # the search's candidate buffers, one per row (uninitialised: a search reads what it wrote)
+    scratch = torch.empty(bsz, SEARCH_CAP_ENTRIES, dtype=torch.float32, device=dev)
     _keep_threshold_kernel[(bsz,)](
         logits, logits.stride(0), temperature.reciprocal(), top_k, top_p,
-        log_min_p if log_min_p is not None else top_p, tau, mass, top, vocab,
+        log_min_p if log_min_p is not None else top_p, scratch, tau, mass, top, vocab,
         HAS_MIN_P=log_min_p is not None, P=16, SBLOCK=_SBLOCK, GBLOCK=2048, num_warps=4,
         maxnreg=255)
     return tau, mass, top

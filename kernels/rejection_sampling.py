@@ -8,8 +8,9 @@ the same inputs and seeds. Two launches, no host sync (CUDA-graph capturable):
    * sampled row: pass 1 (online softmax stats + min + two exponential races over all tokens:
      plain and without the row's children's tokens); with min-p, one pass for its cut (the
      smallest z >= max(z) + log(min_p), its mass and count); with top-k / top-p (applied after
-     min-p, vLLM's order), a threshold search of
-     ~4-8 counting passes each (``threshold_search``: bisection over value space, never a sort);
+     min-p, vLLM's order), a threshold search each (``threshold_search``: one counting pass
+     over the row, then over only the candidates it leaves, compacted into a per-row scratch
+     buffer; bisection over value space, never a sort);
      then one last race pass only if a pass-1 winner fell outside the kept set or the row's
      sampled draft (``draft_probs``) was rejected (residual max(p - q, 0), reads q too; q
      over a drafter's own vocabulary is read through ``draft_index``, 0 off it).
@@ -31,30 +32,35 @@ from .debug import check_values_now
 from .sampling_checks import validate_inputs
 from .sampling_pass import (
     NEG_INF,
+    SEARCH_CAP,
+    SEARCH_CAP_ENTRIES,
     acceptance_uniform,
     final_pass,
     first_pass,
+    first_pass_part,
     greedy_pass,
+    greedy_pass_part,
     keep_cut,
+    merge_parts,
     seed_key,
 )
 
-# Search-pass tile: small on GPUs (registers: P int64 + 3 float32 partials per lane, four
-# tiles in flight; at 128 the row kernel spills on sm_90a / sm_100a, scripts/compile_kernels.py
-# checks, at 64 it does not); large in the CPU interpreter (fewer numpy ops).
+# Search-pass tile [P, SBLOCK]: on GPUs one token per lane (32 * num_warps), so each lane
+# holds all P pivots of its own tokens (sampling_pass._pivot_tile); large in the CPU
+# interpreter (fewer numpy ops).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_SBLOCK = 1024 if _INTERPRET else 64
-_SBLOCK_TREE = 1024 if _INTERPRET else 64
+_SBLOCK = 1024 if _INTERPRET else 128
+_SBLOCK_TREE = _SBLOCK
 
 
 @triton.jit
 def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s_qb, s_qn,
-                map_ptr, temp_ptr, inv_t_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
+                map_ptr, buf_ptr, temp_ptr, inv_t_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
                 offset_ptr, parents_ptr, tok_end_ptr, lp_end_ptr, p_child_ptr, lp_child_ptr,
-                acc_ptr, N, V, HAS_Q: tl.constexpr, HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr,
-                HAS_MIN_P: tl.constexpr,
-                P: tl.constexpr,
-                SBLOCK: tl.constexpr, GBLOCK: tl.constexpr):
+                acc_ptr, part_f_ptr, part_i_ptr, C, N, V, HAS_Q: tl.constexpr,
+                HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                SPLIT: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr,
+                GBLOCK: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // N
     j = pid % N
@@ -85,14 +91,23 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
         sampled = temp != 0
         tau = NEG_INF + inv_t * 0.0
         if greedy:
-            m, s, i1 = greedy_pass(row_ptr, V, GBLOCK)
-            i2 = i1
+            if SPLIT:  # pass 1 ran in C parts (_part_kernel)
+                m, s, _, i1, i2 = merge_parts(part_f_ptr + pid.to(tl.int64) * C * 5,
+                                              part_i_ptr + pid.to(tl.int64) * C * 2, C, True)
+            else:
+                m, s, i1 = greedy_pass(row_ptr, V, GBLOCK)
+                i2 = i1
             s_tau = s
         else:
-            m, s, zmin, i1, i2 = first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j,
-                                            n, N, V, inv_t, IS_TREE)
-            tau, s_tau = keep_cut(row_ptr, V, inv_t, m, s, zmin, top_k_ptr, top_p_ptr,
-                                  min_p_ptr, b, HAS_MIN_P, P, SBLOCK, GBLOCK)
+            if SPLIT:
+                m, s, zmin, i1, i2 = merge_parts(part_f_ptr + pid.to(tl.int64) * C * 5,
+                                                 part_i_ptr + pid.to(tl.int64) * C * 2, C, False)
+            else:
+                m, s, zmin, i1, i2 = first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos,
+                                                j, n, N, V, inv_t, IS_TREE)
+            tau, s_tau = keep_cut(row_ptr, buf_ptr + pid.to(tl.int64) * SEARCH_CAP, V, inv_t, m,
+                                  s, zmin, top_k_ptr, top_p_ptr, min_p_ptr, b, HAS_MIN_P, P,
+                                  SBLOCK, GBLOCK)
         log_s = tl.log(s_tau)
 
         # p_j(x_c) for each child c judged at this row; chains also decide acceptance here.
@@ -146,6 +161,57 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
         z_t = tl.load(row_ptr + tok).to(tl.float32) * inv_t
         tl.store(tok_end_ptr + at + j, tok)
         tl.store(lp_end_ptr + at + j, z_t - m - log_s)
+
+
+@triton.jit
+def _part_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, temp_ptr, inv_t_ptr,
+                 seed_ptr, offset_ptr, parents_ptr, part_f_ptr, part_i_ptr, C, CHUNK, N, V,
+                 IS_TREE: tl.constexpr, GBLOCK: tl.constexpr):
+    """Pass 1 of row (b, j) over its tokens [c * CHUNK, (c + 1) * CHUNK), program (row, c):
+    at small batch the rows alone would leave most of the GPU idle. Writes the part's
+    statistics (``first_pass_part`` / ``greedy_pass_part``) for ``merge_parts``."""
+    pid = tl.program_id(0)
+    c = tl.program_id(1)
+    b = pid // N
+    j = pid % N
+    n = tl.minimum(tl.maximum(tl.load(num_draft_ptr + b).to(tl.int32), 0), N - 1)
+    if IS_TREE:
+        live = (j == 0) | (n > 0)
+    else:
+        live = j <= n
+    if live:
+        b64 = b.to(tl.int64)
+        row_ptr = logits_ptr + b64 * s_lb + j.to(tl.int64) * s_ln
+        depth = j * 0
+        if IS_TREE:
+            node = j
+            while (node > 0) & (depth < N):
+                node = tl.load(parents_ptr + node).to(tl.int32)
+                depth += 1
+        else:
+            depth = j
+        pos = tl.load(offset_ptr + b).to(tl.int64) + depth
+        k0, k1 = seed_key(seed_ptr, b)
+        start = c * CHUNK
+        end = tl.minimum(start + CHUNK, V)
+        out_f = part_f_ptr + (pid.to(tl.int64) * C + c) * 5
+        out_i = part_i_ptr + (pid.to(tl.int64) * C + c) * 2
+        if tl.load(temp_ptr + b) == 0:
+            m, s, arg = greedy_pass_part(row_ptr, start, end, GBLOCK)
+            tl.store(out_f, m)
+            tl.store(out_f + 1, s)
+            tl.store(out_i, arg)
+        else:
+            m, s, zmin, t1, i1, t2, i2 = first_pass_part(
+                row_ptr, draft_ptr + b64 * s_db, parents_ptr, k0, k1, pos, j, n, N, V,
+                tl.load(inv_t_ptr + b), start, end, IS_TREE)
+            tl.store(out_f, m)
+            tl.store(out_f + 1, s)
+            tl.store(out_f + 2, zmin)
+            tl.store(out_f + 3, t1)
+            tl.store(out_f + 4, t2)
+            tl.store(out_i, i1)
+            tl.store(out_i + 1, i2)
 
 
 @triton.jit
@@ -220,6 +286,20 @@ def _walk_kernel(draft_ptr, s_db, num_draft_ptr, temp_ptr, seed_ptr, offset_ptr,
         tl.store(num_acc_ptr + b, m)
 
 
+_PART_TOKENS = 4 * 512  # parts of a row are whole blocks of the race's Philox layout
+_DEFAULT_SMS = 132  # H200 / H100 SXM: for meta tensors (compile_kernels) and the interpreter
+
+
+def default_vocab_parts(rows: int, vocab: int, device: torch.device) -> int:
+    """Parts each row's first pass runs in: about two programs per SM when the rows alone are
+    fewer (B = 1 ran 4 programs on 132 SMs), at least 2,048 tokens each; 1 at large batch."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = _DEFAULT_SMS
+    return max(1, min(-(-vocab // _PART_TOKENS), 2 * sms // max(rows, 1)))
+
+
 def rejection_sample(
     target_logits: Tensor,  # [B, N, V] float32 / float16 / bfloat16
     draft_token_ids: Tensor,  # [B, N-1] int64: chain: draft j judged by row j; tree: node j+1
@@ -236,6 +316,7 @@ def rejection_sample(
     *,
     draft_index: Tensor | None = None,  # [V] int32 / int64: draft_probs column of token t, or -1
     check_values: bool | None = None,
+    vocab_parts: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Same contract and results as ``reference.rejection_sample``; returns (output_ids [B, N]
     int64, num_accepted [B] int32, logprobs [B, N] float32, row_ids [B, N] int32).
@@ -243,6 +324,10 @@ def rejection_sample(
     ``draft_index``: the drafts were drawn from ``draft_probs`` over the drafter's own
     vocabulary (``reference.draft_probs_in_target_vocab`` gives the law judged); the kernels
     read q(x) through it and the residual max(p - q, 0) over every target token.
+
+    ``vocab_parts``: programs each row's first pass runs in (rounded to whole 2,048-token
+    blocks; results are the same for any value); None: ``default_vocab_parts`` (small batches
+    split, large ones do not).
 
     ``check_values`` also validates values (draft ids, lengths, parents, ranges), which costs one
     device→host sync. Default (None): on only when ``debug.value_checks_enabled()`` and no CUDA
@@ -269,14 +354,33 @@ def rejection_sample(
     q = draft_probs if draft_probs is not None else target_logits  # dummy when unused
     parents = tree_parents if is_tree else num_draft_tokens  # dummy when unused
     vocab_map = draft_index if draft_index is not None else num_draft_tokens  # dummy too
+    # top-k / top-p search candidates, SEARCH_CAP_ENTRIES per row program (uninitialised:
+    # a search reads only what it wrote)
+    scratch = torch.empty(bsz * n_rows, SEARCH_CAP_ENTRIES, dtype=torch.float32, device=dev)
     s_db = draft_token_ids.stride(0) if n_rows > 1 else 0
+    if vocab_parts is not None and not (isinstance(vocab_parts, int) and vocab_parts >= 1):
+        raise ValueError(f"vocab_parts must be a positive int or None, got {vocab_parts!r}")
+    parts = vocab_parts or default_vocab_parts(bsz * n_rows, vocab, dev)
+    per_part = -(-vocab // parts)
+    chunk = -(-per_part // _PART_TOKENS) * _PART_TOKENS
+    parts = -(-vocab // chunk)
+    part_f = torch.empty(bsz * n_rows * parts * 5 if parts > 1 else 1, dtype=torch.float32,
+                         device=dev)
+    part_i = torch.empty(bsz * n_rows * parts * 2 if parts > 1 else 1, dtype=torch.int32,
+                         device=dev)
+    if parts > 1:
+        _part_kernel[(bsz * n_rows, parts)](
+            target_logits, target_logits.stride(0), target_logits.stride(1), draft_token_ids,
+            s_db, num_draft_tokens, temperature, inv_t, seeds, offsets, parents, part_f, part_i,
+            parts, chunk, n_rows, vocab, IS_TREE=is_tree, GBLOCK=2048, num_warps=4)
     _row_kernel[(bsz * n_rows,)](
         target_logits, target_logits.stride(0), target_logits.stride(1),
-        draft_token_ids, s_db, num_draft_tokens, q, q.stride(0), q.stride(1), vocab_map,
+        draft_token_ids, s_db, num_draft_tokens, q, q.stride(0), q.stride(1), vocab_map, scratch,
         temperature, inv_t, top_k, top_p, log_min_p if log_min_p is not None else top_p,
-        seeds, offsets, parents, tok_end, lp_end, p_child, lp_child, acc, n_rows, vocab,
+        seeds, offsets, parents, tok_end, lp_end, p_child, lp_child, acc, part_f, part_i, parts,
+        n_rows, vocab,
         HAS_Q=draft_probs is not None, HAS_MAP=draft_index is not None, IS_TREE=is_tree,
-        HAS_MIN_P=log_min_p is not None, P=16,
+        HAS_MIN_P=log_min_p is not None, SPLIT=parts > 1, P=16,
         SBLOCK=_SBLOCK_TREE if is_tree else _SBLOCK, GBLOCK=2048,
         # ptxas otherwise caps this kernel near 128 registers and spills a few bytes on sm_100a
         # (scripts/compile_kernels.py); 255 lets it keep every pass's per-lane state.

@@ -126,7 +126,18 @@ def _lowest_argmax(g, i):
 def first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t,
                IS_TREE: tl.constexpr):
     """Pass 1 over a sampled row: max, sum exp(z - max), min, and two unfiltered races — over
-    all tokens and over all but row j's children's tokens (its point-mass residual).
+    all tokens and over all but row j's children's tokens (its point-mass residual)."""
+    m, s, zmin, _, i1, _, i2 = first_pass_part(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos,
+                                               j, n, N, V, inv_t, 0, V, IS_TREE)
+    return m, s, zmin, i1, i2
+
+
+@triton.jit
+def first_pass_part(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t, start,
+                    end, IS_TREE: tl.constexpr):
+    """``first_pass`` over tokens [start, end) (start a multiple of 4 * RNG_GROUP, end <= V):
+    (max, sum exp(z - max), min, top key and winner of the plain race, the same of the
+    residual race). Parts merge exactly (``merge_parts``): the races' keys are per token.
 
     State is kept per lane and reduced once at the end (no cross-lane reduction per step)."""
     G: tl.constexpr = RNG_GROUP
@@ -140,12 +151,12 @@ def first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv
     i1 = tl.full([G], -1, tl.int32)
     i2 = i1
     x_ex = _chain_child_token(draft_row_ptr, j, n, IS_TREE)
-    for base in range(0, V, 4 * G):
+    for base in range(start, end, 4 * G):
         # One Philox call gives 4 words: word w drives tokens base + w*G + lane.
         r0, r1, r2, r3 = philox(k0, k1, c0, c1, c2, (base // 4 + lane).to(tl.uint32))
         for w in tl.static_range(4):
             at = base + w * G + lane
-            valid = at < V
+            valid = at < end
             z = tl.load(row_ptr + at, mask=valid, other=NEG_INF).to(tl.float32) * inv_t
             # Online softmax per lane with one exp: e = exp(-|z - m|) rescales whichever side.
             e = tl.exp(-tl.abs(z - m))
@@ -161,20 +172,61 @@ def first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv
             g2 = tl.maximum(g2, g)
     m_row = tl.max(m, 0)
     s_row = tl.sum(s * tl.exp(m - m_row), 0)
-    _, i1 = _lowest_argmax(g1, i1)
-    _, i2 = _lowest_argmax(g2, i2)
-    return m_row, s_row, tl.min(zmin, 0), i1, i2
+    top1, i1 = _lowest_argmax(g1, i1)
+    top2, i2 = _lowest_argmax(g2, i2)
+    return m_row, s_row, tl.min(zmin, 0), top1, i1, top2, i2
+
+
+@triton.jit
+def merge_parts(part_f_ptr, part_i_ptr, C, GREEDY: tl.constexpr):
+    """One row's ``first_pass`` (or ``greedy_pass`` with GREEDY) from the C parts written by
+    ``_part_kernel`` over consecutive token ranges, in order: (max, sum exp(z - max), min,
+    i1, i2). The races merge exactly: the largest key wins, ties going to the earlier part
+    (strict >), whose winner has the lower index, as in one pass; likewise the greedy argmax
+    (first part holding the max). Only the sum's rounding differs from one pass (as the
+    per-lane partials of one pass do from a sorted sum)."""
+    m = -3.4028234663852886e38 + tl.load(part_f_ptr) * 0.0
+    zmin = m * 0.0 + POS_INF
+    g1 = m * 0.0 + NEG_INF
+    g2 = g1
+    i1 = C * 0 - 1
+    i2 = i1
+    for c in range(0, C):
+        m_c = tl.load(part_f_ptr + c * 5)
+        if GREEDY:
+            i1 = tl.where(m_c > m, tl.load(part_i_ptr + c * 2), i1)
+        else:
+            t1 = tl.load(part_f_ptr + c * 5 + 3)
+            t2 = tl.load(part_f_ptr + c * 5 + 4)
+            i1 = tl.where(t1 > g1, tl.load(part_i_ptr + c * 2), i1)
+            i2 = tl.where(t2 > g2, tl.load(part_i_ptr + c * 2 + 1), i2)
+            g1 = tl.maximum(g1, t1)
+            g2 = tl.maximum(g2, t2)
+            zmin = tl.minimum(zmin, tl.load(part_f_ptr + c * 5 + 2))
+        m = tl.maximum(m, m_c)
+    s = m * 0.0
+    for c in range(0, C):
+        s += tl.load(part_f_ptr + c * 5 + 1) * tl.exp(tl.load(part_f_ptr + c * 5) - m)
+    if GREEDY:
+        i2 = i1
+    return m, s, zmin, i1, i2
 
 
 @triton.jit
 def greedy_pass(row_ptr, V, BLOCK: tl.constexpr):
     """One pass over a greedy row: argmax (lowest index), max and sum exp(logit - max)."""
+    return greedy_pass_part(row_ptr, 0, V, BLOCK)
+
+
+@triton.jit
+def greedy_pass_part(row_ptr, start, end, BLOCK: tl.constexpr):
+    """``greedy_pass`` over tokens [start, end): (max, sum exp(logit - max), argmax)."""
     lane = tl.arange(0, BLOCK)
     m = tl.full([BLOCK], -3.4028234663852886e38, tl.float32)
     s = tl.zeros([BLOCK], tl.float32)
     arg = tl.full([BLOCK], -1, tl.int32)
-    for base in range(0, V, BLOCK):
-        z = tl.load(row_ptr + base + lane, mask=base + lane < V, other=NEG_INF).to(tl.float32)
+    for base in range(start, end, BLOCK):
+        z = tl.load(row_ptr + base + lane, mask=base + lane < end, other=NEG_INF).to(tl.float32)
         e = tl.exp(-tl.abs(z - m))
         s = tl.where(z > m, s * e + 1.0, s + e)
         arg = tl.where(z > m, base + lane, arg)
@@ -215,38 +267,151 @@ def _key_to_float(k):
 
 
 @triton.jit
-def _search_load(row_ptr, lane, V, inv_t):
-    """z of tokens ``lane``; lanes past the row read -inf, which adds nothing anywhere (below
-    every pivot, weight 0), so they need no mask downstream."""
-    return tl.load(row_ptr + lane, mask=lane < V, other=NEG_INF).to(tl.float32) * inv_t
+def _search_load(src_ptr, at, n, scale):
+    """z of entries ``at`` of a row (scale = 1 / temperature) or of a candidate buffer (float32
+    z, scale = 1); entries past ``n`` read -inf, which adds nothing anywhere (below every
+    pivot, weight 0), so they need no mask downstream."""
+    return tl.load(src_ptr + at, mask=at < n, other=NEG_INF).to(tl.float32) * scale
 
 
 MASS_SCALE: tl.constexpr = tl.constexpr(17592186044416.0)  # = reference.MASS_SCALE (2**44)
+INV_MASS_SCALE: tl.constexpr = tl.constexpr(5.684341886080802e-14)  # 2**-44
+SEARCH_CAP_ENTRIES = 16384  # float32 entries of scratch per searched row (launchers allocate)
+SEARCH_CAP: tl.constexpr = tl.constexpr(SEARCH_CAP_ENTRIES)
 
 
 @triton.jit
-def _search_tile(z, piv, m, lo0, cnt, mass, imass, itot, nxt, prv, BY_MASS: tl.constexpr):
-    """Adds one tile of z [SBLOCK] to the per-lane, per-pivot partials [SBLOCK, P] of a pass:
+def _pivot_tile(z, piv, m, lo0, cnt, imass, itot, BY_MASS: tl.constexpr):
+    """Adds one tile of z [SBLOCK] to the per-pivot, per-lane partials [P, SBLOCK] of a pass:
     count (top-k) or integer mass (top-p: ``reference.keep_threshold``'s fixed-point weights
-    floor(exp(z - m) * 2**44), whose sums are exact in any order) of {z >= pivot}, and the
-    float32 mass (the kept set's normaliser) and nearest z on either side of each pivot."""
-    ge = z[:, None] >= piv[None, :]
-    lt = z[:, None] < piv[None, :]
-    w = tl.exp(z - m)
+    floor(exp(z - m) * 2**44), whose sums are exact in any order) of {z >= pivot}.
+
+    The token axis is the tile's last (fastest) one, so each lane holds its own tokens and all
+    P pivots of them: a token's load, exp and 64-bit conversion happen once, not once per
+    pivot lane (with tokens first, Triton spread the pivots over 16 lanes that each
+    recomputed them: 455 instructions per token per pass on sm_90a, now ~5 per pivot)."""
+    ge = z[None, :] >= piv[:, None]
     if BY_MASS:
-        wi = tl.floor(w * MASS_SCALE).to(tl.int64)  # exact: w * 2**44 is a float32 as is
-        imass += tl.where(ge, wi[:, None], 0)
+        wi = tl.floor(tl.exp(z - m) * MASS_SCALE).to(tl.int64)  # exact: w * 2**44 is a float32
+        imass += tl.where(ge, wi[None, :], 0)
         itot += tl.where(z >= lo0, wi, 0)
     else:
         cnt += ge.to(tl.int32)
-    mass += tl.where(ge, w[:, None], 0.0)
-    nxt = tl.minimum(nxt, tl.where(ge, z[:, None], POS_INF))
-    prv = tl.maximum(prv, tl.where(lt, z[:, None], NEG_INF))
-    return cnt, mass, imass, itot, nxt, prv
+    return cnt, imass, itot
 
 
 @triton.jit
-def threshold_search(row_ptr, V, inv_t, m, lo, hi, lo_mass, need_count, top_p,
+def _pivot_pass(src_ptr, n, scale, m, piv, lo0, BY_MASS: tl.constexpr, P: tl.constexpr,
+                SBLOCK: tl.constexpr):
+    """One pass over ``n`` entries: per pivot, #{z >= pivot} (top-k) or W(pivot) =
+    sum_{z >= pivot} floor(exp(z - m) * 2**44) (top-p), and W(lo0)."""
+    cnt = tl.zeros([P, SBLOCK], tl.int32)
+    imass = tl.zeros([P, SBLOCK], tl.int64)
+    itot = tl.zeros([SBLOCK], tl.int64)
+    # Four tiles per step, all loaded before any is used: four loads in flight instead of
+    # one (a pass is ~n / SBLOCK dependent steps; one load each left it latency-bound).
+    for base in range(0, n, 4 * SBLOCK):
+        at = base + tl.arange(0, SBLOCK)
+        z0 = _search_load(src_ptr, at, n, scale)
+        z1 = _search_load(src_ptr, at + SBLOCK, n, scale)
+        z2 = _search_load(src_ptr, at + 2 * SBLOCK, n, scale)
+        z3 = _search_load(src_ptr, at + 3 * SBLOCK, n, scale)
+        cnt, imass, itot = _pivot_tile(z0, piv, m, lo0, cnt, imass, itot, BY_MASS)
+        cnt, imass, itot = _pivot_tile(z1, piv, m, lo0, cnt, imass, itot, BY_MASS)
+        cnt, imass, itot = _pivot_tile(z2, piv, m, lo0, cnt, imass, itot, BY_MASS)
+        cnt, imass, itot = _pivot_tile(z3, piv, m, lo0, cnt, imass, itot, BY_MASS)
+    return tl.sum(cnt, 1), tl.sum(imass, 1), tl.sum(itot, 0)
+
+
+@triton.jit
+def _snap_tile(z, k: tl.constexpr, lane, lo_v, hi_v, m, zlo, zhi, n_k, f_above, buf_ptr,
+               WRITE: tl.constexpr, ABOVE: tl.constexpr, SLOTS: tl.constexpr):
+    """One tile of ``_snap_pass`` (sub-tile ``k`` of a step); ``n_k``: its columns' lengths."""
+    SBLOCK: tl.constexpr = z.shape[0]
+    inside = (z >= lo_v) & (z < hi_v)
+    zlo = tl.minimum(zlo, tl.where(inside, z, POS_INF))
+    zhi = tl.maximum(zhi, tl.where(inside, z, NEG_INF))
+    if ABOVE:
+        f_above += tl.where(z >= hi_v, tl.exp(z - m), 0.0)
+    if WRITE:
+        tl.store(buf_ptr + (n_k * 4 + k) * SBLOCK + lane, z, mask=inside & (n_k < SLOTS))
+    return zlo, zhi, n_k + inside.to(tl.int32), f_above
+
+
+@triton.jit
+def _pad_column(buf_ptr, n_k, k: tl.constexpr, lane, longest):
+    """-inf in the slots of sub-tile k's columns past their lengths, up to ``longest``."""
+    SBLOCK: tl.constexpr = lane.shape[0]
+    for slot in range(0, longest):
+        tl.store(buf_ptr + (slot * 4 + k) * SBLOCK + lane, NEG_INF, mask=slot >= n_k)
+
+
+@triton.jit
+def _snap_pass(src_ptr, n, scale, m, lo_v, hi_v, buf_ptr, WRITE: tl.constexpr,
+               ABOVE: tl.constexpr, SBLOCK: tl.constexpr):
+    """One cheap pass (no pivots) over ``n`` entries: (the smallest and the largest z in
+    [lo_v, hi_v), (WRITE) the buffer's length or -1, (ABOVE) the float32 mass sum exp(z - m)
+    of z >= hi_v).
+
+    WRITE compacts the entries of [lo_v, hi_v) into ``buf_ptr`` with no communication between
+    lanes: element e of the step's 4 * SBLOCK appends its own entries to column e of a
+    [SEARCH_CAP // (4 * SBLOCK), 4 * SBLOCK] buffer, and the columns are then padded with -inf
+    (which adds nothing anywhere) to the longest one's length L; the buffer is its first
+    L * 4 * SBLOCK entries, or -1 (not usable) if a column overflowed. Tiles of SBLOCK (one
+    entry per lane) keep the loads, the scattered stores and the counters in one layout."""
+    SLOTS: tl.constexpr = SEARCH_CAP // (4 * SBLOCK)
+    lane = tl.arange(0, SBLOCK)
+    zlo = tl.full([SBLOCK], POS_INF, tl.float32)
+    zhi = tl.full([SBLOCK], NEG_INF, tl.float32)
+    n0 = tl.zeros([SBLOCK], tl.int32)  # entries in [lo_v, hi_v) per element (column lengths)
+    n1 = n0
+    n2 = n0
+    n3 = n0
+    f_above = tl.zeros([SBLOCK], tl.float32)
+    for base in range(0, n, 4 * SBLOCK):
+        at = base + lane
+        z0 = _search_load(src_ptr, at, n, scale)
+        z1 = _search_load(src_ptr, at + SBLOCK, n, scale)
+        z2 = _search_load(src_ptr, at + 2 * SBLOCK, n, scale)
+        z3 = _search_load(src_ptr, at + 3 * SBLOCK, n, scale)
+        zlo, zhi, n0, f_above = _snap_tile(z0, 0, lane, lo_v, hi_v, m, zlo, zhi, n0, f_above,
+                                           buf_ptr, WRITE, ABOVE, SLOTS)
+        zlo, zhi, n1, f_above = _snap_tile(z1, 1, lane, lo_v, hi_v, m, zlo, zhi, n1, f_above,
+                                           buf_ptr, WRITE, ABOVE, SLOTS)
+        zlo, zhi, n2, f_above = _snap_tile(z2, 2, lane, lo_v, hi_v, m, zlo, zhi, n2, f_above,
+                                           buf_ptr, WRITE, ABOVE, SLOTS)
+        zlo, zhi, n3, f_above = _snap_tile(z3, 3, lane, lo_v, hi_v, m, zlo, zhi, n3, f_above,
+                                           buf_ptr, WRITE, ABOVE, SLOTS)
+    n_buf = n * 0 - 1
+    if WRITE:
+        longest = tl.max(tl.maximum(tl.maximum(n0, n1), tl.maximum(n2, n3)), 0)
+        if longest <= SLOTS:
+            _pad_column(buf_ptr, n0, 0, lane, longest)
+            _pad_column(buf_ptr, n1, 1, lane, longest)
+            _pad_column(buf_ptr, n2, 2, lane, longest)
+            _pad_column(buf_ptr, n3, 3, lane, longest)
+            n_buf = longest * 4 * SBLOCK
+    return tl.min(zlo, 0), tl.max(zhi, 0), n_buf, tl.sum(f_above, 0)
+
+
+@triton.jit
+def _mass_pass(src_ptr, n, scale, m, lo, SBLOCK: tl.constexpr):
+    """sum of exp(z - m) over the entries z >= lo of ``src_ptr[:n]`` (float32)."""
+    s = tl.zeros([SBLOCK], tl.float32)
+    for base in range(0, n, SBLOCK):
+        z = _search_load(src_ptr, base + tl.arange(0, SBLOCK), n, scale)
+        s += tl.where(z >= lo, tl.exp(z - m), 0.0)
+    return tl.sum(s, 0)
+
+
+@triton.jit
+def _pick(vec, i, idx):
+    """vec[idx] as a scalar (``i``: arange of vec's length; 0 where idx is outside it)."""
+    return tl.sum(tl.where(i == idx, vec, 0), 0)
+
+
+@triton.jit
+def threshold_search(row_ptr, buf_ptr, V, inv_t, m, lo, hi, lo_mass, need_count, top_p,
                      BY_MASS: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr):
     """Largest value tau of z with crit(tau); returns (tau, sum_{z >= tau} exp(z - m)).
 
@@ -254,74 +419,97 @@ def threshold_search(row_ptr, V, inv_t, m, lo, hi, lo_mass, need_count, top_p,
     W(v) = sum_{z >= v} floor(exp(z - m) * 2**44) in int64 (``reference.keep_threshold``): an
     integer sum is the same in any order, so this cut equals the sort-based one bit for bit
     (a float32 sum is not: per-lane partials and a sorted cumsum round differently, which
-    flipped the last token of rows with top_p near 1).
+    flipped the last token of rows with top_p near 1). crit is monotone and changes only at
+    values of z (it depends on v only through the set {z >= v}).
 
-    Invariant: lo and hi are values of z with lo <= tau <= hi and crit(lo). Each iteration is
-    one pass over the row that tests P pivots spread evenly over the int32 keys of (lo, hi]
-    (the last is hi) and also records, per pivot, the nearest value of z on either side; the
-    new bracket is [first z >= last passing pivot, last z < first failing pivot]. The key range
-    shrinks P-fold per pass, so at most ceil(32 / log2 P) passes (8 for P = 16) — about
-    log_P(V) once the bracket holds few values (4-6 for V = 152k): no sort of the vocabulary.
-    Every pass is static in shape (the row is read whole); only the pass count depends on data.
+    Invariant: lo and hi are values of z with lo <= tau <= hi and crit(lo). Each iteration
+    tests P sorted pivots in (lo, hi] (the last is hi) in one pass; with n_ok of them passing,
+    tau lies in [pivot n_ok-1 (or lo), pivot n_ok), and a cheap pass without pivots snaps the
+    bracket to the smallest and largest z in that interval. The first iteration's pivots sit
+    at hi - d for d from 31 down to 0 (logits are log-probabilities: cuts sit within a few
+    tens of the max); later ones spread evenly over the int32 keys of (lo, hi], shrinking the
+    key range P-fold per pass (at most ceil(32 / log2 P) + 1 passes).
+
+    After the first pass over the row, its snap pass also writes the entries of the new
+    bracket to ``buf_ptr`` (SEARCH_CAP of them at most): every later pass reads only those,
+    the entries above the bracket adding their known count / mass (the pivot-pass values at
+    its upper end), the ones below it adding nothing (below every later pivot). If more than
+    SEARCH_CAP entries are in the bracket, the search stays on the row and tries again after
+    the next pass. Only the pass count and length depend on data; no sort of the vocabulary.
     """
     piv_i = tl.arange(0, P)
-    lo0 = lo  # top-p's total: the mass of {z >= lo} as the search starts
+    lo0 = lo
+    n_buf = V * 0 - 1  # entries in buf_ptr, -1: not compacted yet
+    a_cnt = V * 0  # entries above the buffer's bracket: their count and integer / float mass
+    a_imass = a_cnt.to(tl.int64)
+    a_f = inv_t * 0.0
+    need = (inv_t * 0.0).to(tl.float64)  # top-p: top_p * W(lo0) in float64
+    lo_imass = a_imass  # W(lo) once the first pass has counted it
     it = 0
     while (lo < hi) & (it < 40):
         k_lo = _ordered_key(lo).to(tl.int64)
         k_hi = _ordered_key(hi).to(tl.int64)
-        piv = _key_to_float((k_lo + ((k_hi - k_lo) * (piv_i + 1) + P - 1) // P).to(tl.int32))
-        cnt = tl.zeros([SBLOCK, P], tl.int32)  # per-lane partials, reduced after the pass
-        mass = tl.zeros([SBLOCK, P], tl.float32)
-        imass = tl.zeros([SBLOCK, P], tl.int64)
-        itot = tl.zeros([SBLOCK], tl.int64)
-        nxt = tl.full([SBLOCK, P], POS_INF, tl.float32)
-        prv = tl.full([SBLOCK, P], NEG_INF, tl.float32)
-        # Four tiles per step, all loaded before any is used: four loads in flight instead of
-        # one (a pass is ~V / SBLOCK dependent steps; one load each left it latency-bound).
-        for base in range(0, V, 4 * SBLOCK):
-            lane = base + tl.arange(0, SBLOCK)
-            z0 = _search_load(row_ptr, lane, V, inv_t)
-            z1 = _search_load(row_ptr, lane + SBLOCK, V, inv_t)
-            z2 = _search_load(row_ptr, lane + 2 * SBLOCK, V, inv_t)
-            z3 = _search_load(row_ptr, lane + 3 * SBLOCK, V, inv_t)
-            cnt, mass, imass, itot, nxt, prv = _search_tile(z0, piv, m, lo0, cnt, mass, imass,
-                                                            itot, nxt, prv, BY_MASS)
-            cnt, mass, imass, itot, nxt, prv = _search_tile(z1, piv, m, lo0, cnt, mass, imass,
-                                                            itot, nxt, prv, BY_MASS)
-            cnt, mass, imass, itot, nxt, prv = _search_tile(z2, piv, m, lo0, cnt, mass, imass,
-                                                            itot, nxt, prv, BY_MASS)
-            cnt, mass, imass, itot, nxt, prv = _search_tile(z3, piv, m, lo0, cnt, mass, imass,
-                                                            itot, nxt, prv, BY_MASS)
-        mass = tl.sum(mass, 0)
-        nxt = tl.min(nxt, 0)
-        prv = tl.max(prv, 0)
+        if it == 0:
+            d = tl.exp2((P - 1 - piv_i).to(tl.float32) * (5.0 / (P - 1))) - 1.0
+            k_piv = tl.minimum(tl.maximum(_ordered_key(hi - d).to(tl.int64), k_lo + 1), k_hi)
+            k_piv = tl.where(piv_i == P - 1, k_hi, k_piv)
+        else:
+            k_piv = k_lo + ((k_hi - k_lo) * (piv_i + 1) + P - 1) // P
+        piv = _key_to_float(k_piv.to(tl.int32))
+        if n_buf < 0:
+            cnt, imass, itot = _pivot_pass(row_ptr, V, inv_t, m, piv, lo0, BY_MASS, P, SBLOCK)
+            if BY_MASS:
+                if it == 0:
+                    need = top_p.to(tl.float64) * itot.to(tl.float64)
+                    lo_imass = itot
+        else:
+            cnt, imass, _ = _pivot_pass(buf_ptr, n_buf, 1.0, m, piv, lo0, BY_MASS, P, SBLOCK)
+            cnt += a_cnt
+            imass += a_imass
         if BY_MASS:
             # The reference's float64 operations on the same integers: identical results.
-            need = top_p.to(tl.float64) * tl.sum(itot, 0).to(tl.float64)
-            ok = tl.sum(imass, 0).to(tl.float64) >= need
+            ok = imass.to(tl.float64) >= need
         else:
-            ok = tl.sum(cnt, 0) >= need_count
+            ok = cnt >= need_count
         n_ok = tl.sum(ok.to(tl.int32), 0)  # crit is monotone: pivots 0..n_ok-1 pass
-        last_ok = piv_i == n_ok - 1
-        lo_new = tl.max(tl.where(last_ok, nxt, NEG_INF), 0)
-        mass_new = tl.sum(tl.where(last_ok, mass, 0.0), 0)
-        hi_new = tl.max(tl.where(piv_i == n_ok, prv, NEG_INF), 0)
-        all_ok = n_ok == P
-        lo = tl.where(all_ok, hi, tl.where(n_ok > 0, lo_new, lo))
-        lo_mass = tl.where(n_ok > 0, mass_new, lo_mass)
-        hi = tl.where(all_ok, hi, hi_new)
+        lo_imass = tl.where(n_ok > 0, _pick(imass, piv_i, n_ok - 1), lo_imass)
+        if n_ok == P:
+            lo = hi
+        else:
+            lo_v = tl.where(n_ok > 0, _pick(piv, piv_i, n_ok - 1), lo)
+            hi_v = _pick(piv, piv_i, n_ok)
+            if n_buf < 0:
+                lo, hi, n_buf, f_above = _snap_pass(row_ptr, V, inv_t, m, lo_v, hi_v, buf_ptr,
+                                                    True, not BY_MASS, SBLOCK)
+                tl.debug_barrier()  # the buffer's writes, visible to every lane's next reads
+                if n_buf >= 0:
+                    a_cnt = _pick(cnt, piv_i, n_ok)
+                    a_imass = _pick(imass, piv_i, n_ok)
+                    a_f = f_above
+            else:
+                lo, hi, _, _ = _snap_pass(buf_ptr, n_buf, 1.0, m, lo_v, hi_v, buf_ptr, False,
+                                          False, SBLOCK)
         it += 1
+    if BY_MASS:
+        # W(tau) * 2**-44: the kept float mass to within V * 2**-44 of the top weight
+        lo_mass = tl.where(it > 0, lo_imass.to(tl.float32) * INV_MASS_SCALE, lo_mass)
+    else:
+        if it > 0:
+            if n_buf < 0:
+                lo_mass = _mass_pass(row_ptr, V, inv_t, m, lo, SBLOCK)
+            else:
+                lo_mass = a_f + _mass_pass(buf_ptr, n_buf, 1.0, m, lo, SBLOCK)
     return lo, lo_mass
 
 
 @triton.jit
-def keep_cut(row_ptr, V, inv_t, m, s, zmin, top_k_ptr, top_p_ptr, min_p_ptr, b,
+def keep_cut(row_ptr, buf_ptr, V, inv_t, m, s, zmin, top_k_ptr, top_p_ptr, min_p_ptr, b,
              HAS_MIN_P: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr,
              GBLOCK: tl.constexpr):
     """(tau, sum of exp(z - m) over z >= tau) of row ``b``: the processed law keeps exactly
     {z >= tau} (``reference.keep_threshold``: min-p, then top-k, then top-p; tau = -inf keeps
-    all). ``m``, ``s``, ``zmin``: the row's max, sum of exp(z - m) and min (``first_pass``)."""
+    all). ``m``, ``s``, ``zmin``: the row's max, sum of exp(z - m) and min (``first_pass``).
+    ``buf_ptr``: SEARCH_CAP float32 of scratch for the search's candidates."""
     tau = NEG_INF + inv_t * 0.0
     s_tau = s
     top_k = tl.load(top_k_ptr + b).to(tl.int32)
@@ -334,12 +522,12 @@ def keep_cut(row_ptr, V, inv_t, m, s, zmin, top_k_ptr, top_p_ptr, min_p_ptr, b,
     # top-k after min-p: if min-p keeps more than k tokens, the k-th largest z overall
     # is among them (so >= the min-p cut) and is the threshold; else min-p's cut is.
     if (top_k > 0) & (top_k < V) & (n_kept > top_k):
-        tau, s_tau = threshold_search(row_ptr, V, inv_t, m, zmin, m, s, top_k, 0.0,
+        tau, s_tau = threshold_search(row_ptr, buf_ptr, V, inv_t, m, zmin, m, s, top_k, 0.0,
                                       False, P, SBLOCK)
     if top_p < 1:
         lo = tl.where(tau == NEG_INF, zmin, tau)
-        tau, s_tau = threshold_search(row_ptr, V, inv_t, m, lo, m, s_tau, 0, top_p, True, P,
-                                      SBLOCK)
+        tau, s_tau = threshold_search(row_ptr, buf_ptr, V, inv_t, m, lo, m, s_tau, 0, top_p,
+                                      True, P, SBLOCK)
     return tau, s_tau
 
 

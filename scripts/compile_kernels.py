@@ -24,7 +24,9 @@ import logging
 import multiprocessing
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -160,14 +162,32 @@ def variant_key(kernel, args: tuple, kwargs: dict) -> str:
     return f"{kernel.__name__}|{specialization}|{sorted(options.__dict__.items())}"
 
 
-def compile_launch(launch: Launch, capability: int) -> dict:
-    """Compile one launch for sm_<capability>a; its ptxas stats and shared memory."""
+def disassemble(cubin: bytes, capability: int) -> str:
+    """SASS of a cubin, from the ``nvdisasm`` bundled with Triton next to its ptxas."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    tool = Path(get_ptxas(capability).path).with_name("nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def compile_launch(launch: Launch, capability: int, asm_dir: Path | None = None,
+                   asm_name: str = "") -> dict:
+    """Compile one launch for sm_<capability>a; its ptxas stats and shared memory. With
+    ``asm_dir``, also writes ``<asm_name>.ptx`` and ``<asm_name>.sass`` there."""
     import triton
 
     target, src, options, _ = _bind(launch.kernel, launch.args, launch.kwargs, capability)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         compiled = triton.compile(src, target=target, options=options.__dict__)
+    if asm_dir is not None:
+        asm_dir.mkdir(parents=True, exist_ok=True)
+        (asm_dir / f"{asm_name}.ptx").write_text(compiled.asm["ptx"])
+        (asm_dir / f"{asm_name}.sass").write_text(disassemble(compiled.asm["cubin"], capability))
     stats = parse_ptxas_log(out.getvalue())
     stats["shared_bytes"] = int(compiled.metadata.shared)
     stats["num_warps"] = int(compiled.metadata.num_warps)
@@ -221,13 +241,23 @@ def collect() -> tuple[list[Launch], list[str]]:
 
 
 _LAUNCHES: list[Launch] = []  # set before the pool forks; workers index into it
+_ASM_DIR: list[Path] = []  # --asm, likewise
+
+
+def asm_name(launch: Launch, capability: int) -> str:
+    """File stem of a variant's PTX / SASS: kernel, target and its first configuration."""
+    label = re.sub(r"[^A-Za-z0-9=+.-]+", "_", launch.labels[0]).strip("_")
+    return f"{launch.kernel.__name__}.sm_{capability}a.{label}"
 
 
 def _work(job: tuple[int, int]) -> tuple[int, int, dict | str, float]:
     index, capability = job
     start = time.perf_counter()
     try:
-        result: dict | str = compile_launch(_LAUNCHES[index], capability)
+        launch = _LAUNCHES[index]
+        result: dict | str = compile_launch(launch, capability,
+                                            _ASM_DIR[0] if _ASM_DIR else None,
+                                            asm_name(launch, capability))
     except Exception as e:  # reported in the table; the run fails at the end
         result = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
     return index, capability, result, time.perf_counter() - start
@@ -272,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep the variants whose 'kernel configuration' contains this")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/out/compile_table.json")
+    parser.add_argument("--asm", type=Path, default=None,
+                        help="also write each variant's PTX and SASS into this folder")
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # Triton 3.9 notes that its FP-fusion default will change; the default (fusion on, as on
@@ -286,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("no kernel matches --only %r", opts.only)
         return 1
     _LAUNCHES[:] = launches
+    _ASM_DIR[:] = [opts.asm] if opts.asm is not None else []
     jobs = [(i, c) for i in range(len(launches)) for c in opts.targets]
     import triton
 

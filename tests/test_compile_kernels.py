@@ -104,3 +104,57 @@ def test_compile_moe_combine_kernel_for_sm90(tmp_path: Path) -> None:
     assert table["triton"]
     assert "sm_90a" in proc.stdout and "_moe_combine_kernel" in proc.stdout  # the printed table
     assert "blocks/SM" in proc.stdout
+
+
+def _sass_loops_module():
+    spec = importlib.util.spec_from_file_location("sass_loops_under_test",
+                                                  ROOT / "scripts" / "sass_loops.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sass_loops_finds_innermost_loops() -> None:
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDG.E R2, desc[UR4][R4.64] ;
+.L_x_1:
+        /*0020*/                   MUFU.EX2 R3, R2 ;
+        /*0030*/                   F2I.FTZ.S64.FLOOR R6, R3 ;
+        /*0040*/              @!P0 BRA `(.L_x_1) ;
+        /*0050*/              @!P1 BRA `(.L_x_0) ;
+        /*0060*/                   BRA `(.L_x_2) ;
+.L_x_2:
+        /*0070*/                   EXIT ;
+"""
+    (inner,) = _sass_loops_module().loops(sass)  # the outer loop and the forward branch: no
+    assert (inner.label, inner.length) == (".L_x_1", 3)
+    assert inner.counts == {"exp": 1, "log": 0, "cvt64": 1, "load": 0, "store": 0}
+
+
+@pytest.mark.skipif(_ptxas_path() is None, reason="Triton's bundled ptxas is unavailable")
+def test_top_p_search_computes_each_token_once(tmp_path: Path) -> None:
+    """Issue 35: in the compiled sm_90a top-p search, each token's load, exp and 64-bit
+    conversion happen once per pass (they ran on all 16 pivot lanes: 18 of each and ~455
+    instructions per token), and a pass costs under 100 instructions per token. A pass
+    handles 4 tiles of 128 tokens per step on 128 threads: 4 tokens per thread per loop."""
+    asm = tmp_path / "asm"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--only", "fp32 keep_threshold B", "--targets", "90",
+         "--jobs", "1", "--json", str(tmp_path / "table.json"), "--asm", str(asm)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (sass,) = asm.glob("_keep_threshold_kernel.sm_90a.*.sass")
+    assert len(list(asm.glob("*.ptx"))) == 1
+    loops = _sass_loops_module().loops(sass.read_text())
+    # the top-p pivot passes (over the row, then over the candidate buffer): the only loops
+    # with 64-bit conversions (the fixed-point weights)
+    passes = [x for x in loops if x.counts["cvt64"] and x.counts["load"]]
+    assert len(passes) == 2, loops
+    tokens = 4
+    for x in passes:
+        assert x.counts["load"] == x.counts["exp"] == x.counts["cvt64"] == tokens, x
+        assert x.length <= 100 * tokens, x

@@ -132,3 +132,44 @@ def test_launcher_checks_shapes() -> None:
                          None)
     # the largest allowed vocabulary (one row: the interpreter runs it)
     keep_threshold(wide[:1, 1:], temperature[:1], top_k[:1], top_p[:1])
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 3, 127, 4097])
+def test_kept_set_awkward_vocab_sizes(vocab: int) -> None:
+    """Rows shorter than one tile, one past a power of two, a single token."""
+    for ties in (False, True):
+        logits, temperature, top_k, top_p = rows_case(12, vocab, seed=vocab + 7 * ties, ties=ties)
+        got, want = kept_sets(logits, temperature, top_k, top_p)
+        assert_same_sets(got, want)
+
+
+def test_top_p_mass_reached_exactly_keeps_only_that_prefix() -> None:
+    """3 tokens of weight 1 (z = 0) and 6 of weight exactly 1/2 (exp(-0.6931472) = 0.5 in
+    float32): the top 3 hold exactly half the integer mass, so top_p = 0.5 keeps just them
+    (the prefix reaches top_p: ``>=``, not ``>``), and the next float32 above 0.5 keeps the
+    6 as well; tokens of weight 0 (z = -40: floor(exp(-40) * 2**44) = 0) and -inf never."""
+    z = torch.tensor([0.0] * 3 + [-0.6931472] * 6 + [-40.0] * 5 + [float("-inf")] * 2)
+    assert torch.exp(z[3]).item() == 0.5
+    perm = torch.randperm(len(z), generator=torch.Generator().manual_seed(0))
+    logits = z[perm].expand(3, -1).contiguous()
+    top_p = torch.tensor([0.5, float(torch.nextafter(torch.tensor(0.5), torch.tensor(1.0))),
+                          0.25])
+    got, want = kept_sets(logits, torch.ones(3), torch.full((3,), -1, dtype=torch.int32),
+                          top_p)
+    assert_same_sets(got, want)
+    assert got.sum(1).tolist() == [3, 9, 3]
+
+
+def test_search_buffer_overflow_stays_on_the_row() -> None:
+    """All 20,000 tokens within 0.2 of the max: the first pass's bracket holds nearly all of
+    them, more than the candidate buffer takes (the interpreter's 4 slots per column of
+    4,096), so the search stays on the row for another pass before compacting; the cut is
+    still the sort-based one (top-p's integer masses and top-k's counts)."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 20_000
+    logits = 5.0 - 0.2 * torch.rand(6, vocab, generator=g)
+    top_p = torch.tensor([0.5, 0.9, 0.99, 1.0, 1.0, 0.3])
+    top_k = torch.tensor([-1, -1, -1, 5000, 17, 9000], dtype=torch.int32)
+    got, want = kept_sets(logits, torch.ones(6), top_k, top_p)
+    assert_same_sets(got, want)
+    assert (want.sum(1)[[0, 1, 2, 3, 5]] > 1000).all() and want[4].sum() == 17

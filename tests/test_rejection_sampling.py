@@ -20,6 +20,7 @@ except ImportError:  # scipy is optional: the chi-square tests skip without it, 
         return pytest.importorskip("scipy.stats").chisquare(*args, **kwargs)
 
 from specengine.kernels import reference as ref
+from specengine.kernels.rejection_sampling import default_vocab_parts
 from specengine.kernels.rejection_sampling import rejection_sample as kernel
 
 IMPLS = {"reference": ref.rejection_sample, "kernel": kernel}
@@ -186,6 +187,44 @@ def test_kernel_equals_reference_qwen_vocab() -> None:
     args[5] = torch.tensor([-1, -1], dtype=torch.int32)
     args[6] = torch.tensor([1.0, 1.0])
     assert_same(args)
+
+
+@pytest.mark.parametrize("mode", ["chain", "chain_q", "tree"])
+def test_vocab_parts_equal_one_pass(mode: str) -> None:
+    """Pass 1 split over the vocabulary (small batches: ``_part_kernel`` + the row kernel's
+    merge) draws what the reference draws: 5 parts over 8,193 tokens (4 of 2,048 and a
+    1-token tail), greedy and sampled rows, top-k / top-p after the merge."""
+    args = random_case(8, 3, 8193, seed=21 + len(mode), tree=mode == "tree",
+                       with_q=mode == "chain_q")
+    want = ref.rejection_sample(*args)
+    got = kernel(*args, vocab_parts=5)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    assert torch.equal(want[3], got[3])
+    torch.testing.assert_close(want[2], got[2], atol=1e-4, rtol=1e-4)
+
+
+def test_vocab_parts_keep_the_lowest_index_of_tied_maxima() -> None:
+    """Greedy rows whose maximum appears in three parts (tokens 5000, 2100 and 7000 of parts
+    of 2,048): the merge keeps the earliest part's, the lowest index, as one pass does."""
+    logits = torch.randn(2, 1, 8193, generator=torch.Generator().manual_seed(0))
+    logits[:, 0, [5000, 2100, 7000]] = 9.0
+    args = (logits, torch.zeros(2, 0, dtype=torch.int64), torch.zeros(2, dtype=torch.int32),
+            None, torch.zeros(2), torch.full((2,), -1, dtype=torch.int32), torch.ones(2),
+            torch.arange(2), torch.zeros(2, dtype=torch.int64), None)
+    for parts in (1, 5):
+        assert kernel(*args, vocab_parts=parts)[0][:, 0].tolist() == [2100, 2100]
+    with pytest.raises(ValueError, match="vocab_parts"):
+        kernel(*args, vocab_parts=0)
+
+
+def test_default_vocab_parts() -> None:
+    """About two programs per SM (132 assumed off-GPU) when rows are few; whole 2,048-token
+    blocks at least; no split once the rows fill the GPU."""
+    cpu = torch.device("cpu")
+    assert default_vocab_parts(4, 151_936, cpu) == 66  # B = 1, k + 1 = 4
+    assert default_vocab_parts(1, 151_936, cpu) == 75  # ceil(151,936 / 2,048)
+    assert default_vocab_parts(264, 151_936, cpu) == 1
+    assert default_vocab_parts(2, 100, cpu) == 1
 
 
 # ------------------------------------------------------------------ draft vocabulary
