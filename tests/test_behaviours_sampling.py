@@ -20,7 +20,7 @@ from specengine.kernels.rejection_sampling import rejection_sample
 
 # float32 logits whose exp (relative to the max, 0) is exactly 1/2, 1/4, 1/8
 HALF, QUARTER, EIGHTH = -0.6931471824645996, -1.3862943649291992, -2.079441547393799
-# 8:4:2:1:1, and a tail whose fixed-point weight floors to 0 (at -30 it would not: 2 each)
+# 8:4:2:1:1, and a tail whose fixed-point weight floors to 0 (at -30 it would not: 1 each)
 ROW = [0.0, HALF, QUARTER, EIGHTH, EIGHTH, -100.0, -100.0, -100.0]
 CASES = [(0.5, 1), (0.75, 2), (0.875, 3), (0.5001, 2), (0.7501, 3), (0.8751, 5)]
 

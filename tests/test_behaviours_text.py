@@ -109,6 +109,82 @@ def test_min_tokens_ascii_boundary() -> None:
         assert scan(ids, stop=["b"], min_tokens=m).match == want, m
 
 
+def test_stop_string_completed_by_the_first_output_token() -> None:
+    ids = ids_of("abcab")
+    assert scan(ids, stop=["a"]).match == (1, "a", "")
+    assert scan(ids, stop=["ab"]).match == (2, "ab", "")
+    assert scan(ids, stop=["a"], include_stop_str_in_output=True).match == (1, "a", "a")
+
+
+def test_tokens_fed_at_once_stop_where_one_at_a_time_stops() -> None:
+    """A speculative step hands several tokens to one ``feed``: the match (and the text) is
+    the one a k = 0 run (one token per feed) finds, across min_tokens and cut characters."""
+    cases = [("abcab", ["c"], 1), ("abcab", ["ca"], 1), ("abcab", ["ca"], 2), ("aé中b c", ["b"], 0),
+             ("aé中b c", [" c"], 3), ("ab中c中", ["中"], 5), ("abcabc", ["bc"], 0)]
+    for text, stop, min_tokens in cases:
+        ids = ids_of(text)
+        one = scan(ids, stop=stop, min_tokens=min_tokens).match
+        assert one is not None, (text, stop, min_tokens)
+        at_once = StopStrings(SamplingParams(max_tokens=64, stop=stop, min_tokens=min_tokens),
+                              TextTokenizer(byte_tokenizer()))
+        assert at_once.feed(ids) == one, (text, stop, min_tokens)
+        halves = StopStrings(SamplingParams(max_tokens=64, stop=stop, min_tokens=min_tokens),
+                             TextTokenizer(byte_tokenizer()))
+        assert (halves.feed(ids[: len(ids) // 2]) or halves.feed(ids)) == one
+
+
+def test_a_stop_string_spanning_tokens_after_min_tokens() -> None:
+    """Fed one token at a time, a stop string that began in an earlier token (after the
+    first min_tokens) is found when its last token arrives."""
+    ids = ids_of("abcab")
+    assert scan(ids, stop=["ca"], min_tokens=1).match == (4, "ca", "ab")
+    assert scan(ids, stop=["ca"], min_tokens=2).match == (4, "ca", "ab")
+    assert scan(ids, stop=["ca"], min_tokens=3).match is None  # "c" is token 3's text
+
+
+def metaspace_tokenizer() -> TextTokenizer:
+    """SentencePiece-style words: "▁b" is " b" inside a text, "b" at its start (the decoder
+    drops a text's leading space), so a token decoded alone loses the space it carries;
+    "<s>" is special (decoded to nothing), "xyxy" one token holding a stop string twice."""
+    tok = Tokenizer(models.WordLevel(vocab={"▁a": 0, "▁b": 1, "c": 2, "[UNK]": 3, "<s>": 4,
+                                            "xyxy": 5}, unk_token="[UNK]"))
+    tok.add_special_tokens(["<s>"])
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    return TextTokenizer(tok)
+
+
+def test_a_token_holding_the_stop_string_twice_is_cut_at_the_first() -> None:
+    tok = metaspace_tokenizer()
+    ss = StopStrings(SamplingParams(max_tokens=8, stop=["xy"]), tok)
+    assert ss.feed([0, 5, 1]) == (2, "xy", "a")
+    ss = StopStrings(SamplingParams(max_tokens=8, stop=["xy"], include_stop_str_in_output=True),
+                     tok)
+    assert ss.feed([0, 5]) == (2, "xy", "axy")
+
+
+def test_a_token_without_text_keeps_the_next_words_space() -> None:
+    tok = metaspace_tokenizer()
+    ids = [0, 4, 1, 4, 4, 2, 1]
+    assert tok.decode(ids) == "a bc b"
+    ss = StopStrings(SamplingParams(max_tokens=8, stop=["zz"]), tok)
+    for i in range(1, len(ids) + 1):
+        assert ss.feed(ids[:i]) is None and ss.text == tok.decode(ids[:i]), i
+
+
+def test_word_start_spaces_survive_the_incremental_decode() -> None:
+    tok = metaspace_tokenizer()
+    ids = [0, 1, 2, 1, 0]
+    assert tok.decode(ids) == "a bc b a"
+    ss = StopStrings(SamplingParams(max_tokens=8, stop=["zz"]), tok)
+    for i in range(1, len(ids) + 1):
+        assert ss.feed(ids[:i]) is None
+        assert ss.text == tok.decode(ids[:i])
+    ss = StopStrings(SamplingParams(max_tokens=8, stop=["c b"]), tok)
+    assert ss.feed(ids) == (4, "c b", "a b")
+    inc = IncrementalText(tok, skip_special_tokens=True)
+    assert "".join(inc.push([t]) for t in ids) == "a bc b a"
+
+
 # ---- the real model's tokenizer (SmolLM2, byte-level BPE) ----------------------------------
 SMOL = Path.home() / ".cache" / "specengine" / "smollm2-135m-instruct"
 MIXED = "Café ☕ 中文 naïve 🙂🚀 end"
