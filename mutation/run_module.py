@@ -45,7 +45,8 @@ TESTS: dict[str, list[str]] = {
         "tests/test_behaviours_text.py", "tests/test_behaviours_stops.py",
         "tests/test_sampling_fields.py", "tests/test_behaviours_drafts.py"],
     "specengine/core/token_logprobs.py": [
-        "tests/test_sampling_fields.py", "tests/test_behaviours_server.py"],
+        "tests/test_sampling_fields.py", "tests/test_behaviours_server.py",
+        "tests/test_behaviours_drafts.py"],
     "specengine/weights/finite.py": [
         "tests/test_weight_finite.py", "tests/test_behaviours_weights.py"],
     "specengine/drafters/suffix.py": [

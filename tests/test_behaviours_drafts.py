@@ -83,3 +83,23 @@ def test_tokens_cut_by_a_stop_string_are_not_counted_per_step() -> None:
         cut_any |= any(len(o.token_ids) < len(f.token_ids) for o, f in zip(outs, free))
         assert eng.stats.num_step_tokens == sum(len(o.token_ids) - 1 for o in outs), stop
     assert cut_any
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_top_logprobs_of_every_row_when_some_rows_ask_none(k: int) -> None:
+    """A batch mixing requests without ``logprobs`` and with: every request that asked gets
+    one entry per token (equal to its run alone), whatever rows come before it."""
+    eng = SpecEngine(DEFAULT_TARGET, draft=DEFAULT_DRAFT, device="cpu", kernel_backend="torch",
+                     kv_cache_tokens=4096)
+    texts = ["Q:472+385=", "Q:18+904=", "Q:333+333=", "Q:70+7="]
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    asked = dataclasses.replace(plain, logprobs=2)
+    params = [plain, asked, plain, asked]
+    outs = eng.generate(texts, k=k, sampling=params)
+    for t, p, o in zip(texts, params, outs):
+        if p.logprobs is None:
+            assert o.top_logprobs == ()
+            continue
+        alone = eng.generate([t], k=k, sampling=p)[0]
+        assert len(o.top_logprobs) == len(o.token_ids) == 8
+        assert [sorted(d) for d in o.top_logprobs] == [sorted(d) for d in alone.top_logprobs]
