@@ -103,3 +103,22 @@ def test_top_logprobs_of_every_row_when_some_rows_ask_none(k: int) -> None:
         alone = eng.generate([t], k=k, sampling=p)[0]
         assert len(o.top_logprobs) == len(o.token_ids) == 8
         assert [sorted(d) for d in o.top_logprobs] == [sorted(d) for d in alone.top_logprobs]
+
+
+def test_suffix_open_weight_counts_open_occurrences_against_the_draft() -> None:
+    """``suffix_open_weight``: a running sibling standing at the same context (an occurrence
+    not continued yet) lowers the estimate of the continuation others took, so at
+    min_prob 0.5 the draft is kept with weight 0 and dropped with weight 1."""
+    from test_suffix_drafter import chains_of, seq_with
+
+    from specengine.drafters.suffix import SuffixDrafter
+
+    prompt = [10, 11, 12]
+    got = {}
+    for weight in (0.0, 1.0):
+        drafter = SuffixDrafter(suffix_prompt_tokens=2, suffix_smoothing=0.0,
+                                suffix_min_prob=0.5, suffix_open_weight=weight)
+        seqs = (seq_with(0, prompt, [1, 2, 3, 4, 5]), seq_with(1, prompt, [1, 2]),
+                seq_with(2, prompt, [1, 2, 7]))
+        got[weight] = chains_of(drafter, seqs, 4)
+    assert got == {0.0: [[], [3, 4, 5], []], 1.0: [[], [], []]}
