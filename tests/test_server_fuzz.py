@@ -73,13 +73,16 @@ def _graft(case: object, port: int, valid: tuple[list[int], dict, tuple | None] 
     body = getattr(case, "body", None)
     if not isinstance(body, dict):
         return
-    if case.path == "/init_weight_update_group":
-        body["master_address"] = "127.0.0.1"  # never any other address
-        body["master_port"] = port
-        t = body.get("timeout_s")
+    # Rendezvous bodies (SGLang's, and vLLM's nested under init_info) point at loopback.
+    rendezvous = body if case.path == "/init_weight_update_group" else (
+        body.get("init_info") if case.path == "/init_weight_transfer_engine" else None)
+    if isinstance(rendezvous, dict):
+        rendezvous["master_address"] = "127.0.0.1"  # never any other address
+        rendezvous["master_port"] = port
+        t = rendezvous.get("timeout_s")
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t <= 1e9:
             t = RENDEZVOUS_TIMEOUT_S
-        body["timeout_s"] = min(float(t), RENDEZVOUS_TIMEOUT_S)
+        rendezvous["timeout_s"] = min(float(t), RENDEZVOUS_TIMEOUT_S)
     elif case.path == "/generate" and valid is not None:
         prompt, fields, boundary = valid
         fields = dict(fields)
@@ -129,6 +132,10 @@ def test_fuzzed_requests_never_get_a_5xx_and_leave_the_engine_whole(served) -> N
         _graft(case, dead_port, valid)
         resp = case.call(base_url=base, timeout=CALL_TIMEOUT_S)
         statuses[(case.path, resp.status_code)] += 1
+        if case.path == "/pause_generation" and resp.status_code == 200:
+            # A paused server holds new /generate calls until /continue_generation (as
+            # SGLang's does): resume, so the next case tests its own request, not the pause.
+            assert post_json(port, "/continue_generation", {})[0] == 200
         if resp.status_code >= 500:
             body = json.dumps(case.body, default=str)[:300]
             failures.append(f"{case.method} {case.path} {body} -> {resp.status_code} "
