@@ -27,7 +27,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from specengine import SamplingParams
 from specengine.core.stop_strings import StopStrings
-from specengine.server.openai_api import IncrementalText
 from specengine.tokenizer import TextTokenizer, load_tokenizer
 
 # The byte-level vocabulary: ASCII letters, space, and the bytes of é (C3 A9) and 中 (E4 B8 AD).
@@ -71,6 +70,15 @@ def scan(text_ids: list[int], **params: Any) -> StopStrings:
 
 
 # ---- StopStrings ---------------------------------------------------------------------------
+def _incremental_text(tok: TextTokenizer) -> Any:
+    """The server's streaming detokenizer (``specengine.server`` needs FastAPI: without it
+    these tests skip, as the server's own do)."""
+    pytest.importorskip("fastapi")
+    from specengine.server.openai_api import IncrementalText
+
+    return IncrementalText(tok, skip_special_tokens=True)
+
+
 def test_split_characters_decode_whole() -> None:
     text = "aé中b中é c"
     ss = scan(ids_of(text))
@@ -181,7 +189,7 @@ def test_word_start_spaces_survive_the_incremental_decode() -> None:
         assert ss.text == tok.decode(ids[:i])
     ss = StopStrings(SamplingParams(max_tokens=8, stop=["c b"]), tok)
     assert ss.feed(ids) == (4, "c b", "a b")
-    inc = IncrementalText(tok, skip_special_tokens=True)
+    inc = _incremental_text(tok)
     assert "".join(inc.push([t]) for t in ids) == "a bc b a"
 
 
@@ -202,7 +210,7 @@ def test_real_tokenizer_streams_and_stops_on_split_characters(smol: TextTokenize
     ids = smol.encode(MIXED, add_special_tokens=False)
     pieces = [smol.decode([t]) for t in ids]
     assert any("\ufffd" in p for p in pieces)  # some character is split over tokens
-    inc = IncrementalText(smol, skip_special_tokens=True)
+    inc = _incremental_text(smol)
     deltas = [inc.push([t]) for t in ids]
     assert not any("\ufffd" in d for d in deltas)
     assert "".join(deltas) + inc.finish(smol.decode(ids)) == MIXED
