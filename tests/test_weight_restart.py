@@ -6,6 +6,7 @@ the new group replaces it; ``send()`` without a version is each engine's next ve
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import time
@@ -44,7 +45,10 @@ def mlp_update(seed: int) -> dict[str, torch.Tensor]:
             if ".mlp." in n}
 
 
-def test_restarted_trainer_rejoins_and_sends_the_next_version() -> None:
+def test_restarted_trainer_rejoins_and_sends_the_next_version(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # the sender's INFO line formats a versionless update too (it once raised on None)
+    caplog.set_level(logging.INFO, logger="specengine.weights.sender")
     eng = AsyncSpecEngine(bundled_engine())
     try:
         with running_server(eng, default_k=3) as (srv, client):
@@ -86,6 +90,7 @@ def test_restarted_trainer_rejoins_and_sends_the_next_version() -> None:
             got = Background(lambda: client.update_weights_from_distributed())
             sender.send(new)  # type: ignore[attr-defined]  # no version: the engine's next
             assert got.result() == 4
+            assert "sent weight update the next version" in caplog.text
             assert client.weight_version() == 4
             out = client.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8))
             assert out.weight_version == 4

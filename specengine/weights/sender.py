@@ -165,8 +165,10 @@ class WeightSender:
         if errors:
             raise WeightSyncError(f"weight update v{manifest.version} failed: "
                                   + " | ".join(errors))
-        logger.info("sent weight update v%d (%s): %d tensors, %.3f GB in %d buckets",
-                    manifest.version, manifest.which, len(manifest.entries),
+        # version None: the receivers number it (the engine's next version)
+        logger.info("sent weight update %s (%s): %d tensors, %.3f GB in %d buckets",
+                    "the next version" if manifest.version is None else f"v{manifest.version}",
+                    manifest.which, len(manifest.entries),
                     manifest.total_bytes / 1e9, len(chunks))
 
     def _send_shared(self, manifest: Manifest, tensors: list[torch.Tensor]) -> SharedWeights:
