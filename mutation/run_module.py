@@ -121,6 +121,10 @@ def prepare(module: str, workdir: Path) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     for name in ("specengine", "tests"):
         link = workdir / name
+        # a scratch directory left by another checkout (a removed worktree) must not test
+        # that checkout's code: the links always point at this one
+        if link.is_symlink() and Path(os.readlink(link)) != ROOT / name:
+            link.unlink()
         if not link.exists():
             link.symlink_to(ROOT / name)
     selection = TESTS[module]
