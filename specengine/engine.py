@@ -13,7 +13,6 @@ import torch
 
 from specengine.config import EngineConfig
 from specengine.core.auto_k import DEFAULT_K_MAX, resolve_k
-from specengine.core.auto_k_calibration import calibrate
 from specengine.core.engine_core import EngineCore
 from specengine.core.graphs import DEFAULT_BUCKETS, build_graph_runner
 from specengine.core.kv_cache import KVCache, num_kv_blocks
@@ -271,8 +270,6 @@ class SpecEngine:
                              f"{type(params).__name__}")
         k, auto = self._resolve_k(0 if k is None else k, k_max, tree)
         req = self.validate([prompt], k, params, tree)
-        if auto:
-            self._prepare_auto_k(k)
         rids = sample_ids(request_id, req.params[0].n, self.core.requests.__contains__)
         out = [self.core.add(req.prompts[0], sp, req.k, req.tree, rid, auto, sample=sample)
                for rid, (sp, sample) in zip(rids, expand_samples(req.params[0]))]
@@ -331,8 +328,6 @@ class SpecEngine:
             raise RuntimeError(f"generate needs an idle engine: {self.core.num_unfinished} "
                                "requests added with add_request are unfinished (step them to "
                                "the end or abort them first)")
-        if auto:
-            self._prepare_auto_k(k)
         ids = [self.core.add(p, s, req.k, req.tree, None, auto, sample=sample)  # prompt-major
                for p, sp in zip(req.prompts, req.params) for s, sample in expand_samples(sp)]
         done: dict[str, GenerationOutput] = {}
@@ -373,12 +368,6 @@ class SpecEngine:
         if auto and k > 0 and self.drafter is None:
             raise ValueError('k="auto" needs a drafter: construct the engine with draft=...')
         return k, auto
-
-    def _prepare_auto_k(self, k_max: int) -> None:
-        """Calibrate the step cost model on first use of k="auto" while the engine is idle
-        (on a busy engine auto requests run at k=0 until one arrives while it is idle)."""
-        if not self.core.auto_k.calibrated and not self.core.has_unfinished():
-            calibrate(self.core.auto_k, self.core, self.model_config.vocab_size, k_max)
 
     def _check_weights_whole(self) -> None:
         if self.sleep_state.is_sleeping:

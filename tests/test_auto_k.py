@@ -30,6 +30,7 @@ from specengine.core.cost_model import (
     expected_accepted,
     expected_by_k,
     fit_relative,
+    identified_terms,
 )
 
 NUM_SEQS = 12_000  # samples of the (t2, t3) law: enough for cells >= 5 expected counts
@@ -78,6 +79,18 @@ def test_best_k_maximises_tokens_per_second() -> None:
     assert k == 0 and rates == pytest.approx([1.0, 1.0])  # a tie: the smaller k
 
 
+def test_a_drafting_rule_measures_the_neighbours_of_its_k() -> None:
+    """Every ``neighbour_every``-th drafting step runs the better-rated of k - 1 and k + 1, so
+    the fit keeps seeing the cost's slope around the chosen k; the others run the best k."""
+    auto = controller(FLAT, 0.9, neighbour_every=4)
+    best, rates = auto.rates(4, 8)
+    ks = [auto.choose(4, 8) for _ in range(12)]
+    j = max((best - 1, best + 1), key=lambda i: rates[i])
+    assert best > 1 and ks == [best, best, best, j] * 3
+    top = controller(FLAT, 0.99, neighbour_every=2)
+    assert [top.choose(4, 3) for _ in range(2)] == [3, 2]  # k_max's only neighbour is below
+
+
 def test_useless_drafts_choose_zero_and_probe_rarely() -> None:
     auto = controller(FLAT, 0.0, probe_min=4, probe_max=16)
     ks = []
@@ -104,6 +117,58 @@ def test_explores_first_and_keeps_the_drafter_in_sync_only_when_it_may_pay() -> 
     assert not useless.on_prefill(8) and not useless.synced  # the next draft catches up first
     good = controller(BATCHY, 0.9)
     assert good.observes() and good.on_prefill(8) and good.synced
+
+
+def warm_step(auto: AutoK, true: StepCost, batch: int, k_max: int, accept: float,
+              width: int | None = None) -> int:
+    """One auto step of ``batch`` rows against ``true`` costs; drafts accepted at ``accept``
+    (the drafter proposes ``width`` when given: fewer than asked)."""
+    k = auto.choose(batch, k_max)
+    drafts = max(k, 0) if width is None else min(max(k, 0), width)
+    auto.record_step(batch, k, [batch] * drafts, [int(batch * accept)] * drafts,
+                     true.t_draft(batch, drafts), true.t_verify(batch, drafts + 1, k != 0))
+    return k
+
+
+def test_warm_up_fits_the_cost_model_on_the_runs_own_steps() -> None:
+    """No sweep: the first auto steps follow the warm-up plan (catch-up steps, then k = 1 and
+    ceil(k_max / 2)), each k's first step unmeasured, and the fit that ends it chooses as the
+    true costs would; the drafter is kept in sync from the prefill on."""
+    true = StepCost(draft=(0, 0, 0, 0, 0, 0.0002), verify=(0.01, 0.0004, 0, 0, 0.001, 0))
+    auto = AutoK(AutoKConfig(warmup_steps=2))
+    assert AutoKConfig().warmup_plan(8) == [SYNC] * 3 + [1] * 3 + [4] * 3
+    assert AutoKConfig(warmup_ks=(2, 9)).warmup_plan(6) == [SYNC] * 3 + [2] * 3 + [6] * 3
+    assert not auto.calibrated and auto.on_prefill(8) and auto.synced
+    ks = [warm_step(auto, true, 16, 8, 0.9) for _ in range(9)]
+    assert ks == [SYNC] * 3 + [1] * 3 + [4] * 3 and auto.calibrated
+    assert len(auto.costs.calibration) == 6  # two measured steps of each k
+    want, _ = best_k(expected_by_k(auto.acceptance.conditional(), 8),
+                     true.step_times(16, 8, sync=True))
+    assert want > 0 and warm_step(auto, true, 16, 8, 0.9) == want
+    # drafts that do not pay at any batch size: the fit picks k = 0 and the drafter idles
+    idle = AutoK()
+    for _ in range(9):
+        warm_step(idle, true, 16, 8, 0.0)
+    assert idle.calibrated and not idle.observes(8) and warm_step(idle, true, 16, 8, 0.0) == 0
+
+
+def test_warm_up_catches_up_before_drafting_and_retries_without_drafts() -> None:
+    true = StepCost(draft=(0, 0, 0, 0, 0, 0.0002), verify=(0.01, 0.0004, 0, 0, 0.001, 0))
+    auto = AutoK(AutoKConfig(warmup_ks=(1, 4), warmup_steps=1))
+    assert [warm_step(auto, true, 8, 8, 0.9) for _ in range(2)] == [SYNC, SYNC]
+    warm_step(auto, true, 8, 0, 0.9)  # a group with k_max = 0 runs plain: the drafter lags
+    assert not auto.synced
+    ks = [warm_step(auto, true, 8, 8, 0.9) for _ in range(5)]
+    assert ks == [SYNC, 1, 1, 4, 4] and auto.calibrated  # the catch-up is not the plan's
+    assert len(auto.costs.calibration) == 3  # the plan's SYNC, 1 and 4: one measured each
+    # an n-gram drafter without matches proposes nothing: nothing to fit, the plan restarts
+    blank = AutoK()
+    ks = [warm_step(blank, true, 8, 8, 0.0, width=0) for _ in range(18)]
+    assert not blank.calibrated and ks == 2 * AutoKConfig().warmup_plan(8)
+    assert warm_step(blank, true, 8, 8, 0.0, width=2) == SYNC  # proposing again: it fits
+    for _ in range(8):
+        warm_step(blank, true, 8, 8, 0.0, width=2)
+    assert blank.calibrated
 
 
 def test_probe_notices_when_drafting_pays_again() -> None:
@@ -134,8 +199,47 @@ def test_cost_fit_recovers_a_linear_cost_and_shrugs_off_bursts() -> None:
     assert np.all(np.diff(times) >= 0)
     with pytest.raises(ValueError):
         fit_relative(np.ones((3, 2)), np.array([1.0, 0.0, 1.0]))
-    with pytest.raises(ValueError):
-        CostModel().calibrate(samples[:4])  # one batch size
+    with pytest.raises(ValueError, match="chain lengths"):
+        CostModel().calibrate(samples[:5:5])  # one k
+
+
+def test_cost_fit_from_one_batch_size_is_constant_in_the_batch() -> None:
+    """A run's first steps are at one batch size: the batch terms cannot be told apart from
+    the constant ones, so the fit is constant in B (the best k at the measured batch is taken
+    everywhere) and exact at the measured batch; the catch-up terms need a plain k = 0 step
+    next to the catch-up ones, else a plain step is taken to cost a catch-up one."""
+    true = StepCost(draft=(1e-4, 1e-6, 5e-4, 2e-6, 1e-3, 3e-5),
+                    verify=(5e-3, 2e-4, 2e-5, 1e-4, 2e-3, 1e-5))
+
+    def measured(b: int, k: int, sync: bool) -> StepMeasure:
+        return StepMeasure(b, k, sync, true.t_draft(b, k), true.t_verify(b, k + 1, sync))
+
+    steps = [measured(16, k, True) for k in (0, 1, 4) for _ in range(2)]
+    assert identified_terms(steps) == (False, False)
+    model = CostModel(refit_every=1000)
+    fit = model.calibrate(steps)
+    for k in (0, 1, 4, 6):
+        assert fit.step_time(16, k, True) == pytest.approx(true.step_time(16, k, True), rel=1e-6)
+        assert fit.step_time(1, k) == pytest.approx(fit.step_time(64, k), rel=1e-9)
+    assert fit.step_time(16, 0, sync=False) == pytest.approx(true.step_time(16, 0, sync=True))
+    # a first plain step identifies the catch-up terms: refitted at once, not 1000 steps on
+    version = model.version
+    model.add(measured(16, 0, False))
+    assert model.version == version + 1 and model.terms == (False, True)
+    assert model.cost.step_time(16, 0) == pytest.approx(true.step_time(16, 0), rel=1e-6)
+    model.add(measured(16, 0, False))
+    assert model.version == version + 1  # nothing new: no refit
+    # a batch size one octave away at two k identifies nothing; at a third k it does
+    model.add(measured(2, 1, True))
+    model.add(measured(2, 0, True))
+    assert model.version == version + 1
+    model.add(measured(2, 4, True))
+    assert model.version == version + 2 and model.terms == (True, True)
+    for b, k in ((2, 3), (16, 4)):
+        assert model.cost.step_time(b, k) == pytest.approx(true.step_time(b, k), rel=1e-3)
+    # the batch terms from two batch sizes of one octave stay unidentified
+    near = [measured(b, k, True) for b in (16, 31) for k in (0, 1, 4)]
+    assert identified_terms(near) == (False, False)
 
 
 @pytest.fixture(scope="module")
@@ -169,18 +273,17 @@ def test_greedy_auto_equals_k0_while_k_changes(engine: SpecEngine, cuda_graphs: 
     assert eng.kv_cache.num_free_blocks == eng.kv_cache.num_blocks
 
 
-def test_auto_with_step_api_and_calibration() -> None:
-    """A real calibration sweep (tiny), then auto and fixed-k requests side by side."""
+def test_auto_with_step_api_and_warm_up() -> None:
+    """The warm-up on the requests' own steps, auto and fixed-k requests side by side."""
     eng = SpecEngine(DEFAULT_TARGET, draft=DEFAULT_DRAFT, device="cpu", seed=0)
-    eng.core.auto_k = AutoK(AutoKConfig(calibration_batches=(1, 2), calibration_ks=(0, 2),
-                                        calibration_steps=2))
+    eng.core.auto_k = AutoK(AutoKConfig(warmup_ks=(2,), warmup_steps=1))
     prompts = arith(3)
     sp = SamplingParams(temperature=0.0, max_tokens=24)
     base = eng.generate(prompts, k=0, sampling=sp)
     before = eng.stats
     ids = [eng.add_request(prompts[0], sp, k="auto", k_max=4),
            eng.add_request(prompts[1], sp, k=2), eng.add_request(prompts[2], sp)]
-    assert eng.core.auto_k.calibrated and eng.stats == before  # the sweep leaves no stats
+    assert not eng.core.auto_k.calibrated  # no sweep before the first step
     done = {}
     while eng.has_unfinished():
         for out in eng.step():
@@ -188,6 +291,7 @@ def test_auto_with_step_api_and_calibration() -> None:
                 done[out.request_id] = out.output.token_ids
     assert [done[i] for i in ids] == [o.token_ids for o in base]
     assert sum(eng.stats.auto_k_steps) > 0 and len(eng.stats.auto_k_steps) <= 5
+    assert eng.core.auto_k.calibrated  # fitted by the auto request's first 4 steps
 
 
 @pytest.mark.parametrize("kwargs, match", [

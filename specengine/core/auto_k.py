@@ -6,6 +6,11 @@ ones), :meth:`AutoK.choose` returns the ``k`` in ``0..k_max`` with the most expe
 per second, then :meth:`AutoK.record` feeds the step's measured draft / verify times to the
 cost model and its accepted drafts per position to the acceptance tracker. The rule:
 
+* Warm-up: until the cost model is fitted, the steps follow a short plan on the user's own
+  requests (:meth:`AutoKConfig.warmup_plan`: catch-up steps, then ``k = 1`` and
+  ``ceil(k_max / 2)``, a few measured steps each), and the fit is made from those steps. No
+  start-up sweep on synthetic requests: the warm-up's steps produce tokens, so fitting costs
+  only their distance from the best k, and it works the same on a busy engine or a server.
 * ``k > 0`` when it pays. A drafter that skipped steps (it observes nothing at ``k = 0``)
   first catches up for one step (``SYNC``: no drafts, the drafter observes the pass), since
   drafting from a stale root would be rejected and would teach the tracker a false low rate.
@@ -18,6 +23,8 @@ cost model and its accepted drafts per position to the acceptance tracker. The r
   (lossless either way).
 * Exploration: until ``explore_min`` first drafts were counted, the acceptance estimate is not
   trusted: steps draft at least one token and the drafter keeps catching up.
+* Neighbours: every ``neighbour_every`` drafting steps, one runs the better-rated of
+  ``k +- 1`` instead, so the fit keeps seeing how the cost changes around the chosen k.
 * Probes: after ``probe_interval`` consecutive ``k = 0`` steps, one step drafts the best
   ``k >= 1`` (after a catch-up step if needed) so a drafter that became good is noticed. The
   interval starts at ``probe_min``, doubles after every probe (up to ``probe_max``) and goes
@@ -71,30 +78,40 @@ def resolve_k(k: object, k_max: object = DEFAULT_K_MAX) -> tuple[int, bool]:
 
 @dataclass(frozen=True)
 class AutoKConfig:
-    """Knobs of the rule (module docstring) and of the start-up calibration sweep."""
+    """Knobs of the rule (module docstring) and of the warm-up that fits the cost model."""
 
     probe_min: int = 16
     probe_max: int = 256
     memory: float = 2048.0  # drafts per position the acceptance estimate remembers
     explore_min: float = 16.0  # first drafts counted before the estimate decides alone
-    window: int = 64  # measured steps per batch-size octave the fit keeps (and calibration)
-    refit_every: int = 128
-    calibration_batches: tuple[int, ...] = (1, 16, 64)
-    calibration_ks: tuple[int, ...] = (0, 1, 2, 4, 8)
-    calibration_steps: int = 2  # timed decode steps per (batch, k) and pass, after one untimed
-    calibration_passes: int = 2  # passes over the grid, each in a shuffled order
+    window: int = 64  # measured steps per batch-size octave the fit keeps
+    refit_every: int = 32
+    #: every this many drafting steps the rule runs the better neighbour of its k (k +- 1)
+    neighbour_every: int = 16
+    #: chain lengths the warm-up drafts (capped by k_max); None: 1 and ceil(k_max / 2)
+    warmup_ks: tuple[int, ...] | None = None
+    warmup_steps: int = 2  # measured steps per warm-up k (and catch-up), after one unmeasured
 
     def __post_init__(self) -> None:
         if not 1 <= self.probe_min <= self.probe_max:
             raise ValueError(f"need 1 <= probe_min <= probe_max, got {self.probe_min}, "
                              f"{self.probe_max}")
-        if self.memory <= 0 or self.window < 8 or self.refit_every < 1:
-            raise ValueError("need memory > 0, window >= 8, refit_every >= 1")
-        if (not self.calibration_batches or min(self.calibration_batches) < 1
-                or not self.calibration_ks or min(self.calibration_ks) < 0
-                or self.calibration_steps < 1 or self.calibration_passes < 1):
-            raise ValueError("calibration batches >= 1, ks >= 0, steps >= 1 and passes >= 1 "
-                             "are needed")
+        if (self.memory <= 0 or self.window < 8 or self.refit_every < 1
+                or self.neighbour_every < 2):
+            raise ValueError("need memory > 0, window >= 8, refit_every >= 1, "
+                             "neighbour_every >= 2")
+        if self.warmup_steps < 1 or (self.warmup_ks is not None and (
+                not self.warmup_ks or min(self.warmup_ks) < 1)):
+            raise ValueError(f"the warm-up needs warmup_steps >= 1 and warmup_ks >= 1 (or "
+                             f"None), got {self.warmup_steps}, {self.warmup_ks}")
+
+    def warmup_plan(self, k_max: int) -> list[int]:
+        """The warm-up's steps: catch-up steps (``SYNC``), then each drafting k; each k's
+        first step is not measured (it may compile kernels or capture a graph)."""
+        ks = self.warmup_ks or (1, -(-k_max // 2))
+        plan = [SYNC]
+        plan += sorted({min(k, k_max) for k in ks})
+        return [k for k in plan for _ in range(self.warmup_steps + 1)]
 
 
 @dataclass(frozen=True)
@@ -145,6 +162,13 @@ class AutoK:
         self.num_zero_steps = 0  # consecutive k = 0 steps
         self._probe_next: int | None = None  # a probe's k after its catch-up step
         self.num_probes = 0
+        self.num_draft_steps = 0  # steps the rule chose to draft (neighbour_every counts them)
+        # The warm-up (until the cost model is fitted): the plan, the step it is at, whether
+        # the step just chosen is the plan's, and the steps it measured.
+        self._plan: list[int] = []
+        self._plan_at = 0
+        self._planned = False
+        self._warm: list[StepMeasure] = []
 
     @property
     def calibrated(self) -> bool:
@@ -168,8 +192,10 @@ class AutoK:
     def choose(self, batch: int, k_max: int) -> int:
         """This step's k for a group of ``batch`` auto requests (``SYNC``: no drafts, the
         drafter catches up)."""
-        if k_max == 0 or not self.calibrated:
-            return 0  # nothing to choose, or no cost model yet (the engine was busy)
+        if k_max == 0:
+            return 0  # nothing to choose
+        if not self.calibrated:
+            return self._warmup(k_max)
         if self._probe_next is not None:
             k, self._probe_next = min(self._probe_next, k_max), None
             return k
@@ -180,7 +206,12 @@ class AutoK:
             k = 1 + int(np.argmax(rates[1:]))  # explore: measure the drafts first
         if k > 0:
             self.probe_interval = self.config.probe_min
-            return k if self.synced else SYNC
+            if not self.synced:
+                return SYNC
+            self.num_draft_steps += 1
+            if self.num_draft_steps % self.config.neighbour_every == 0:
+                k = self._neighbour(k, rates)
+            return k
         self.num_zero_steps += 1
         if self.num_zero_steps >= self.probe_interval:
             self.num_zero_steps = 0
@@ -192,6 +223,40 @@ class AutoK:
             self._probe_next = probe
             return SYNC
         return SYNC if observe else 0
+
+    @staticmethod
+    def _neighbour(k: int, rates: np.ndarray) -> int:
+        """The better-rated of ``k - 1`` and ``k + 1`` (drafting, within ``k_max``): run now and
+        then so the fit keeps measuring the slope around the chosen k. Otherwise every step
+        runs one k and the fit's slope in k stays what the warm-up's few steps made it (a
+        burst of another job there would pin the choice for good)."""
+        around = [j for j in (k - 1, k + 1) if 1 <= j < len(rates)]
+        return max(around, key=lambda j: rates[j]) if around else k
+
+    def _warmup(self, k_max: int) -> int:
+        """The warm-up plan's next step (:meth:`AutoKConfig.warmup_plan`): real steps of the
+        user's requests, so fitting the cost model costs only the steps run at another k than
+        the best one; a drafting step after a plain one catches up first."""
+        if not self._plan:
+            self._plan, self._plan_at, self._warm = self.config.warmup_plan(k_max), 0, []
+        k = min(self._plan[self._plan_at], k_max)
+        self._planned = k <= 0 or self.synced
+        return k if self._planned else SYNC
+
+    def _record_warmup(self, measure: StepMeasure) -> None:
+        """A warm-up step ran: keep its times unless it is the first of its k (it may have
+        compiled or captured); fit once the plan is done (again if the drafter proposed too
+        few distinct lengths to fit, e.g. an n-gram drafter without matches)."""
+        at, plan = self._plan_at, self._plan
+        if at and plan[at - 1] == plan[at] and measure.draft_s >= 0 and measure.verify_s > 0:
+            self._warm.append(measure)
+        self._plan_at += 1
+        if self._plan_at < len(plan):
+            return
+        self._plan = []
+        if len({m.k for m in self._warm}) >= 2:
+            self.costs.calibrate(self._warm)
+            logger.info("k='auto' cost model fitted to %d warm-up steps", len(self._warm))
 
     def on_prefill(self, k_max: int) -> bool:
         """A prefill of auto requests: whether the drafter observes it (:meth:`observes`);
@@ -208,8 +273,10 @@ class AutoK:
     def observes(self, k_max: int = DEFAULT_K_MAX) -> bool:
         """Whether the drafter should catch up when an auto group does not draft (k = 0 steps,
         prefills): while the estimate is uncertain, or drafting would pay at batch 1."""
-        if not self.calibrated or k_max == 0:
+        if k_max == 0:
             return False
+        if not self.calibrated:
+            return True  # the warm-up drafts
         return self.uncertain or self.rates(1, k_max)[0] > 0
 
     def record(self, batch: int, k: int, before: _Before, times: StepTimes) -> None:
@@ -232,7 +299,12 @@ class AutoK:
             self.num_zero_steps = 0
             self.acceptance.update(*conditional_counts(proposed, accepted))
         self.synced = k != 0
-        self.costs.add(StepMeasure(batch, width, k != 0, draft_s, verify_s))
+        measure = StepMeasure(batch, width, k != 0, draft_s, verify_s)
+        if self._planned and self._plan:
+            self._planned = False
+            self._record_warmup(measure)
+        elif self.calibrated:
+            self.costs.add(measure)
 
     def run(self, batch: int, k_max: int, times: StepTimes,
             run_step: Callable[[int], None]) -> int:

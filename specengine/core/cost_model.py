@@ -162,11 +162,46 @@ class StepMeasure:
     verify_s: float
 
 
+#: columns of the batch-size terms in draft_features / verify_features
+DRAFT_BATCH_COLUMNS = (1, 3, 5)
+VERIFY_BATCH_COLUMNS = (1, 2, 5)
+#: columns of the catch-up terms in verify_features
+VERIFY_SYNC_COLUMNS = (4, 5)
+
+
+def identified_terms(samples: Sequence[StepMeasure]) -> tuple[bool, bool]:
+    """Which terms of the model ``samples`` can tell apart from the constant ones:
+    ``(batch, catch_up)``.
+
+    * The batch-size terms need steps at two batch sizes an octave or more apart (a run's
+      batch drifting from 32 to 30 cannot separate ``θ·1`` from ``θ·B``), each at three or more
+      chain lengths (no draft, and two drafting lengths: a draft pass's fixed cost and its
+      cost per token, per sequence and per step). Without them the fit is constant in B: the best k at the measured batch
+      is taken at every batch until another is measured (steps scaled alike in k keep the
+      argmax).
+    * The catch-up terms ``s, s·B`` need plain k = 0 steps (``s = 0``) next to steps that
+      caught up: every drafting step catches up, so without a plain step ``s`` is the
+      constant column again, and a plain step is taken to cost a catch-up step.
+    """
+    ks: dict[int, set[int]] = {}
+    for s in samples:
+        ks.setdefault(max(s.batch, 1).bit_length(), set()).add(s.k)
+    return _terms(ks, {s.sync for s in samples})
+
+
+def _terms(ks: dict[int, set[int]], syncs: set[bool]) -> tuple[bool, bool]:
+    """:func:`identified_terms` from the chain lengths measured per batch-size octave and the
+    catch-up flags seen."""
+    return sum(1 for found in ks.values() if len(found) >= 3) >= 2, len(syncs) == 2
+
+
 class CostModel:
-    """:class:`StepCost` fitted to calibration steps (kept for good) and the latest measured
-    steps, ``window`` of each batch-size octave (1, 2-3, 4-7, ...: a run of small batches
-    does not crowd out what large ones cost), refitted every ``refit_every`` new steps
-    (``iters`` IRLS iterations: a refit costs milliseconds, so it is spread over many)."""
+    """:class:`StepCost` fitted to a run's first steps (the warm-up of ``core.auto_k``, kept
+    for good) and the latest measured steps, ``window`` of each batch-size octave (1, 2-3,
+    4-7, ...: a run of small batches does not crowd out what large ones cost), refitted every
+    ``refit_every`` new steps and whenever the steps come to identify more terms
+    (:func:`identified_terms`: a first plain k = 0 step, a second batch size); ``iters`` IRLS
+    iterations: a refit costs milliseconds, so it is spread over many steps."""
 
     def __init__(self, window: int = 64, refit_every: int = 128, iters: int = 12) -> None:
         self.calibration: list[StepMeasure] = []
@@ -176,21 +211,30 @@ class CostModel:
         self.iters = iters
         self.cost: StepCost | None = None
         self.version = 0  # bumped by every refit
+        self.terms = (False, False)  # identified_terms of the last fit
         self._since_fit = 0
+        # what every step so far measured: octave -> chain lengths, catch-up flags, and the
+        # terms they identify (a change triggers a refit)
+        self._ks: dict[int, set[int]] = {}
+        self._syncs: set[bool] = set()
+        self._seen = (False, False)
 
     @property
     def fitted(self) -> bool:
         return self.cost is not None
 
     def calibrate(self, samples: Sequence[StepMeasure]) -> StepCost:
-        """Fit to a calibration sweep (needs steps at >= 2 batch sizes and >= 2 k)."""
-        if len({s.batch for s in samples}) < 2 or len({s.k for s in samples}) < 2:
-            raise ValueError("a calibration needs steps at >= 2 batch sizes and >= 2 k")
+        """Fit to a run's first measured steps (needs steps at >= 2 chain lengths)."""
+        if len({s.k for s in samples}) < 2:
+            raise ValueError("a calibration needs steps at >= 2 chain lengths k")
         self.calibration = list(samples)
+        for s in samples:
+            self._note(s)
         return self.refit()
 
     def add(self, sample: StepMeasure) -> None:
-        """A measured step; refits every ``refit_every`` (once calibrated)."""
+        """A measured step; refits (once calibrated) every ``refit_every`` steps, or at once
+        when it lets the fit identify a term it could not (:func:`identified_terms`)."""
         if sample.draft_s < 0 or sample.verify_s <= 0:
             return  # a clock that went backwards or a step that did nothing says nothing
         octave = max(sample.batch, 1).bit_length()
@@ -198,21 +242,47 @@ class CostModel:
             self.recent[octave] = deque(maxlen=self.window)
         self.recent[octave].append(sample)
         self._since_fit += 1
-        if self.calibration and self._since_fit >= self.refit_every:
+        if self._note(sample) and self.calibration:
             self.refit()
+        elif self.calibration and self._since_fit >= self.refit_every:
+            self.refit()
+
+    def _note(self, s: StepMeasure) -> bool:
+        """Track what the steps measured; whether that identifies a term it did not."""
+        self._ks.setdefault(max(s.batch, 1).bit_length(), set()).add(s.k)
+        self._syncs.add(s.sync)
+        seen, self._seen = self._seen, _terms(self._ks, self._syncs)
+        return seen != self._seen
 
     def refit(self) -> StepCost:
         samples = self.calibration + [s for q in self.recent.values() for s in q]
+        batch, catch_up = self.terms = identified_terms(samples)
         draft = [s for s in samples if s.draft_s > 0]
-        xd = np.array([draft_features(s.batch, s.k) for s in draft])
+        dropped_d = () if batch else DRAFT_BATCH_COLUMNS
+        dropped_v = (() if batch else VERIFY_BATCH_COLUMNS) + (
+            () if catch_up else VERIFY_SYNC_COLUMNS)
+        xd = np.array([draft_features(s.batch, s.k) for s in draft]).reshape(-1, 6)
         xv = np.array([verify_features(s.batch, s.k + 1, s.sync) for s in samples])
-        theta_d = fit_relative(xd, np.array([s.draft_s for s in draft]), iters=self.iters)
-        theta_v = fit_relative(xv, np.array([s.verify_s for s in samples]), iters=self.iters)
+        theta_d = _fit_columns(xd, np.array([s.draft_s for s in draft]), dropped_d, self.iters)
+        theta_v = _fit_columns(xv, np.array([s.verify_s for s in samples]), dropped_v,
+                               self.iters)
         self.cost = StepCost(tuple(float(t) for t in theta_d),
                              tuple(float(t) for t in theta_v))
         self._since_fit = 0
         self.version += 1
         return self.cost
+
+
+def _fit_columns(x: np.ndarray, y: np.ndarray, dropped: tuple[int, ...],
+                 iters: int) -> np.ndarray:
+    """:func:`fit_relative` on the columns not ``dropped`` (their coefficients are 0); all
+    zeros when there is nothing to fit (no step drafted: no draft time to model)."""
+    theta = np.zeros(x.shape[1])
+    if not len(y):
+        return theta
+    keep = [c for c in range(x.shape[1]) if c not in dropped]
+    theta[keep] = fit_relative(x[:, keep], y, iters=iters)
+    return theta
 
 
 class AcceptanceTracker:
@@ -266,4 +336,4 @@ class AcceptanceTracker:
 
 
 __all__ = ["AcceptanceTracker", "CostModel", "StepCost", "StepMeasure", "best_k",
-           "expected_accepted", "expected_by_k", "fit_relative"]
+           "expected_accepted", "expected_by_k", "fit_relative", "identified_terms"]
