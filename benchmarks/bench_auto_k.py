@@ -18,7 +18,7 @@ twice per round, ``0'``) shows the noise floor: identical work, different figure
 tokens / wall seconds of ``engine.stats``, prefill included; next to it tokens per
 CPU second of this thread, ``time.thread_time``: with one torch thread every op runs on it,
 so on a shared machine it leaves out the time slices other jobs took). Each engine runs one
-untimed ``k="auto"`` call first: the calibration sweep (timed separately, printed) happens
+untimed ``k="auto"`` call first: the warm-up that fits the cost model (timed, printed) happens
 there, once per engine, as in a long RL run; the controller's state carries across calls.
 
 Usage::

@@ -161,9 +161,11 @@ def run_config(spec: RunSpec, args: argparse.Namespace, task: Task,
     hf_logging.disable_progress_bar()
     device = "cuda:0" if args.device == "cuda" else "cpu"
     torch.manual_seed(args.seed)
-    learner = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    learner = learner.to(device).train()
-    opt = torch.optim.Adam(learner.parameters(), lr=args.lr)
+    learner = opt = None
+    if not args.no_learner:
+        learner = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        learner = learner.to(device).train()
+        opt = torch.optim.Adam(learner.parameters(), lr=args.lr)
     engine = SpecEngine(args.model, draft=draft_arg(spec, args.draft),
                         **engine_kwargs(spec, args, device))
     problems = task.problems(args.seed)
@@ -185,17 +187,24 @@ def run_config(spec: RunSpec, args: argparse.Namespace, task: Task,
             rewards = [task.reward(p, task.decode(t)) for p, t in zip(group, tokens)]
             # the learner: log pi of the sampled tokens (before its update) vs the engine's
             w0 = time.perf_counter()
-            new_logp, mask = token_logprobs(learner, prompt_ids, tokens, args.temperature)
-            old_logp = padded([list(o.logprobs) for o in outs], new_logp)
-            gap = (new_logp.detach() - old_logp).abs() * mask
-            loss = grpo_loss(new_logp, old_logp, group_advantages(rewards, args.group), mask,
-                             args.clip_eps)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            gap_max = gap_mean = loss_value = None
+            version = None
+            if learner is not None:
+                new_logp, mask = token_logprobs(learner, prompt_ids, tokens, args.temperature)
+                old_logp = padded([list(o.logprobs) for o in outs], new_logp)
+                gap = (new_logp.detach() - old_logp).abs() * mask
+                loss = grpo_loss(new_logp, old_logp, group_advantages(rewards, args.group),
+                                 mask, args.clip_eps)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                gap_max, gap_mean = float(gap.max()), float(gap.sum() / mask.sum())
+                loss_value = loss.item()
             learn_s = time.perf_counter() - w0
             w0 = time.perf_counter()
-            version = engine.load_weights((n, p.detach()) for n, p in learner.named_parameters())
+            if learner is not None:
+                version = engine.load_weights((n, p.detach())
+                                              for n, p in learner.named_parameters())
             _sync(device)
             prop, acc = st.proposed_per_position, st.accepted_per_position
             records.append(dict(
@@ -207,14 +216,12 @@ def run_config(spec: RunSpec, args: argparse.Namespace, task: Task,
                 acceptance=st.num_accepted_tokens / max(st.num_draft_tokens, 1),
                 acceptance_per_position=[a / p if p else None for a, p in zip(acc, prop)],
                 proposed_per_position=list(prop), auto_k_steps=list(st.auto_k_steps),
-                logprob_gap_max=float(gap.max()), logprob_gap_mean=float(gap.sum() /
-                                                                         mask.sum()),
-                loss=loss.item()))
+                logprob_gap_max=gap_max, logprob_gap_mean=gap_mean, loss=loss_value))
             if on_record is not None:
                 on_record(records[-1])
-            logger.info("%s step %d: reward %.3f, rollout %.2f s, %.2f tok/step, gap %.1e",
+            logger.info("%s step %d: reward %.3f, rollout %.2f s, %.2f tok/step, gap %s",
                         spec.name, step, records[-1]["reward"], rollout_s,
-                        records[-1]["tokens_per_step"], records[-1]["logprob_gap_max"])
+                        records[-1]["tokens_per_step"], gap_max)
     finally:
         engine.close()
         del engine, learner, opt
@@ -249,7 +256,8 @@ def summarize(records: list[dict[str, Any]], configs: list[RunSpec]) -> list[dic
             tokens=sum(r["tokens"] for r in rs),
             tokens_per_step=statistics.mean(r["tokens_per_step"] for r in rs),
             acceptance_per_position=[statistics.mean(p) if p else None for p in pos[:4]],
-            logprob_gap_max=max(r["logprob_gap_max"] for r in rs)))
+            logprob_gap_max=max((r["logprob_gap_max"] for r in rs
+                                 if r["logprob_gap_max"] is not None), default=None)))
     # On a shared CPU the process's CPU seconds are the cost (wall time also counts the
     # other processes' turns, which change from one configuration's run to the next).
     for key, suffix in (("rollout_s", ""), ("rollout_cpu_s", "_cpu")):
@@ -274,7 +282,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['config']} | {r['reward_first']:.3f} -> {r['reward_last']:.3f} | "
                      f"{r['rollout_s']:.1f} | {r['rollout_cpu_s']:.1f} | "
                      f"{f(r['vs_k0_cpu'], '.2f')} | {f(r['vs_best_fixed_cpu'], '.2f')} | "
-                     f"{r['tokens_per_step']:.2f} | {acc} | {r['logprob_gap_max']:.1e} |")
+                     f"{r['tokens_per_step']:.2f} | {acc} | {f(r['logprob_gap_max'], '.1e')} |")
     return "\n".join(lines)
 
 
@@ -354,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="start no configuration after this many seconds (the rest is "
                          "left out of the table; a lent GPU's command has a time limit)")
     ap.add_argument("--out", type=Path, default=HERE / "out" / "grpo")
+    ap.add_argument("--no-learner", action="store_true",
+                    help="rollouts only, of a fixed policy (no learner, no push): the cost "
+                         "side (k='auto' against fixed k) where a learner step does not fit")
     ap.add_argument("--summarize-only", action="store_true",
                     help="no runs: the table and plots again from --out's grpo_steps.jsonl")
     args = ap.parse_args(argv)
