@@ -148,86 +148,122 @@ def engine_kwargs(spec: RunSpec, args: argparse.Namespace, device: str) -> dict[
     return kw
 
 
+class ConfigRun:
+    """One configuration's run, a GRPO step at a time (``step``), so configurations can run
+    one after another or interleaved step by step (``--interleave``); ``close`` frees it."""
+
+    def __init__(self, spec: RunSpec, args: argparse.Namespace, task: Task) -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        from specengine import SpecEngine
+
+        hf_logging.disable_progress_bar()
+        self.spec, self.args, self.task = spec, args, task
+        self.device = device = "cuda:0" if args.device == "cuda" else "cpu"
+        torch.manual_seed(args.seed)
+        self.learner = self.opt = None
+        if not args.no_learner:
+            self.learner = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+            self.learner = self.learner.to(device).train()
+            self.opt = torch.optim.Adam(self.learner.parameters(), lr=args.lr)
+        self.engine = SpecEngine(args.model, draft=draft_arg(spec, args.draft),
+                                 **engine_kwargs(spec, args, device))
+        self.problems = task.problems(args.seed)
+        self.rng = random.Random(args.seed)
+
+    def step(self, step: int) -> dict[str, Any]:
+        """Rollouts of this step's prompts (the same prompts and seeds in every
+        configuration), then the learner's update and the push; the step's record."""
+        from specengine import SamplingParams
+
+        args, task, engine, learner = self.args, self.task, self.engine, self.learner
+        prompts = [next(self.problems) for _ in range(args.prompts)]
+        group = [p for p in prompts for _ in range(args.group)]
+        prompt_ids = [task.encode(p) for p in group]
+        params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                                 seed=self.rng.getrandbits(62)) for _ in group]
+        _sync(self.device)
+        w0, c0 = time.perf_counter(), time.process_time()
+        outs = engine.generate(prompt_ids, k=self.spec.k, sampling=params)
+        rollout_s, rollout_cpu_s = time.perf_counter() - w0, time.process_time() - c0
+        st = engine.stats
+        tokens = [list(o.token_ids) for o in outs]
+        rewards = [task.reward(p, task.decode(t)) for p, t in zip(group, tokens)]
+        # the learner: log pi of the sampled tokens (before its update) vs the engine's
+        w0 = time.perf_counter()
+        gap_max = gap_mean = loss_value = version = None
+        if learner is not None:
+            new_logp, mask = token_logprobs(learner, prompt_ids, tokens, args.temperature)
+            old_logp = padded([list(o.logprobs) for o in outs], new_logp)
+            gap = (new_logp.detach() - old_logp).abs() * mask
+            loss = grpo_loss(new_logp, old_logp, group_advantages(rewards, args.group),
+                             mask, args.clip_eps)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.opt.step()
+            gap_max, gap_mean = float(gap.max()), float(gap.sum() / mask.sum())
+            loss_value = loss.item()
+        learn_s = time.perf_counter() - w0
+        w0 = time.perf_counter()
+        if learner is not None:
+            version = engine.load_weights((n, p.detach()) for n, p in learner.named_parameters())
+        _sync(self.device)
+        prop, acc = st.proposed_per_position, st.accepted_per_position
+        rec = dict(
+            config=self.spec.name, step=step, reward=sum(rewards) / len(rewards),
+            rollout_s=rollout_s, rollout_cpu_s=rollout_cpu_s, learn_s=learn_s,
+            push_s=time.perf_counter() - w0, version=version,
+            tokens=sum(map(len, tokens)), engine_steps=st.num_steps,
+            tokens_per_step=st.num_step_tokens / max(st.num_seq_steps, 1),
+            acceptance=st.num_accepted_tokens / max(st.num_draft_tokens, 1),
+            acceptance_per_position=[a / p if p else None for a, p in zip(acc, prop)],
+            proposed_per_position=list(prop), auto_k_steps=list(st.auto_k_steps),
+            logprob_gap_max=gap_max, logprob_gap_mean=gap_mean, loss=loss_value,
+            load=os.getloadavg()[0])
+        logger.info("%s step %d: reward %.3f, rollout %.2f s, %.2f tok/step, gap %s",
+                    self.spec.name, step, rec["reward"], rollout_s, rec["tokens_per_step"],
+                    gap_max)
+        return rec
+
+    def close(self) -> None:
+        self.engine.close()
+        self.engine = self.learner = self.opt = None
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
 def run_config(spec: RunSpec, args: argparse.Namespace, task: Task,
                on_record: Callable[[dict[str, Any]], None] | None = None
                ) -> list[dict[str, Any]]:
     """The run of one configuration: a record per step (each also handed to ``on_record``
     as it is made, so a run cut short keeps its steps)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from specengine import SamplingParams, SpecEngine
-
-    hf_logging.disable_progress_bar()
-    device = "cuda:0" if args.device == "cuda" else "cpu"
-    torch.manual_seed(args.seed)
-    learner = opt = None
-    if not args.no_learner:
-        learner = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-        learner = learner.to(device).train()
-        opt = torch.optim.Adam(learner.parameters(), lr=args.lr)
-    engine = SpecEngine(args.model, draft=draft_arg(spec, args.draft),
-                        **engine_kwargs(spec, args, device))
-    problems = task.problems(args.seed)
-    rng = random.Random(args.seed)
+    run = ConfigRun(spec, args, task)
     records = []
     try:
         for step in tqdm(range(args.steps), desc=spec.name, leave=False):
-            prompts = [next(problems) for _ in range(args.prompts)]
-            group = [p for p in prompts for _ in range(args.group)]
-            prompt_ids = [task.encode(p) for p in group]
-            params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                                     seed=rng.getrandbits(62)) for _ in group]
-            _sync(device)
-            w0, c0 = time.perf_counter(), time.process_time()
-            outs = engine.generate(prompt_ids, k=spec.k, sampling=params)
-            rollout_s, rollout_cpu_s = time.perf_counter() - w0, time.process_time() - c0
-            st = engine.stats
-            tokens = [list(o.token_ids) for o in outs]
-            rewards = [task.reward(p, task.decode(t)) for p, t in zip(group, tokens)]
-            # the learner: log pi of the sampled tokens (before its update) vs the engine's
-            w0 = time.perf_counter()
-            gap_max = gap_mean = loss_value = None
-            version = None
-            if learner is not None:
-                new_logp, mask = token_logprobs(learner, prompt_ids, tokens, args.temperature)
-                old_logp = padded([list(o.logprobs) for o in outs], new_logp)
-                gap = (new_logp.detach() - old_logp).abs() * mask
-                loss = grpo_loss(new_logp, old_logp, group_advantages(rewards, args.group),
-                                 mask, args.clip_eps)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                gap_max, gap_mean = float(gap.max()), float(gap.sum() / mask.sum())
-                loss_value = loss.item()
-            learn_s = time.perf_counter() - w0
-            w0 = time.perf_counter()
-            if learner is not None:
-                version = engine.load_weights((n, p.detach())
-                                              for n, p in learner.named_parameters())
-            _sync(device)
-            prop, acc = st.proposed_per_position, st.accepted_per_position
-            records.append(dict(
-                config=spec.name, step=step, reward=sum(rewards) / len(rewards),
-                rollout_s=rollout_s, rollout_cpu_s=rollout_cpu_s, learn_s=learn_s,
-                push_s=time.perf_counter() - w0, version=version,
-                tokens=sum(map(len, tokens)), engine_steps=st.num_steps,
-                tokens_per_step=st.num_step_tokens / max(st.num_seq_steps, 1),
-                acceptance=st.num_accepted_tokens / max(st.num_draft_tokens, 1),
-                acceptance_per_position=[a / p if p else None for a, p in zip(acc, prop)],
-                proposed_per_position=list(prop), auto_k_steps=list(st.auto_k_steps),
-                logprob_gap_max=gap_max, logprob_gap_mean=gap_mean, loss=loss_value))
+            records.append(run.step(step))
             if on_record is not None:
                 on_record(records[-1])
-            logger.info("%s step %d: reward %.3f, rollout %.2f s, %.2f tok/step, gap %s",
-                        spec.name, step, records[-1]["reward"], rollout_s,
-                        records[-1]["tokens_per_step"], gap_max)
     finally:
-        engine.close()
-        del engine, learner, opt
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        run.close()
     return records
+
+
+def run_interleaved(configs: list[RunSpec], args: argparse.Namespace, task: Task,
+                    on_record: Callable[[dict[str, Any]], None]) -> None:
+    """Every configuration's engine at once, one GRPO step of each in a shuffled order per
+    step: on a shared machine the load drifts over all of them alike, so their times can be
+    compared step by step (paired), not only run against run."""
+    runs = [ConfigRun(spec, args, task) for spec in configs]
+    order = random.Random(args.seed)
+    try:
+        for step in tqdm(range(args.steps), desc="interleaved", leave=False):
+            for run in order.sample(runs, len(runs)):
+                on_record(run.step(step))
+    finally:
+        for run in runs:
+            run.close()
 
 
 def _sync(device: str) -> None:
@@ -260,7 +296,12 @@ def summarize(records: list[dict[str, Any]], configs: list[RunSpec]) -> list[dic
                                  if r["logprob_gap_max"] is not None), default=None)))
     # On a shared CPU the process's CPU seconds are the cost (wall time also counts the
     # other processes' turns, which change from one configuration's run to the next).
-    for key, suffix in (("rollout_s", ""), ("rollout_cpu_s", "_cpu")):
+    # Per generated token too: configurations sample different completions (another k draws
+    # other random numbers), so their lengths differ by chance.
+    for r in rows:
+        r["cpu_ms_per_token"] = 1e3 * r["rollout_cpu_s"] / max(r["tokens"], 1)
+    for key, suffix in (("rollout_s", ""), ("rollout_cpu_s", "_cpu"),
+                        ("cpu_ms_per_token", "_cpu_tok")):
         base = {r["config"]: r[key] for r in rows}
         fixed = [r[key] for r in rows if isinstance(r["k"], int) and not r["adapt"]]
         best = min(fixed) if fixed else None
@@ -275,13 +316,15 @@ def table(rows: list[dict[str, Any]]) -> str:
         return "-" if x is None else format(x, spec)
 
     lines = ["| config | reward (first half -> last) | rollout wall s | rollout CPU s | "
-             "CPU vs k0 | CPU vs best fixed | tokens/step | accept pos 1 / 2 / 3 | "
-             "max logprob gap |", "|---|---|---|---|---|---|---|---|---|"]
+             "CPU vs k0 | CPU vs best fixed | CPU ms/token (vs best fixed) | tokens/step | "
+             "accept pos 1 / 2 / 3 | max logprob gap |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = " / ".join(f(a, ".2f") for a in r["acceptance_per_position"][:3])
         lines.append(f"| {r['config']} | {r['reward_first']:.3f} -> {r['reward_last']:.3f} | "
                      f"{r['rollout_s']:.1f} | {r['rollout_cpu_s']:.1f} | "
                      f"{f(r['vs_k0_cpu'], '.2f')} | {f(r['vs_best_fixed_cpu'], '.2f')} | "
+                     f"{r['cpu_ms_per_token']:.2f} ({f(r['vs_best_fixed_cpu_tok'], '.2f')}) | "
                      f"{r['tokens_per_step']:.2f} | {acc} | {f(r['logprob_gap_max'], '.1e')} |")
     return "\n".join(lines)
 
@@ -326,16 +369,19 @@ def run_all(args: argparse.Namespace, configs: list[RunSpec],
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(args.out / "grpo_steps.jsonl", "w") as f:
+        def keep(rec: dict[str, Any]) -> None:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            records.append(rec)
+
+        if args.interleave:
+            run_interleaved(configs, args, task, keep)
+            return
         for spec in configs:
             if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
                 logger.warning("time budget spent: %s and later configurations not run",
                                spec.name)
                 break
-            def keep(rec: dict[str, Any]) -> None:
-                f.write(json.dumps(rec) + "\n")
-                f.flush()
-                records.append(rec)
-
             run_config(spec, args, task, keep)
 
 
@@ -365,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-learner", action="store_true",
                     help="rollouts only, of a fixed policy (no learner, no push): the cost "
                          "side (k='auto' against fixed k) where a learner step does not fit")
+    ap.add_argument("--interleave", action="store_true",
+                    help="all configurations' engines at once, one step of each in turn "
+                         "(shuffled per step): paired times on a shared machine")
     ap.add_argument("--summarize-only", action="store_true",
                     help="no runs: the table and plots again from --out's grpo_steps.jsonl")
     args = ap.parse_args(argv)

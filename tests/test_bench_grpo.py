@@ -63,3 +63,21 @@ def test_tiny_run_on_the_bundled_pair(bench, tmp_path: Path) -> None:
     assert bench.main(["--task", "arith", "--configs", "k0,eagle3-k3,auto", "--out", str(out),
                        "--summarize-only"]) == 0
     assert "| auto |" in (out / "grpo_table.md").read_text()
+
+
+def test_interleaved_rollouts_without_a_learner(bench, tmp_path: Path) -> None:
+    """``--interleave --no-learner``: every configuration's engine at once, one step of each
+    in turn on the same prompts and seeds; no learner, so no update, push or gap."""
+    out = tmp_path / "grpo"
+    assert bench.main(["--task", "arith", "--steps", "2", "--prompts", "2", "--group", "2",
+                       "--max-tokens", "12", "--configs", "k0,eagle3-k3", "--interleave",
+                       "--no-learner", "--out", str(out)]) == 0
+    recs = [json.loads(line) for line in (out / "grpo_steps.jsonl").read_text().splitlines()]
+    assert sorted((r["step"], r["config"]) for r in recs) == [
+        (s, c) for s in (0, 1) for c in ("eagle3-k3", "k0")]
+    assert [r["step"] for r in recs] == [0, 0, 1, 1]  # step by step, not run by run
+    for r in recs:
+        assert r["version"] is None and r["logprob_gap_max"] is None and r["loss"] is None
+    assert all(r["tokens_per_step"] > 1 for r in recs if r["config"] == "eagle3-k3")
+    rows = json.loads((out / "grpo_summary.json").read_text())["rows"]
+    assert all(r["logprob_gap_max"] is None and r["cpu_ms_per_token"] > 0 for r in rows)
