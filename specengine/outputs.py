@@ -108,6 +108,8 @@ class EngineStats:
     num_target_forwards: int = 0  # prefill and verify passes
     num_seq_steps: int = 0  # (sequence, decode/verify step) pairs
     num_step_tokens: int = 0  # tokens kept by those steps
+    # Decode steps' phases: device time on CUDA (timing events), the engine thread's CPU time
+    # off CUDA (core.graphs.StepClock: on a shared machine wall time is mostly other jobs')
     time_draft_s: float = 0.0
     time_verify_s: float = 0.0  # the verify pass and rejection sampling: one static pass
     time_bookkeeping_s: float = 0.0

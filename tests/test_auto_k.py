@@ -352,3 +352,21 @@ def test_cli_and_server_schema_accept_auto() -> None:
     assert GenerateRequest(prompt="Q:1+1=", k="auto").k == "auto"
     with pytest.raises(ValidationError):
         GenerateRequest(prompt="Q:1+1=", k="fast")
+
+
+def test_cpu_step_clock_counts_the_engine_threads_cpu_time(monkeypatch) -> None:
+    """Off CUDA a step's phases are the engine thread's CPU time, not wall time: on a shared
+    machine wall time is mostly other jobs' turns, which would make the cost fit noise."""
+    from specengine.core import graphs
+    from specengine.core.run_stats import StepTimes
+
+    ticks = iter([1.0, 1.5, 3.5, 4.25])
+    monkeypatch.setattr(graphs.time, "thread_time", lambda: next(ticks))
+    monkeypatch.setattr(graphs.time, "perf_counter", lambda: 1e9)  # wall time: never read
+    clock, times = graphs.StepClock(), StepTimes()
+    clock.start()
+    clock.drafted()
+    clock.verified()
+    clock.synced(times)
+    clock.end(times)
+    assert (times.draft, times.verify, times.bookkeeping) == (0.5, 2.0, 0.75)

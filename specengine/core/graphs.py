@@ -217,7 +217,12 @@ class GraphStats:
 class StepClock:
     """Times a decode step's phases (draft, verify, bookkeeping) into a ``StepTimes``.
 
-    Off CUDA: ``perf_counter`` (verify ends once the sampled tokens are on the host). On CUDA
+    Off CUDA: the engine thread's CPU time, ``time.thread_time`` (verify ends once the sampled
+    tokens are on the host). On an idle machine that is the step's wall time (the thread runs
+    the step throughout; with several torch threads it is one of the team working the whole
+    parallel region), and on a shared one it leaves out the time slices other jobs took: wall
+    time there is mostly waiting (10x the step's CPU time at load 12 on 2 cores), which would
+    make the ``k="auto"`` fit noise. On CUDA
     (``events``: a factory of timing events) an event is recorded on the stream at each phase
     boundary, because the host only launches the passes: without a device clock the drafter's
     device time lands in verify (the host waits for it at the sync) and the ``k="auto"`` cost
@@ -238,7 +243,7 @@ class StepClock:
 
     def start(self) -> None:
         if self.events is None:
-            self._t[0] = time.perf_counter()
+            self._t[0] = time.thread_time()
             return
         self._flip ^= 1
         self._cur = self._sets[self._flip]
@@ -246,7 +251,7 @@ class StepClock:
 
     def drafted(self) -> None:
         if self.events is None:
-            self._t[1] = time.perf_counter()
+            self._t[1] = time.thread_time()
         else:
             self._cur[1].record()
 
@@ -258,7 +263,7 @@ class StepClock:
     def synced(self, times: Any) -> None:
         """Right after the step's one device→host read."""
         if self.events is None:
-            self._t[2] = time.perf_counter()
+            self._t[2] = time.thread_time()
             times.draft += self._t[1] - self._t[0]
             times.verify += self._t[2] - self._t[1]
             return
@@ -271,7 +276,7 @@ class StepClock:
 
     def end(self, times: Any) -> None:
         if self.events is None:
-            times.bookkeeping += time.perf_counter() - self._t[2]
+            times.bookkeeping += time.thread_time() - self._t[2]
             return
         self._cur[3].record()
         times.pending = (self._cur[2], self._cur[3])
