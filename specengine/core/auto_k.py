@@ -285,7 +285,7 @@ class AutoK:
         timing events, ``core.graphs.StepClock``) and a step's bookkeeping (its catch-up pass)
         is read at the next step's sync, so the verify + bookkeeping seconds here hold the
         previous step's bookkeeping: one step late, the same within a run of one batch and
-        k (a calibration point's steps), never an extra sync."""
+        k (the warm-up's runs of one k), never an extra sync."""
         proposed, accepted = step_counts(before, times)
         self.record_step(batch, k, proposed, accepted, times.draft - before.draft,
                          times.verify + times.bookkeeping - before.verify)

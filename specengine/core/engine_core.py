@@ -107,7 +107,7 @@ class EngineCore:
         )
         self._groups_of: tuple[tuple[Sequence, ...] | None, list] = (None, [])
         self._isolation = Isolation(self)  # a failing step fails only its culprit
-        self.auto_k = AutoK()  # k="auto": the cost model, acceptance, calibrated on first use
+        self.auto_k = AutoK()  # k="auto": the cost model (fitted by its warm-up), acceptance
         self._rng = random.Random(config.seed)
         self._next_seq_id = 0
         self.requests: dict[str, RequestState] = {}
