@@ -125,12 +125,31 @@ def equivalents(module: str) -> dict[str, str]:
     return out
 
 
+def mirror(src: Path, dst: Path) -> None:
+    """``dst`` as a copy of ``src`` whose directories are real and whose files link to
+    ``src``'s, links to directories followed: mutmut copies real directories only, and a
+    checkout whose ``specengine/kernels`` links to ``../kernels`` would lose the kernels."""
+    if dst.is_symlink():
+        dst.unlink()
+    elif dst.exists():
+        shutil.rmtree(dst)
+    for root, dirs, files in os.walk(src, followlinks=True):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        out = dst / Path(root).relative_to(src)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in files:
+            (out / f).symlink_to(Path(root) / f)
+
+
 def prepare(module: str, workdir: Path) -> None:
     if module not in TESTS:
         raise SystemExit(f"{module} has no test selection in TESTS (see --list)")
     workdir.mkdir(parents=True, exist_ok=True)
     for name in ("specengine", "tests"):
         link = workdir / name
+        if name == "specengine" and (ROOT / name / "kernels").is_symlink():
+            mirror(ROOT / name, link)
+            continue
         # a scratch directory left by another checkout (a removed worktree) must not test
         # that checkout's code: the links always point at this one
         if link.is_symlink() and Path(os.readlink(link)) != ROOT / name:
