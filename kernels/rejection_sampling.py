@@ -54,23 +54,33 @@ _SBLOCK_TREE = _SBLOCK
 
 
 @triton.jit
-def _row_at(num_draft_ptr, parents_ptr, offset_ptr, b, j, N, IS_TREE: tl.constexpr):
-    """Row ``j`` of sequence ``b`` in the verify pass: whether the walk can reach it (a chain's
-    rows past the bonus row, a tree's when the sequence drafted nothing, are never read), and
-    the position its token sits at (the row's depth in the tree, its index in a chain) past the
-    sequence's offset: the counter its random numbers are drawn at."""
+def _row_reached(num_draft_ptr, b, j, N, IS_TREE: tl.constexpr):
+    """Row ``j`` of sequence ``b`` in the verify pass: its drafts ``n`` and whether the walk
+    can reach the row (a chain's rows past the bonus row, a tree's when the sequence drafted
+    nothing, are never read)."""
     n = tl.minimum(tl.maximum(tl.load(num_draft_ptr + b).to(tl.int32), 0), N - 1)
-    depth = j * 0
     if IS_TREE:
         live = (j == 0) | (n > 0)
+    else:
+        live = j <= n
+    return live, n
+
+
+@triton.jit
+def _row_position(parents_ptr, offset_ptr, b, j, N, IS_TREE: tl.constexpr):
+    """The position row ``j``'s token sits at past sequence ``b``'s offset (its depth in the
+    tree, its index in a chain): the counter its random numbers are drawn at. Called inside
+    the reached branch only: walked for every row, the loop's registers spill in the part
+    kernel on sm_90a (8 B)."""
+    depth = j * 0
+    if IS_TREE:
         node = j
         while (node > 0) & (depth < N):
             node = tl.load(parents_ptr + node).to(tl.int32)
             depth += 1
     else:
-        live = j <= n
         depth = j
-    return live, n, tl.load(offset_ptr + b).to(tl.int64) + depth
+    return tl.load(offset_ptr + b).to(tl.int64) + depth
 
 
 @triton.jit
@@ -84,13 +94,14 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
     pid = tl.program_id(0)
     b = pid // N
     j = pid % N
-    live, n, pos = _row_at(num_draft_ptr, parents_ptr, offset_ptr, b, j, N, IS_TREE)
+    live, n = _row_reached(num_draft_ptr, b, j, N, IS_TREE)
     if live:
         b64 = b.to(tl.int64)
         row_ptr = logits_ptr + b64 * s_lb + j.to(tl.int64) * s_ln
         draft_row_ptr = draft_ptr + b64 * s_db
         q_row_ptr = q_ptr + b64 * s_qb + j.to(tl.int64) * s_qn
         at = b64 * N
+        pos = _row_position(parents_ptr, offset_ptr, b, j, N, IS_TREE)
         k0, k1 = seed_key(seed_ptr, b)
         inv_t = tl.load(inv_t_ptr + b)
         temp = tl.load(temp_ptr + b)
@@ -181,10 +192,11 @@ def _part_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, temp_pt
     c = tl.program_id(1)
     b = pid // N
     j = pid % N
-    live, n, pos = _row_at(num_draft_ptr, parents_ptr, offset_ptr, b, j, N, IS_TREE)
+    live, n = _row_reached(num_draft_ptr, b, j, N, IS_TREE)
     if live:
         b64 = b.to(tl.int64)
         row_ptr = logits_ptr + b64 * s_lb + j.to(tl.int64) * s_ln
+        pos = _row_position(parents_ptr, offset_ptr, b, j, N, IS_TREE)
         k0, k1 = seed_key(seed_ptr, b)
         start = c * CHUNK
         end = tl.minimum(start + CHUNK, V)
