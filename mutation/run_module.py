@@ -61,7 +61,8 @@ TESTS: dict[str, list[str]] = {
         "tests/test_scheduler.py", "tests/test_mutants_scheduler.py",
         "tests/test_behaviours_prefix.py", "tests/test_mutants_admission.py"],
     "specengine/core/requests.py": [
-        "tests/test_mutants_admission.py", "tests/test_bounded_admission.py"],
+        "tests/test_mutants_admission.py", "tests/test_bounded_admission.py",
+        "tests/test_behaviours_requests.py"],
     "specengine/core/isolation.py": ["tests/test_request_isolation.py"],
     "specengine/core/step.py": [
         "tests/test_step_api.py", "tests/test_behaviours_drafts.py", "tests/test_ngram.py"],
