@@ -56,7 +56,8 @@ TESTS: dict[str, list[str]] = {
         "tests/test_suffix_drafter.py", "-k", "not sampled_output and not hybrid_greedy"],
     "specengine/core/prefix_cache.py": [
         "tests/test_prefix_cache.py", "tests/test_behaviours_prefix.py",
-        "tests/test_mutants_admission.py", "-k", "not second_call and not weight_update"],
+        "tests/test_mutants_admission.py", "tests/test_behaviours_groups.py",
+        "-k", "not second_call and not weight_update"],
     "specengine/core/scheduler.py": [
         "tests/test_scheduler.py", "tests/test_mutants_scheduler.py",
         "tests/test_behaviours_prefix.py", "tests/test_mutants_admission.py"],
