@@ -170,7 +170,7 @@ def test_naming_blocks_by_their_next_token_needs_that_token() -> None:
 
 
 # ---- the cache's own bookkeeping ---------------------------------------------------------------
-def test_a_plan_from_before_two_weight_updates_registers_nothing() -> None:
+def test_a_plan_made_between_two_new_weights_registers_nothing() -> None:
     """Each weight update moves the epoch on: a prefill planned between two updates and
     finished after the second holds KV of the middle weights and must not be named."""
     kv = cache(16)
