@@ -153,3 +153,72 @@ def test_aborted_sequences_are_finished_and_hold_nothing() -> None:
     assert all(s.status is SeqStatus.FINISHED and not s.block_table for s in seqs)
     assert not sched.has_unfinished()
     assert sched.kv_cache.num_free_blocks == sched.kv_cache.num_blocks
+
+
+# ---- running chosen sequences apart (core.isolation's retries) ---------------------------------
+@pytest.mark.parametrize("budget,admitted", [(20, 2), (19, 1), (29, 2)])
+def test_admit_only_fills_the_token_budget_exactly(budget: int, admitted: int) -> None:
+    """Three 10-token sequences retried apart: as many as the budget holds in one prefill."""
+    sched = scheduler(8, budget=budget)
+    seqs = [seq(i, 10) for i in range(3)]
+    batch = sched.admit_only(seqs)
+    assert batch.is_prefill and batch.seqs == tuple(seqs[:admitted])
+    assert sched.running == seqs[:admitted]
+    assert all(s.status is SeqStatus.WAITING for s in seqs[admitted:])
+
+
+def test_admit_only_preempts_for_each_slot_it_fills() -> None:
+    """Batch limit 2, one sequence running: retrying two sequences preempts it for the
+    second one's slot (never more than the limit running)."""
+    sched = scheduler(8, batch=2, arena=False)
+    old = seq(9, 10)
+    sched.add(old)
+    sched.schedule(lambda s: 0)
+    pair = [seq(0, 10), seq(1, 10)]
+    assert sched.admit_only(pair).seqs == tuple(pair)
+    assert sched.running == pair and list(sched.waiting) == [old]
+    assert old.status is SeqStatus.WAITING and sched.num_preemptions == 1
+
+
+def test_admit_only_stops_at_the_first_that_cannot_fit_beside_the_batch() -> None:
+    """A 2-block cache: the first retried sequence takes a block, the second needs two and
+    nothing running can make room: the batch is the first alone, the second waits."""
+    sched = scheduler(2)
+    small, large = seq(0, 10), seq(1, 30)
+    batch = sched.admit_only([small, large])
+    assert batch.seqs == (small,) and sched.running == [small]
+    assert large.status is SeqStatus.WAITING and not large.block_table
+
+
+def test_admit_only_refuses_one_that_cannot_fit_alone() -> None:
+    sched = scheduler(2)
+    with pytest.raises(RuntimeError, match=r"^scheduler: seq 5 cannot run even alone \(KV "
+                                           r"cache too small for it\)$"):
+        sched.admit_only([seq(5, 40)])
+
+
+def test_admit_only_lets_fresh_group_samples_borrow() -> None:
+    sched = scheduler(16, budget=20)
+    group = SeqGroup(200, 2)
+    a, b = seq(0, 20), seq(1, 20)
+    sched.add(a, group)
+    sched.add(b, group)
+    sched.waiting.clear()  # taken out of the queue, as a retry takes its suspects
+    assert sched.admit_only([a, b]).seqs == (a, b)
+    assert sched.kv_cache.pending[b.seq_id].leader is a
+
+
+def test_decode_only_grows_each_for_its_own_lookahead_preempting_the_latest_other() -> None:
+    """A 4-block cache, three running sequences of a block each: a verify step of the first
+    alone with 20 draft slots needs 2 more blocks: the latest admitted other is preempted
+    for the one not free."""
+    look = {0: 20, 1: 0, 2: 0}
+    sched = scheduler(4, arena=False)
+    seqs = [seq(i, 16) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    sched.schedule(lambda s: 0)
+    batch = sched.decode_only((seqs[0],), lambda s: look[s.seq_id])
+    assert not batch.is_prefill and batch.seqs == (seqs[0],)
+    assert len(seqs[0].block_table) == 3
+    assert seqs[2].status is SeqStatus.WAITING and seqs[1].status is SeqStatus.RUNNING
