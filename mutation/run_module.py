@@ -56,13 +56,20 @@ TESTS: dict[str, list[str]] = {
         "tests/test_suffix_drafter.py", "-k", "not sampled_output and not hybrid_greedy"],
     "specengine/core/prefix_cache.py": [
         "tests/test_prefix_cache.py", "tests/test_behaviours_prefix.py",
-        "tests/test_mutants_admission.py", "-k", "not second_call and not weight_update"],
+        "tests/test_mutants_admission.py", "tests/test_behaviours_groups.py",
+        "-k", "not second_call and not weight_update"],
+    # admit_only / decode_only (core.isolation's retries): the two scheduler units of
+    # test_request_isolation, not its engine runs
     "specengine/core/scheduler.py": [
         "tests/test_scheduler.py", "tests/test_mutants_scheduler.py",
-        "tests/test_behaviours_prefix.py", "tests/test_mutants_admission.py"],
+        "tests/test_behaviours_prefix.py", "tests/test_mutants_admission.py",
+        "tests/test_behaviours_scheduler.py", "tests/test_request_isolation.py",
+        "-k", "not test_request_isolation or admit_only or decode_only"],
     "specengine/core/requests.py": [
-        "tests/test_mutants_admission.py", "tests/test_bounded_admission.py"],
-    "specengine/core/isolation.py": ["tests/test_request_isolation.py"],
+        "tests/test_mutants_admission.py", "tests/test_bounded_admission.py",
+        "tests/test_behaviours_requests.py"],
+    "specengine/core/isolation.py": [
+        "tests/test_request_isolation.py", "tests/test_behaviours_isolation.py"],
     "specengine/core/step.py": [
         "tests/test_step_api.py", "tests/test_behaviours_drafts.py", "tests/test_ngram.py"],
     "specengine/core/verify.py": [

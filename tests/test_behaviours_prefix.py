@@ -11,6 +11,9 @@ No model: the real ``KVCache`` and ``PrefixCache`` with simulated prefills.
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
 import pytest
 import torch
 
@@ -123,3 +126,85 @@ def test_reusing_blocks_a_running_sequence_holds_needs_only_the_fresh_blocks() -
     plan = kv.plan(seq(3, prompt[:2 * BS] + [9] * (6 * BS)))  # 2 shared + 6 fresh = 8
     assert len(plan.shared) == 2 and kv.can_admit(plan)
     assert not kv.can_admit(kv.plan(seq(4, prompt[:2 * BS] + [9] * (6 * BS + 1))))
+
+
+# ---- names are the documented chained hash, whatever the tokens' container ---------------------
+def spec_names(tokens: list[int], num_blocks: int, next_token: bool = False) -> list[bytes]:
+    """The module docstring's definition: ``h_i = blake2b(h_{i-1} || int64 bytes of block i)``
+    (16-byte digests, ``h_{-1}`` empty), or with ``next_token`` ``blake2b(h_i || the int64
+    bytes of token (i + 1) * block_size)``."""
+    out, prev = [], b""
+    for i in range(num_blocks):
+        block = b"".join(t.to_bytes(8, "little", signed=True)
+                         for t in tokens[i * BS:(i + 1) * BS])
+        prev = hashlib.blake2b(prev + block, digest_size=16).digest()
+        nxt = tokens[(i + 1) * BS].to_bytes(8, "little", signed=True) if next_token else None
+        out.append(prev if nxt is None else hashlib.blake2b(prev + nxt, digest_size=16).digest())
+    return out
+
+
+@pytest.mark.parametrize("next_token", [False, True])
+def test_block_names_are_the_documented_chained_blake2b(next_token: bool) -> None:
+    tokens = [(7 * i + 3) % 50_000 for i in range(3 * BS + 3)]
+    assert block_hashes(tokens, BS, 3, next_token) == spec_names(tokens, 3, next_token)
+    # only the one token after a block is in its next-token name
+    other = tokens[:BS + 1] + [49_999] + tokens[BS + 2:]
+    assert block_hashes(other, BS, 1, True) == block_hashes(tokens, BS, 1, True)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint16])
+def test_block_names_depend_on_token_values_not_their_array_type(dtype: type) -> None:
+    """A list and an array of any integer type name the same blocks (the plan hashes a list of
+    ids, the finished-sequence path an array)."""
+    tokens = list(range(100, 100 + 2 * BS + 1))
+    for next_token in (False, True):
+        assert block_hashes(np.asarray(tokens, dtype=dtype), BS, 2, next_token) == \
+            block_hashes(tokens, BS, 2, next_token)
+
+
+def test_naming_blocks_by_their_next_token_needs_that_token() -> None:
+    with pytest.raises(ValueError, match=r"^2 blocks named with their next token need 33 "
+                                         r"tokens, got 32$"):
+        block_hashes(list(range(2 * BS)), BS, 2, next_token=True)
+    assert block_hashes([], BS, 0, next_token=True) == []
+
+
+# ---- the cache's own bookkeeping ---------------------------------------------------------------
+def test_a_plan_made_between_two_new_weights_registers_nothing() -> None:
+    """Each weight update moves the epoch on: a prefill planned between two updates and
+    finished after the second holds KV of the middle weights and must not be named."""
+    kv = cache(16)
+    prompt = list(range(1, 2 * BS + 2))
+    kv.invalidate_prefix_cache()
+    mid = seq(0, prompt)
+    kv.admit(kv.plan(mid))  # planned under the first update's weights
+    kv.invalidate_prefix_cache()
+    kv.finish_prefill([mid])
+    assert len(kv.prefix) == 0
+    assert kv.plan(seq(1, prompt)).shared == []
+
+
+def test_register_reports_how_many_blocks_it_named() -> None:
+    kv = cache(8)
+    pc = kv.prefix
+    blocks = [int(b) for b in kv.allocator.allocate(3)]
+    names = block_hashes(list(range(3 * BS)), BS, 3)
+    assert pc.register(blocks[:2], names[:2], pc.epoch - 1) == 0  # planned before an update
+    assert len(pc) == 0 and kv.allocator.ref_count(blocks[0]) == 1
+    assert pc.register(blocks[:2], names[:2], pc.epoch) == 2
+    assert pc.register(blocks, names, pc.epoch) == 1  # the first two are named already
+    assert [kv.allocator.ref_count(b) for b in blocks] == [2, 2, 2]
+
+
+def test_num_evicted_counts_every_evicted_block() -> None:
+    kv = cache(8)
+    pc = kv.prefix
+    assert pc.num_evicted == 0
+    for i in range(2):  # two finished prompts of 2 named blocks each: 4 evictable blocks
+        s = seq(i, [i + 1] * (2 * BS + 1))
+        prefill(kv, s)
+        kv.free(s)
+    assert len(pc.evictable) == 4
+    assert pc.evict(1) == 1 and pc.num_evicted == 1
+    assert pc.evict(10) == 3 and pc.num_evicted == 4
+    assert pc.evict(1) == 0 and pc.num_evicted == 4

@@ -49,7 +49,8 @@ def chat_prompt_ids(messages: Seq[Mapping[str, Any]], what: str,
     tokenize=True)`` gives them (the template writes the special tokens: none are added).
     ``template_kwargs`` are extra template variables (TRL's ``chat_template_kwargs``).
     Raises ``ValueError`` naming ``what`` and why: no tokenizer or template, a message
-    without a string ``role``, or the template's refusal (``ChatTemplateError``)."""
+    without a string ``role``, an ``add_generation_prompt`` among ``template_kwargs`` (the
+    call sets it), or the template's refusal (``ChatTemplateError``)."""
     if tokenizer is None:
         raise ValueError(f"{what} is a list of chat messages but the checkpoint has no "
                          "tokenizer.json: pass token ids")
@@ -58,6 +59,11 @@ def chat_prompt_ids(messages: Seq[Mapping[str, Any]], what: str,
         raise ValueError(f"{what} is a list of chat messages but the checkpoint has no chat "
                          "template (tokenizer_config.json 'chat_template' or "
                          "chat_template.jinja): pass text or token ids")
+    # The render's own argument: passed again it raised a TypeError from the call below.
+    if "add_generation_prompt" in template_kwargs:
+        raise ValueError(f"{what}: the chat template variable 'add_generation_prompt' is set "
+                         "by the engine (a rollout prompt always ends with the generation "
+                         "prompt): drop it")
     for j, m in enumerate(messages):
         if not isinstance(m.get("role"), str):
             raise ValueError(f"{what}: message {j} needs a string 'role', got {m!r}"[:300])
