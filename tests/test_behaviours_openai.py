@@ -45,13 +45,16 @@ MODEL = "arith-target"
 PROMPT = "Q:1+2="
 PROMPT_IDS = [17, 16, 3, 12, 4, 14]  # PROMPT in the bundled vocabulary
 EOS = 1
+MAX_WAITING = 16  # the engine's bound on unfinished requests
 
 
 # ---- an in-process ASGI client ------------------------------------------------------------
 async def _call(app: Any, method: str, path: str, body: object = None, *,
-                leave: bool = False) -> tuple[int, dict[bytes, bytes], bytes]:
+                leave: bool = False, gone_at: bytes | None = None
+                ) -> tuple[int, dict[bytes, bytes], bytes]:
     """One request to ``app``: status, headers and the whole body. ``leave``: the client
-    disconnects as soon as its body is sent."""
+    disconnects as soon as its body is sent; ``gone_at``: the connection is lost when a
+    piece of the answer holding these bytes is sent (the send fails, as a server's does)."""
     data = b"" if body is None else (body if isinstance(body, bytes) else
                                      json.dumps(body).encode())
     gone = asyncio.Event()
@@ -70,6 +73,8 @@ async def _call(app: Any, method: str, path: str, body: object = None, *,
     messages: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
+        if gone_at is not None and gone_at in message.get("body", b""):
+            raise OSError("the client's connection was reset")
         messages.append(message)
 
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
@@ -79,7 +84,13 @@ async def _call(app: Any, method: str, path: str, body: object = None, *,
              "headers": [(b"content-type", b"application/json"),
                          (b"content-length", str(len(data)).encode())]}
     try:
-        await app(scope, receive, send)
+        try:
+            await app(scope, receive, send)
+        except Exception as exc:  # the lost connection, as the server sees it
+            assert gone_at is not None, exc
+        # whatever the answer, a stream's pumps (one task per prompt) have ended with it
+        left = [t for t in asyncio.all_tasks() if "pump" in t.get_coro().__qualname__]
+        assert not left, left
     finally:
         gone.set()
     starts = [m for m in messages if m["type"] == "http.response.start"]
@@ -104,6 +115,7 @@ def events(app: Any, path: str, body: dict[str, Any]) -> list[Any]:
     status, headers, raw = call(app, "POST", path, {**body, "stream": True})
     assert status == 200, raw
     assert headers[b"content-type"].startswith(b"text/event-stream")
+    assert headers[b"cache-control"] == b"no-cache"
     blocks = raw.decode().split("\n\n")
     assert blocks[-1] == "" and blocks[-2] == "data: [DONE]"
     return [json.loads(b.removeprefix("data: ")) for b in blocks[:-2]]
@@ -112,7 +124,7 @@ def events(app: Any, path: str, body: dict[str, Any]) -> list[Any]:
 # ---- fixtures ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def aeng() -> Iterator[AsyncSpecEngine]:
-    eng = AsyncSpecEngine(bundled_engine())
+    eng = AsyncSpecEngine(bundled_engine(), max_waiting=MAX_WAITING)
     yield eng
     asyncio.run(eng.close())
 
@@ -672,6 +684,8 @@ def test_completion_stream_chunks(aeng: AsyncSpecEngine, app: Any) -> None:
     _, whole = post(app, "/v1/completions", {**body, "stream_options": None})
     *parts, usage = chunks
     assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    assert app.state.server.metrics.registry.get_sample_value(
+        "specengine_requests_total", {"finish_reason": "length"}) == 8  # stream + whole
     assert usage["object"] == "text_completion" and usage["model"] == MODEL
     assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
     assert all(c["created"] == chunks[0]["created"] for c in chunks)
@@ -819,3 +833,172 @@ def test_a_final_text_that_departs_from_the_streamed_one_gives_its_rest(
     inc = oa.IncrementalText(server.tokenizer, skip_special_tokens=True)
     inc.push([4, 12])
     assert inc.finish("") == "" and inc.text == ""
+
+
+# ---- a checkpoint without a tokenizer; a server without jinja2 --------------------------------
+@pytest.fixture(scope="module")
+def ids_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AsyncSpecEngine]:
+    """The bundled target without its tokenizer files: token ids in, token ids out."""
+    import shutil
+
+    from specengine import SpecEngine
+    from specengine.assets import DEFAULT_TARGET
+
+    path = tmp_path_factory.mktemp("ids-only") / "arith-ids"
+    path.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(f"{DEFAULT_TARGET}/{name}", path / name)
+    eng = AsyncSpecEngine(SpecEngine(path, device="cpu", kernel_backend="torch",
+                                     kv_cache_tokens=2048))
+    assert eng.engine.tokenizer is None
+    yield eng
+    asyncio.run(eng.close())
+
+
+def test_a_checkpoint_without_tokenizer_answers_token_ids(ids_only: AsyncSpecEngine) -> None:
+    app = build_app(ids_only)
+    status, answer = post(app, "/v1/completions", {
+        "prompt": PROMPT_IDS, "max_tokens": 4, "temperature": 0, "logprobs": 0,
+        "return_token_ids": True})
+    assert status == 200, answer
+    (choice,) = answer["choices"]
+    assert choice["text"] == "" and len(choice["token_ids"]) == 4
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    chunks = events(app, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 4,
+                                             "temperature": 0, "return_token_ids": True})
+    assert all(c["choices"][0]["text"] == "" for c in chunks)
+    assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == choice["token_ids"]
+    status, answer = post(app, "/v1/completions", {"prompt": ["Q:1="]})
+    assert status == 400 and answer["error"]["param"] == "prompt"
+    assert answer["error"]["message"] == ("prompt 0 is a string but the checkpoint has no "
+                                          "tokenizer.json: pass token ids")
+    status, answer = post(app, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "1="}]})
+    assert status == 400 and answer["error"]["param"] == "messages"
+    assert answer["error"]["message"].startswith("the checkpoint has no tokenizer.json")
+
+
+def test_without_jinja2_the_server_warns_that_chat_will_fail(
+        aeng: AsyncSpecEngine, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "jinja2", None)  # "import jinja2" raises ImportError
+    with caplog.at_level(logging.WARNING, logger=oa.__name__):
+        app = build_app(aeng)
+    assert caplog.messages == [
+        "the checkpoint has a chat template but jinja2 is not installed: "
+        "/v1/chat/completions will answer 501 (pip install jinja2)"]
+    status, answer = post(app, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "1="}]})
+    assert status == 501 and answer["error"]["type"] == "server_error", answer
+    assert answer["error"]["message"].startswith(
+        "chat templates need jinja2 on the server (pip install 'specengine[server]'): ")
+    assert answer["error"]["param"] is None
+
+
+# ---- refusals and failures after the call was accepted ----------------------------------------
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_groups_past_the_engines_bound_are_a_503_for_the_prompt(aeng: AsyncSpecEngine,
+                                                                 app: Any, stream: bool) -> None:
+    """Two groups of 9 where 16 fit: the second is refused, and the call with it (the first
+    group's samples aborted)."""
+    n = MAX_WAITING // 2 + 1
+    status, answer = post(app, "/v1/completions", {
+        "prompt": [PROMPT_IDS, PROMPT_IDS[:3]], "n": n, "stream": stream, "max_tokens": 100,
+        "ignore_eos": True})
+    assert status == 503 and answer["error"]["param"] == "prompt", answer
+    assert answer["error"]["type"] == "server_error" and f"n={n}" in answer["error"]["message"]
+    assert errors_counted(app, 503) == 1 and not app.state.server.live
+    for _ in range(10_000):  # each call waits for the engine thread's next gap
+        if not in_engine(aeng, lambda e: e.has_unfinished()):
+            break
+    in_engine(aeng, assert_idle_and_free)
+
+
+def _fail_prefill_of(aeng: AsyncSpecEngine, token: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's prefill raises for a batch holding a prompt with ``token``: that request
+    alone fails (``finish_reason="error"``), the others go on."""
+    runner = aeng.engine.runner
+    real = runner.prefill
+
+    def prefill(seqs: Any, *args: Any, **kw: Any) -> Any:
+        if any(token in s.token_slice(0, s.num_prompt_tokens) for s in seqs):
+            raise RuntimeError("Boom: the device refused")
+        return real(seqs, *args, **kw)
+
+    monkeypatch.setattr(runner, "prefill", prefill)
+
+
+def test_a_sample_failing_in_the_engine_is_a_500_naming_it(
+        aeng: AsyncSpecEngine, app: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    _fail_prefill_of(aeng, 19, monkeypatch)  # "P": in no other test's prompt
+    bad = PROMPT_IDS + [19]
+    status, answer = post(app, "/v1/completions", {"prompt": [PROMPT_IDS, bad],
+                                                   "max_tokens": 3})
+    assert status == 500 and answer["error"]["type"] == "server_error", answer
+    message = answer["error"]["message"]
+    assert message.startswith("a sample of request 'cmpl-") and (
+        "' failed in the engine after 0 tokens: " in message and "Boom" in message)
+    with caplog.at_level(logging.ERROR, logger=oa.__name__):
+        chunks = events(app, "/v1/completions", {"prompt": [PROMPT_IDS, bad], "max_tokens": 3})
+    # the engine's own words, logged there: nothing to log here
+    assert not [r for r in caplog.records if r.name == oa.__name__]
+    error = chunks[-1]
+    assert error["error"]["code"] == 500 and error["error"]["type"] == "server_error"
+    assert error["error"]["message"].startswith("a sample of request 'cmpl-")
+    assert "' failed in the engine after 0 tokens: " in error["error"]["message"]
+    assert errors_counted(app, 500) == 2
+    failed = app.state.server.metrics.registry.get_sample_value(
+        "specengine_requests_total", {"finish_reason": "error"})
+    assert failed == 2  # each failed sample observed once
+    assert not app.state.server.live
+    in_engine(aeng, assert_idle_and_free)
+
+
+def test_an_engine_fault_mid_stream_ends_it_with_an_error_event(
+        aeng: AsyncSpecEngine, app: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """After the first tokens were streamed, a step that fails for the whole engine: the
+    stream's last event is the error (a 500 with the engine's words, logged), then [DONE]."""
+    graphs = aeng.engine.graphs
+
+    def run(shape: object) -> object:
+        raise RuntimeError("Boom: the device is lost")
+
+    monkeypatch.setattr(graphs, "run", run)
+    # the first sequence failing alone is taken for the engine's fault (the step raises)
+    monkeypatch.setattr("specengine.core.isolation.ENGINE_WIDE_AFTER", 1)
+    with caplog.at_level(logging.ERROR, logger=oa.__name__):
+        chunks = events(app, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 8,
+                                                 "n": 2, "return_token_ids": True})
+    assert [c["choices"][0]["token_ids"] for c in chunks[:-1]] == [[4], [4]]  # prefill's
+    assert chunks[-1] == oa.error_body(500, "Boom: the device is lost")
+    logged = [r for r in caplog.records if r.name == oa.__name__]
+    assert [r.getMessage() for r in logged] == [
+        f"stream of {chunks[0]['id']!r} failed"]
+    assert logged[0].exc_info is not None and "device is lost" in str(logged[0].exc_info[1])
+    assert errors_counted(app, 500) == 1
+    monkeypatch.undo()
+    in_engine(aeng, assert_idle_and_free)
+
+
+@pytest.mark.parametrize("n,at,counted", [
+    (1, b'"token_ids": [4]', 1),  # the first chunk: the sample runs on
+    (1, b'"finish_reason": "length"', 0),  # its last chunk: it had finished
+    (2, b'"finish_reason": "length"', 1),  # the first sample's last chunk: one runs on
+])
+def test_a_client_gone_mid_stream_is_counted_when_samples_were_left(
+        aeng: AsyncSpecEngine, app: Any, n: int, at: bytes, counted: int) -> None:
+    body = {"prompt": PROMPT_IDS, "max_tokens": 6, "n": n, "ignore_eos": True,
+            "return_token_ids": True, "stream": True, "temperature": 0}
+    status, _, raw = call(app, "POST", "/v1/completions", body, gone_at=at)
+    assert status == 200 and at not in raw
+    disconnects = app.state.server.metrics.registry.get_sample_value(
+        "specengine_client_disconnects_total")
+    assert disconnects == counted and not app.state.server.live
+    for _ in range(10_000):  # each call waits for the engine thread's next gap
+        if not in_engine(aeng, lambda e: e.has_unfinished()):
+            break
+    in_engine(aeng, assert_idle_and_free)
