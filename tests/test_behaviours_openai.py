@@ -21,7 +21,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -50,11 +50,13 @@ MAX_WAITING = 16  # the engine's bound on unfinished requests
 
 # ---- an in-process ASGI client ------------------------------------------------------------
 async def _call(app: Any, method: str, path: str, body: object = None, *,
-                leave: bool = False, gone_at: bytes | None = None
+                leave: bool = False, gone_at: bytes | None = None, nth: int = 1,
+                on_first_piece: Callable[[], Awaitable[None]] | None = None
                 ) -> tuple[int, dict[bytes, bytes], bytes]:
     """One request to ``app``: status, headers and the whole body. ``leave``: the client
-    disconnects as soon as its body is sent; ``gone_at``: the connection is lost when a
-    piece of the answer holding these bytes is sent (the send fails, as a server's does)."""
+    disconnects as soon as its body is sent; ``gone_at``: the connection is lost when the
+    ``nth`` piece of the answer holding these bytes is sent (the send fails, as a server's
+    does); ``on_first_piece``: awaited when the answer's first piece is sent."""
     data = b"" if body is None else (body if isinstance(body, bytes) else
                                      json.dumps(body).encode())
     gone = asyncio.Event()
@@ -72,9 +74,17 @@ async def _call(app: Any, method: str, path: str, body: object = None, *,
 
     messages: list[dict[str, Any]] = []
 
+    seen = 0
+
     async def send(message: dict[str, Any]) -> None:
+        nonlocal seen
         if gone_at is not None and gone_at in message.get("body", b""):
-            raise OSError("the client's connection was reset")
+            seen += 1
+            if seen == nth:
+                raise OSError("the client's connection was reset")
+        if on_first_piece is not None and message.get("body") and not any(
+                m.get("body") for m in messages):
+            await on_first_piece()
         messages.append(message)
 
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
@@ -460,14 +470,15 @@ def test_chat_renders_the_template_without_special_tokens(server: oa.OpenAIServe
      "messages[0].content[0]: only text parts ({'type': 'text', 'text': ...}) are supported, "
      "got type 'image_url'"),
     ([{"role": "tool", "content": "4"}],
-     "the arithmetic model takes user and assistant messages only, got role tool"),
+     "the chat template refused the messages: the arithmetic model takes user and assistant "
+     "messages only, got role tool"),
 ])
 def test_chat_refusals_are_400s_on_messages(server: oa.OpenAIServer, messages: list,
                                             message: str) -> None:
     with pytest.raises(oa.OpenAIError) as e:
         asyncio.run(server.render_chat(ChatCompletionRequest(messages=messages)))
     assert (e.value.status, e.value.param) == (400, "messages")
-    assert message in e.value.message
+    assert e.value.message == message
 
 
 def test_chat_needs_a_tokenizer_and_a_template(server: oa.OpenAIServer) -> None:
@@ -478,12 +489,14 @@ def test_chat_needs_a_tokenizer_and_a_template(server: oa.OpenAIServer) -> None:
         with pytest.raises(oa.OpenAIError) as e:
             asyncio.run(server.render_chat(body))
         assert (e.value.status, e.value.param) == (400, "messages")
-        assert e.value.message.startswith("the checkpoint has no chat template")
+        assert e.value.message == ("the checkpoint has no chat template (tokenizer_config."
+                                   "json 'chat_template'): use /v1/completions")
         server.tokenizer = None
         with pytest.raises(oa.OpenAIError) as e:
             asyncio.run(server.render_chat(body))
         assert (e.value.status, e.value.param) == (400, "messages")
-        assert e.value.message.startswith("the checkpoint has no tokenizer.json")
+        assert e.value.message == ("the checkpoint has no tokenizer.json: chat needs one "
+                                   "(use /v1/completions with token ids)")
     finally:
         server.tokenizer = tok
 
@@ -765,13 +778,18 @@ def test_chunks_of_one_choice(server: oa.OpenAIServer) -> None:
     restarted = chunks.of(0, RequestOutput("cmpl-s-0-1", (5,), False, restarted=True))
     assert restarted["choices"][0] == {"index": 1, "text": "3", "logprobs": None,
                                        "finish_reason": None, "restarted": True}
-    final = output((5, 12, EOS), text="3+", finish_reason="stop", sample_index=1)
-    last = chunks.of(0, RequestOutput("cmpl-s-0-1", (12, EOS), True, final))
+    final1 = output((5, 12, EOS), text="3+", finish_reason="stop", sample_index=1)
+    last = chunks.of(0, RequestOutput("cmpl-s-0-1", (12, EOS), True, final1))
     assert last["choices"][0] == {"index": 1, "text": "+", "logprobs": None,
                                   "finish_reason": "stop",
-                                  **oa.OpenAIServer.extras(final, body, job)}
+                                  **oa.OpenAIServer.extras(final1, body, job)}
+    # a last output whose text adds nothing still makes the choice's last chunk
+    assert chunks.of(0, RequestOutput("cmpl-s-0-0", (4,), False))["choices"][0]["text"] == "2"
+    final0 = output((4, EOS), text="2", finish_reason="stop")
+    last = chunks.of(0, RequestOutput("cmpl-s-0-0", (EOS,), True, final0))
+    assert last["choices"][0]["text"] == "" and last["choices"][0]["finish_reason"] == "stop"
     usage = chunks.usage_chunk()
-    assert usage["choices"] == [] and usage["usage"] == server.usage(job, [final])
+    assert usage["choices"] == [] and usage["usage"] == server.usage(job, [final1, final0])
 
 
 def test_chat_chunks_with_ids(server: oa.OpenAIServer) -> None:
@@ -833,23 +851,39 @@ def test_a_final_text_that_departs_from_the_streamed_one_gives_its_rest(
     inc = oa.IncrementalText(server.tokenizer, skip_special_tokens=True)
     inc.push([4, 12])
     assert inc.finish("") == "" and inc.text == ""
+    inc = oa.IncrementalText(server.tokenizer, skip_special_tokens=True)
+    inc.push([4, 12])
+    assert inc.finish("3") == "3" and inc.text == "3"  # nothing in common
+    inc = oa.IncrementalText(server.tokenizer, skip_special_tokens=True)
+    inc.push([4, 12, 4])
+    assert inc.finish("2+35") == "35" and inc.text == "2+35"  # "2+" in common
 
 
 # ---- a checkpoint without a tokenizer; a server without jinja2 --------------------------------
 @pytest.fixture(scope="module")
-def ids_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AsyncSpecEngine]:
+def ids_path(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The bundled target without its tokenizer files: token ids in, token ids out."""
     import shutil
 
-    from specengine import SpecEngine
     from specengine.assets import DEFAULT_TARGET
 
     path = tmp_path_factory.mktemp("ids-only") / "arith-ids"
     path.mkdir()
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         shutil.copy(f"{DEFAULT_TARGET}/{name}", path / name)
-    eng = AsyncSpecEngine(SpecEngine(path, device="cpu", kernel_backend="torch",
-                                     kv_cache_tokens=2048))
+    return path
+
+
+def small_engine(path: Any) -> AsyncSpecEngine:
+    from specengine import SpecEngine
+
+    return AsyncSpecEngine(SpecEngine(path, device="cpu", kernel_backend="torch",
+                                      kv_cache_tokens=2048))
+
+
+@pytest.fixture(scope="module")
+def ids_only(ids_path: Any) -> Iterator[AsyncSpecEngine]:
+    eng = small_engine(ids_path)
     assert eng.engine.tokenizer is None
     yield eng
     asyncio.run(eng.close())
@@ -984,17 +1018,18 @@ def test_an_engine_fault_mid_stream_ends_it_with_an_error_event(
     in_engine(aeng, assert_idle_and_free)
 
 
-@pytest.mark.parametrize("n,at,counted", [
-    (1, b'"token_ids": [4]', 1),  # the first chunk: the sample runs on
-    (1, b'"finish_reason": "length"', 0),  # its last chunk: it had finished
-    (2, b'"finish_reason": "length"', 1),  # the first sample's last chunk: one runs on
+@pytest.mark.parametrize("n,at,nth,counted", [
+    (1, b'"token_ids": [4]', 1, 1),  # the first chunk: the sample runs on
+    (1, b'"finish_reason": "length"', 1, 0),  # its last chunk: it had finished
+    (2, b'"finish_reason": "length"', 1, 1),  # the first sample's last chunk: one runs on
+    (2, b'"finish_reason": "length"', 2, 0),  # the second's: both had finished
 ])
 def test_a_client_gone_mid_stream_is_counted_when_samples_were_left(
-        aeng: AsyncSpecEngine, app: Any, n: int, at: bytes, counted: int) -> None:
+        aeng: AsyncSpecEngine, app: Any, n: int, at: bytes, nth: int, counted: int) -> None:
     body = {"prompt": PROMPT_IDS, "max_tokens": 6, "n": n, "ignore_eos": True,
             "return_token_ids": True, "stream": True, "temperature": 0}
-    status, _, raw = call(app, "POST", "/v1/completions", body, gone_at=at)
-    assert status == 200 and at not in raw
+    status, _, raw = call(app, "POST", "/v1/completions", body, gone_at=at, nth=nth)
+    assert status == 200 and raw.count(at) == nth - 1
     disconnects = app.state.server.metrics.registry.get_sample_value(
         "specengine_client_disconnects_total")
     assert disconnects == counted and not app.state.server.live
@@ -1002,3 +1037,49 @@ def test_a_client_gone_mid_stream_is_counted_when_samples_were_left(
         if not in_engine(aeng, lambda e: e.has_unfinished()):
             break
     in_engine(aeng, assert_idle_and_free)
+
+
+# a template that shows what it was given: the generation prompt, tools, documents, extra
+# variables (chat_template_kwargs), in characters of the bundled vocabulary
+SHOWING = ("{% for m in messages %}Q:{{ m.content }}{% endfor %}"
+           "{% if add_generation_prompt %}A:{% endif %}{% if tools %}{{ tools | length }}"
+           "{% endif %}{% if documents %}P{{ documents | length }}{% endif %}{{ extra }}")
+
+
+@pytest.mark.parametrize("fields,text", [
+    ({}, "Q:1+1=A:"),
+    ({"add_generation_prompt": False}, "Q:1+1="),
+    ({"tools": [{"type": "function"}] * 2, "documents": [{"text": "x"}] * 3,
+      "chat_template_kwargs": {"extra": "=9"}}, "Q:1+1=A:2P3=9"),
+])
+def test_chat_passes_its_fields_to_the_template_and_adds_no_special_tokens(
+        server: oa.OpenAIServer, fields: dict[str, Any], text: str) -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    from specengine.chat_template import ChatTemplate
+
+    tok = server.tokenizer
+    # the same vocabulary with a post-processor that adds EOS first (as a BOS-adding one does):
+    # the rendered text must not get it (the template writes its own special tokens)
+    bos = Tokenizer.from_str(tok.tokenizer.to_str())
+    bos.post_processor = TemplateProcessing(single="<eos> $A", special_tokens=[("<eos>", EOS)])
+    server.tokenizer = type(tok)(bos, chat_template=ChatTemplate(SHOWING))
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "1+1="}], **fields)
+    assert asyncio.run(server.render_chat(body)) == tok.tokenizer.encode(text).ids
+    assert bos.encode(text).ids[0] == EOS
+
+
+def test_an_engine_closing_mid_stream_ends_it_with_a_503_event(
+        ids_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    eng = small_engine(ids_path)
+    app = build_app(eng)
+    body = {"prompt": PROMPT_IDS, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with caplog.at_level(logging.ERROR, logger=oa.__name__):
+        status, _, raw = call(app, "POST", "/v1/completions", body, on_first_piece=eng.close)
+    blocks = raw.decode().split("\n\n")
+    assert status == 200 and blocks[-2:] == ["data: [DONE]", ""]
+    assert json.loads(blocks[-3].removeprefix("data: ")) == oa.error_body(
+        503, "the async engine was closed")
+    assert errors_counted(app, 503) == 1 and not app.state.server.live
+    assert not [r for r in caplog.records if r.name == oa.__name__]  # a 503: not logged
