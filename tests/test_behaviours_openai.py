@@ -358,27 +358,73 @@ def test_a_numbered_stream_closes_its_source_when_left() -> None:
 
 
 def test_a_call_is_served_whole_or_refused_whole() -> None:
-    cancelled = []
+    """Every result in order; or the first error, raised once the other works have ended
+    (cancelled)."""
 
     async def ok(v: int) -> int:
         return v
 
-    async def slow() -> int:
-        try:
-            await asyncio.Event().wait()  # until cancelled
-        except asyncio.CancelledError:
-            cancelled.append(True)
-            raise
-        return 0  # pragma: no cover
+    async def run() -> None:
+        assert await oa._all_or_none([ok(1), ok(2), ok(3)]) == [1, 2, 3]
+        cancelled = []
 
-    async def bad() -> int:
-        await asyncio.sleep(0)
-        raise ValueError("prompt 1 is bad")
+        async def waits() -> int:
+            try:
+                await asyncio.Event().wait()  # until cancelled
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+            return 0  # pragma: no cover
 
-    assert asyncio.run(oa._all_or_none([ok(1), ok(2), ok(3)])) == [1, 2, 3]
-    with pytest.raises(ValueError, match="prompt 1 is bad"):
-        asyncio.run(oa._all_or_none([slow(), bad()]))
-    assert cancelled == [True]
+        async def bad() -> int:
+            raise ValueError("prompt 1 is bad")
+
+        with pytest.raises(ValueError, match="prompt 1 is bad"):
+            await oa._all_or_none([waits(), bad()])
+        assert cancelled == [True]  # already, when the error arrives
+
+    asyncio.run(run())
+
+
+def test_the_first_error_of_a_call_is_the_one_raised() -> None:
+    """Prompt 1 fails first, then prompt 0 (before the call's error is handled): the call's
+    error is prompt 1's."""
+
+    async def run() -> None:
+        first_failed = asyncio.Event()
+
+        async def later() -> int:
+            await first_failed.wait()
+            raise ValueError("prompt 0 is bad")
+
+        async def first() -> int:
+            first_failed.set()
+            raise ValueError("prompt 1 is bad")
+
+        with pytest.raises(ValueError, match="prompt 1 is bad"):
+            await oa._all_or_none([later(), first()])
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("p", [0, 1])
+def test_a_refusal_naming_no_prompt_passes_as_raised(p: int) -> None:
+    class Refused(ValueError):
+        pass
+
+    refused = Refused("max_tokens must be >= 1")
+
+    async def source() -> AsyncIterator[int]:
+        raise refused
+        yield 0  # pragma: no cover
+
+    async def run() -> None:
+        with pytest.raises(Refused) as e:
+            async for _ in oa._numbered(p, source()):
+                pass  # pragma: no cover
+        assert e.value is refused
+
+    asyncio.run(run())
 
 
 # ---- admission -----------------------------------------------------------------------------
@@ -1083,3 +1129,40 @@ def test_an_engine_closing_mid_stream_ends_it_with_a_503_event(
         503, "the async engine was closed")
     assert errors_counted(app, 503) == 1 and not app.state.server.live
     assert not [r for r in caplog.records if r.name == oa.__name__]  # a 503: not logged
+
+
+def test_an_engine_refusal_of_prompt_p_names_prompt_p(app: Any) -> None:
+    status, answer = post(app, "/v1/completions", {"prompt": [PROMPT_IDS, PROMPT_IDS * 50]})
+    assert status == 400 and answer["error"]["param"] == "prompt", answer
+    assert answer["error"]["message"].startswith("prompt 1 has 300 tokens")
+    assert not app.state.server.live
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_the_requests_k_and_k_max_reach_the_engine(app: Any, stream: bool) -> None:
+    def run(**kw: Any) -> dict[str, Any]:
+        body = {"prompt": PROMPT_IDS, "max_tokens": 24, "temperature": 0, **kw}
+        if not stream:
+            return post(app, "/v1/completions", body)[1]["choices"][0]
+        return events(app, "/v1/completions", body)[-1]["choices"][0]
+
+    plain = run()
+    assert plain["num_draft_tokens"] == 0  # the server's default k: 0
+    drafted = run(k=3)
+    assert drafted["num_draft_tokens"] > 0 and drafted["finish_reason"] == plain[
+        "finish_reason"]
+    # "auto" drafts at most k_max a step: none with k_max 0
+    assert run(k="auto", k_max=0)["num_draft_tokens"] == 0
+    one = run(k="auto", k_max=1)
+    assert 0 < one["num_draft_tokens"] <= one["num_steps"]
+
+
+def test_streamed_text_keeps_a_words_space_after_a_token_without_text() -> None:
+    """SentencePiece-style words ("\u2581b" is " b" inside a text, "b" at its start): a skipped
+    special token between two words must not make the next word lose its space."""
+    from test_behaviours_text import metaspace_tokenizer
+
+    tok = metaspace_tokenizer()
+    ids = [0, 4, 1, 4, 4, 2, 1]
+    inc = oa.IncrementalText(tok, skip_special_tokens=True)
+    assert "".join(inc.push([t]) for t in ids) == tok.decode(ids) == "a bc b"
