@@ -1166,3 +1166,42 @@ def test_streamed_text_keeps_a_words_space_after_a_token_without_text() -> None:
     ids = [0, 4, 1, 4, 4, 2, 1]
     inc = oa.IncrementalText(tok, skip_special_tokens=True)
     assert "".join(inc.push([t]) for t in ids) == tok.decode(ids) == "a bc b"
+
+
+def _answering(*messages: dict[str, Any]) -> Any:
+    """An ASGI app that sends these messages (an answer as any inner app may send it)."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        for m in messages:
+            await send(m)
+
+    return app
+
+
+@pytest.mark.parametrize("path,reshaped", [("/v1/models", True), ("/v2/models", False)])
+def test_error_shape_reshapes_v1_errors_sent_in_pieces(path: str, reshaped: bool) -> None:
+    """A 400 of the server's shape whose body comes in pieces (one without a body key), its
+    start without headers or with its own: on /v1/ one OpenAI answer, its other headers kept
+    and its length recomputed; elsewhere every message as sent."""
+    pieces = ({"type": "http.response.body", "body": b'{"error": ', "more_body": True},
+              {"type": "http.response.body", "more_body": True},
+              {"type": "http.response.body", "body": b'"bad n"}'})
+    for start in ({"type": "http.response.start", "status": 400},
+                  {"type": "http.response.start", "status": 400,
+                   "headers": [(b"x-request", b"7"), (b"content-length", b"18")]}):
+        inner = _answering(start, *pieces)
+        status, headers, raw = call(oa.OpenAIErrorShape(inner), "GET", path)
+        assert status == 400
+        if not reshaped:
+            assert raw == b'{"error": "bad n"}' and headers == dict(start.get("headers", ()))
+            continue
+        assert json.loads(raw) == oa.error_body(400, "bad n")
+        assert headers == {**dict(start.get("headers", ())),
+                           b"content-length": str(len(raw)).encode()}
+
+
+def test_error_shape_passes_answers_below_400() -> None:
+    ok = ({"type": "http.response.start", "status": 200, "headers": []},
+          {"type": "http.response.body", "body": b'{"error": "not one"}'})
+    status, _, raw = call(oa.OpenAIErrorShape(_answering(*ok)), "GET", "/v1/x")
+    assert (status, raw) == (200, b'{"error": "not one"}')
