@@ -107,6 +107,8 @@ async def _call(app: Any, method: str, path: str, body: object = None, *,
     if not starts:
         return 0, {}, b""
     (start,) = starts
+    names = [k for k, _ in start.get("headers", ())]
+    assert len(names) == len(set(names)), names  # each header once
     raw = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
     return start["status"], dict(start.get("headers", ())), raw
 
@@ -1179,19 +1181,22 @@ def _answering(*messages: dict[str, Any]) -> Any:
 
 
 @pytest.mark.parametrize("path,reshaped", [("/v1/models", True), ("/v2/models", False)])
-def test_error_shape_reshapes_v1_errors_sent_in_pieces(path: str, reshaped: bool) -> None:
-    """A 400 of the server's shape whose body comes in pieces (one without a body key), its
-    start without headers or with its own: on /v1/ one OpenAI answer, its other headers kept
-    and its length recomputed; elsewhere every message as sent."""
+@pytest.mark.parametrize("sent", [400, 422])
+def test_error_shape_reshapes_v1_errors_sent_in_pieces(path: str, reshaped: bool,
+                                                       sent: int) -> None:
+    """A 400 or 422 of the server's shape whose body comes in pieces (one without a body
+    key), its start without headers or with its own: on /v1/ one OpenAI answer (a 422 as
+    OpenAI's 400), its other headers kept and its length recomputed; elsewhere every message
+    as sent."""
     pieces = ({"type": "http.response.body", "body": b'{"error": ', "more_body": True},
               {"type": "http.response.body", "more_body": True},
               {"type": "http.response.body", "body": b'"bad n"}'})
-    for start in ({"type": "http.response.start", "status": 400},
-                  {"type": "http.response.start", "status": 400,
+    for start in ({"type": "http.response.start", "status": sent},
+                  {"type": "http.response.start", "status": sent,
                    "headers": [(b"x-request", b"7"), (b"content-length", b"18")]}):
         inner = _answering(start, *pieces)
         status, headers, raw = call(oa.OpenAIErrorShape(inner), "GET", path)
-        assert status == 400
+        assert status == (400 if reshaped else sent)
         if not reshaped:
             assert raw == b'{"error": "bad n"}' and headers == dict(start.get("headers", ()))
             continue
