@@ -77,9 +77,12 @@ TESTS: dict[str, list[str]] = {
     "specengine/core/sampler.py": [
         "tests/test_greedy_sampler.py", "tests/test_min_p_sampler.py",
         "tests/test_behaviours_sampling.py"],
+    # test_behaviours_openai calls the app in-process (every answer field, error, stream rule);
+    # test_openai_api's live-server cases repeat them through the openai client at ~20 s a
+    # surviving mutant, so only its in-process case runs
     "specengine/server/openai_api.py": [
-        "tests/test_openai_api.py", "tests/test_behaviours_text.py",
-        "tests/test_behaviours_server.py"],
+        "tests/test_behaviours_openai.py", "tests/test_behaviours_text.py",
+        "tests/test_openai_api.py", "-k", "not test_openai_api.py or incremental_text"],
     "specengine/server/sglang_api.py": [
         "tests/test_sglang_generate.py", "tests/test_behaviours_server.py"],
     "specengine/weights/protocol.py": [
@@ -152,7 +155,8 @@ def prepare(module: str, workdir: Path) -> None:
     if module not in TESTS:
         raise SystemExit(f"{module} has no test selection in TESTS (see --list)")
     workdir.mkdir(parents=True, exist_ok=True)
-    for name in ("specengine", "tests"):
+    # README.md: tests/readme_blocks.py reads it at import (test_openai_api, test_step_api...)
+    for name in ("specengine", "tests", "README.md"):
         link = workdir / name
         if name == "specengine" and (ROOT / name / "kernels").is_symlink():
             mirror(ROOT / name, link)
@@ -169,7 +173,7 @@ def prepare(module: str, workdir: Path) -> None:
             'source_paths = ["specengine"]',
             # kernels/ is reached as specengine/kernels (a link in the repository)
             f"only_mutate = [{json.dumps(mutated_path(module))}]",
-            'also_copy = ["tests"]',
+            'also_copy = ["tests", "README.md"]',
             f"pytest_add_cli_args_test_selection = {json.dumps(selection)}",
             'pytest_add_cli_args = ["-n", "0", "-p", "no:cacheprovider", "-q"]',
             "",

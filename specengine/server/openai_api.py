@@ -595,8 +595,14 @@ class OpenAIServer:
                 self.state.live.discard(rid)
             await asyncio.gather(*pumps, return_exceptions=True)
 
+        async def all_admitted() -> None:
+            # a task, not gather's future: a cancelled gather ends with a CancelledError
+            # *exception* (not cancelled), so a client gone before admission raised it out of
+            # the handler instead of getting the 499 below
+            await asyncio.gather(*admitted)
+
         try:
-            done, _ = await unless_disconnected(asyncio.gather(*admitted), request)
+            done, _ = await unless_disconnected(all_admitted(), request)
         except REFUSALS as exc:
             await stop()
             raise refusal(exc, body, default_param(body)) from None
