@@ -1099,6 +1099,11 @@ SHOWING = ("{% for m in messages %}Q:{{ m.content }}{% endfor %}"
     ({"add_generation_prompt": False}, "Q:1+1="),
     ({"tools": [{"type": "function"}] * 2, "documents": [{"text": "x"}] * 3,
       "chat_template_kwargs": {"extra": "=9"}}, "Q:1+1=A:2P3=9"),
+    # as vLLM, chat_template_kwargs are laid over the named fields (it was a TypeError: 500)
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "Q:1+1="),
+    ({"add_generation_prompt": False, "chat_template_kwargs": {"add_generation_prompt": True,
+                                                               "documents": [{}]}},
+     "Q:1+1=A:P1"),
 ])
 def test_chat_passes_its_fields_to_the_template_and_adds_no_special_tokens(
         server: oa.OpenAIServer, fields: dict[str, Any], text: str) -> None:
@@ -1116,6 +1121,14 @@ def test_chat_passes_its_fields_to_the_template_and_adds_no_special_tokens(
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "1+1="}], **fields)
     assert asyncio.run(server.render_chat(body)) == tok.tokenizer.encode(text).ids
     assert bos.encode(text).ids[0] == EOS
+
+
+def test_chat_template_kwargs_cannot_replace_the_conversation(server: oa.OpenAIServer) -> None:
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "1+1="}],
+                                 chat_template_kwargs={"messages": []})
+    with pytest.raises(oa.OpenAIError, match="cannot set 'messages'") as err:
+        asyncio.run(server.render_chat(body))
+    assert err.value.status == 400 and err.value.param == "chat_template_kwargs"
 
 
 def test_an_engine_closing_mid_stream_ends_it_with_a_503_event(

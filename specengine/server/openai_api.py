@@ -378,11 +378,19 @@ class OpenAIServer:
             messages = [m.template_dict(i) for i, m in enumerate(body.messages)]
         except ValueError as exc:
             raise OpenAIError(400, str(exc), "messages") from None
-        kwargs = dict(body.chat_template_kwargs or {})
+        # As vLLM: the request's chat_template_kwargs are laid over the named fields (a client
+        # may set add_generation_prompt there); "messages" is the conversation itself.
+        extra = body.chat_template_kwargs or {}
+        if "messages" in extra:
+            raise OpenAIError(400, "chat_template_kwargs cannot set 'messages' (the "
+                                   "conversation is the request's messages)",
+                              "chat_template_kwargs")
+        kwargs = dict(add_generation_prompt=body.add_generation_prompt, tools=body.tools,
+                      documents=body.documents)
+        kwargs.update(extra)
 
         def render() -> list[int]:
-            text = template.render(messages, add_generation_prompt=body.add_generation_prompt,
-                                   tools=body.tools, documents=body.documents, **kwargs)
+            text = template.render(messages, **kwargs)
             return tok.encode(text, what="the rendered messages", add_special_tokens=False)
 
         try:
