@@ -176,6 +176,16 @@ def test_prompt_file_parquet_refusals_name_the_row_or_the_file(tmp_path: Path) -
     _refused(broken, f"prompt file {broken}: not a readable Parquet file (")
 
 
+def test_prompt_file_parquet_without_the_column_lists_the_columns(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    file = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"question": ["Q:1="], "id": [0]}), file)
+    msg = _refused(file, column="prompt")
+    assert msg == (f"prompt file {file}: no column 'prompt'; columns: ['question', 'id']; "
+                   "choose one with --prompt-column")
+
+
 def test_prompt_file_parquet_without_pyarrow_says_what_to_install(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     file = tmp_path / "p.parquet"
