@@ -82,9 +82,14 @@ TESTS: dict[str, list[str]] = {
         "tests/test_weight_sync.py", "tests/test_behaviours_weight_stream.py",
         "-k", "not sender_dies and not time_out and not colocated and not receivers and not "
               "every_rank and not draft_update_keeps and not on_both_sides"],
+    # as protocol.py: the group path runs in process (a sender thread, test_weight_finite and
+    # test_behaviours_weight_receiver), not in spawned processes
     "specengine/weights/receiver.py": [
         "tests/test_mutants_weights.py", "tests/test_behaviours_weights.py",
-        "tests/test_weight_sync.py", "tests/test_weight_finite.py"],
+        "tests/test_weight_sync.py", "tests/test_weight_finite.py",
+        "tests/test_behaviours_weight_receiver.py",
+        "-k", "not sender_dies and not time_out and not colocated and not receivers and not "
+              "every_rank and not draft_update_keeps and not on_both_sides"],
     "specengine/weights/sglang_receiver.py": [
         "tests/test_sglang_weights.py", "tests/test_behaviours_weights.py"],
     # the prompt-file tests of test_train_draft (its other tests train heads: minutes)
