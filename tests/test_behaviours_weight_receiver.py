@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import make_hf_model
+from checkpoints import make_hf_model, save_checkpoint
 from net_helpers import Background, free_port
 
 from specengine import SpecEngine
 from specengine.model.weight_names import hf_named_tensors
-from specengine.weights import WeightSender, WeightSyncError
+from specengine.weights import SharedWeights, WeightSender, WeightSyncError
 
 JOIN_S = 60.0
 NORM = "model.norm.weight"
@@ -152,3 +152,80 @@ def test_group_bad_src_rank_is_refused_before_any_collective(pair: Pair) -> None
         assert str(e.value) == ("src_rank must be the sender's rank (0 for a WeightSender), "
                                 f"got {bad!r}")
     assert pair.update({NORM: torch.ones(64)}, 1) == (1, None)
+
+
+# ---- in process and shared ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def engine(tiny_checkpoint: Path) -> SpecEngine:
+    return make_engine(tiny_checkpoint)
+
+
+def test_update_target_names_what_cannot_be_updated(engine: SpecEngine) -> None:
+    one = {NORM: torch.ones(64)}
+    with pytest.raises(ValueError) as e:
+        engine.load_weights(one, which="value")
+    assert str(e.value) == "which must be 'policy' or 'draft', got 'value'"
+    with pytest.raises(ValueError) as e:
+        engine.load_weights(one, which="draft")  # no draft model: nothing to update
+    assert str(e.value) == "the engine's drafter (NoneType) has no weights to update"
+    assert engine.weight_version == 0
+
+
+def test_versions_are_int64_and_increase(engine: SpecEngine) -> None:
+    one = {NORM: torch.ones(64)}
+    for bad in (-1, 1 << 63, True, "1", 1.0):
+        with pytest.raises(ValueError) as e:
+            engine.load_weights(one, version=bad)  # type: ignore[arg-type]
+        assert str(e.value) == ("weight version must be an int in [0, 9223372036854775807] "
+                                f"(or None: the current one + 1), got {bad!r}")
+    assert engine.load_weights(one) == 1  # None: the current one + 1
+    assert engine.load_weights(one, version=(1 << 63) - 1) == (1 << 63) - 1
+    for stale in (0, (1 << 63) - 1):
+        with pytest.raises(ValueError) as e:
+            engine.load_weights(one, version=stale)
+        assert str(e.value) == (f"weight version must increase: got {stale}, engine is at "
+                                f"{(1 << 63) - 1}")
+    assert engine.weight_version == (1 << 63) - 1
+
+
+def test_shared_update_refusals(engine: SpecEngine) -> None:
+    with pytest.raises(TypeError) as e:
+        engine.update_weights_from_shared({NORM: torch.ones(64)})  # type: ignore[arg-type]
+    assert str(e.value) == ("handles must be SharedWeights (from WeightSender.send with "
+                            "transport='shared'), got dict")
+    sd = new_weights(seed=3)
+    handles = WeightSender(transport="shared").send(sd, 1, bucket_bytes=8 << 10)
+    assert handles is not None and len(handles.buckets) > 2
+    short = SharedWeights(handles.manifest, handles.buckets[:-1])
+    sizes = [b.numel() for b in handles.buckets]
+    with pytest.raises(WeightSyncError) as e:
+        engine.update_weights_from_shared(short)
+    assert str(e.value) == (f"shared buckets of {sizes[:-1]} bytes do not match the "
+                            f"manifest's {sizes}")
+    assert engine.weight_version == 0 and not engine.torn_weights
+    assert engine.update_weights_from_shared(handles) == 1
+    got = weights(engine)
+    assert all(torch.equal(got[n], sd[n]) for n in sd) and not engine.torn_weights
+
+
+def test_in_process_update_from_a_checkpoint_dir_pairs_or_a_mapping(engine: SpecEngine,
+                                                                    tmp_path: Path) -> None:
+    sd = new_weights(seed=5)
+    model = make_hf_model("qwen3")
+    model.load_state_dict(sd)
+    ckpt = save_checkpoint(model, tmp_path / "ck")
+    for version, source in enumerate((str(ckpt), ckpt, sd, list(sd.items()),
+                                      iter(list(sd.items()))), 1):
+        engine.load_weights({n: t + 1 for n, t in sd.items()})  # something else first
+        assert engine.load_weights(source, version=2 * version) == 2 * version  # type: ignore[arg-type]
+        got = weights(engine)
+        assert all(torch.equal(got[n], sd[n]) for n in sd), type(source)
+
+
+def test_group_rank_zero_is_the_senders(engine: SpecEngine) -> None:
+    with pytest.raises(ValueError) as e:
+        engine.init_weight_update_group("127.0.0.1", free_port(), 0, 2, backend="gloo",
+                                        timeout_s=5.0)
+    assert str(e.value) == "rank 0 is the sender (WeightSender); engines take ranks 1.."
