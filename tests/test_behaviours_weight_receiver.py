@@ -20,7 +20,7 @@ from specengine import SpecEngine
 from specengine.model.weight_names import hf_named_tensors
 from specengine.weights import SharedWeights, WeightSender, WeightSyncError
 
-JOIN_S = 60.0
+JOIN_S = 20.0  # a broken transfer fails within it (no hang past the test)
 NORM = "model.norm.weight"
 
 
@@ -229,3 +229,36 @@ def test_group_rank_zero_is_the_senders(engine: SpecEngine) -> None:
         engine.init_weight_update_group("127.0.0.1", free_port(), 0, 2, backend="gloo",
                                         timeout_s=5.0)
     assert str(e.value) == "rank 0 is the sender (WeightSender); engines take ranks 1.."
+
+
+def test_in_process_pairs_given_as_lists_are_checked_for_finite_values(
+        engine: SpecEngine) -> None:
+    """``[name, tensor]`` lists load like tuples, so their NaNs are refused like theirs
+    (they once went through the finite check unseen and were loaded)."""
+    bad = torch.ones(64)
+    bad[3] = float("nan")
+    for pair in ([NORM, bad], (NORM, bad)):
+        with pytest.raises(WeightSyncError, match=f"non-finite values .* in '{NORM}'"):
+            engine.load_weights([pair])
+        assert engine.weight_version == 0 and not engine.torn_weights
+    assert engine.load_weights([[NORM, torch.full((64,), 2.0)]]) == 1
+    assert torch.equal(weights(engine)[NORM], torch.full((64,), 2.0))
+
+
+def test_in_process_malformed_entry_is_a_value_error(engine: SpecEngine) -> None:
+    for entry in ((NORM,), [NORM]):
+        with pytest.raises(ValueError):
+            engine.load_weights([entry])  # type: ignore[list-item]
+    assert engine.weight_version == 0 and not engine.torn_weights
+
+
+def test_shared_update_refuses_a_tensor_parallel_engine(tiny_checkpoint: Path) -> None:
+    handles = WeightSender(transport="shared").send({NORM: torch.ones(64)}, 1)
+    with SpecEngine(tiny_checkpoint, device="cpu", dtype="float32", max_model_len=64,
+                    kv_cache_tokens=512, tensor_parallel_size=2) as engine:
+        with pytest.raises(ValueError) as e:
+            engine.update_weights_from_shared(handles)  # type: ignore[arg-type]
+        assert str(e.value) == (
+            "update_weights_from_shared does not serve a tensor-parallel engine (each rank "
+            "copies its slice of the whole tensors): use load_weights or a weight-sync group")
+        assert engine.weight_version == 0
