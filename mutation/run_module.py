@@ -53,7 +53,8 @@ TESTS: dict[str, list[str]] = {
         "tests/test_suffix_drafter.py", "tests/test_behaviours_drafts.py",
         "-k", "not sampled_output and not hybrid_greedy"],
     "specengine/drafters/suffix_index.py": [
-        "tests/test_suffix_drafter.py", "-k", "not sampled_output and not hybrid_greedy"],
+        "tests/test_suffix_drafter.py", "tests/test_behaviours_suffix_index.py",
+        "-k", "not sampled_output and not hybrid_greedy"],
     "specengine/core/prefix_cache.py": [
         "tests/test_prefix_cache.py", "tests/test_behaviours_prefix.py",
         "tests/test_mutants_admission.py", "-k", "not second_call and not weight_update"],
