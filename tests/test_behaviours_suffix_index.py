@@ -37,6 +37,23 @@ def test_suffix_index_option_bounds_are_exact(name: str, ok: list[int], bad: lis
         assert str(e.value) == f"suffix_{name} must be {want}, got {value!r}"
 
 
+@pytest.mark.parametrize("name, lo, hi, want", [
+    ("min_prob", 0.0, 1.0, "in [0, 1]"),
+    ("smoothing", 0.0, 1e6, "in [0, 1e6]"),
+    ("spec_factor", 0.0, 1e3, "in [0, 1000]"),
+    ("spec_offset", -1e3, 1e3, "in [-1000, 1000]"),
+    ("open_weight", 0.0, 1e3, "in [0, 1000]"),
+])
+def test_suffix_index_float_option_bounds_are_exact(name: str, lo: float, hi: float,
+                                                    want: str) -> None:
+    for value in (lo, hi):
+        assert getattr(SuffixParams(**{name: value}), name) == value
+    for value in (lo - 1e-9, hi + 1e-6, float("nan")):
+        with pytest.raises(ValueError) as e:
+            SuffixParams(**{name: value})
+        assert str(e.value) == f"suffix_{name} must be {want}, got {value!r}"
+
+
 def test_suffix_index_draft_cap() -> None:
     """``min(limit, max(0, int(m * spec_factor + spec_offset)))``, a product just under a
     whole number counting as it (0.29 * 100 is 28.999...96 in floats)."""
