@@ -96,16 +96,17 @@ def _read_parquet(path: Path, column: str) -> list[Prompt]:
     except ImportError as e:
         raise ValueError(f"prompt file {path}: reading Parquet needs pyarrow "
                          f"(pip install pyarrow): {e}") from None
+    # pyarrow's errors for a corrupt file include ArrowInvalid, a ValueError: every one is
+    # wrapped to name the file, and the missing column is refused outside the try
     try:
-        schema = pq.read_schema(path)
-        if column not in schema.names:
-            raise ValueError(f"prompt file {path}: no column {column!r}; columns: "
-                             f"{schema.names}; choose one with --prompt-column")
-        values = pq.read_table(path, columns=[column]).column(column).to_pylist()
-    except ValueError:
-        raise
+        names = pq.read_schema(path).names
+        values = (pq.read_table(path, columns=[column]).column(column).to_pylist()
+                  if column in names else None)
     except Exception as e:  # noqa: BLE001 - pyarrow's own errors for a corrupt file
         raise ValueError(f"prompt file {path}: not a readable Parquet file ({e})") from None
+    if values is None:
+        raise ValueError(f"prompt file {path}: no column {column!r}; columns: {names}; "
+                         "choose one with --prompt-column")
     return [_check_prompt(v, f"prompt file {path}, row {i}") for i, v in enumerate(values)]
 
 

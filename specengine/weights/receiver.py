@@ -129,7 +129,9 @@ def read_update(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str,
     else:
         items = list(named_tensors)
     if check_finite:  # malformed entries are left for the entry checks to name
-        check_finite_tensors(p for p in items if isinstance(p, tuple) and len(p) == 2
+        # a pair may be a list (``[name, tensor]``, e.g. from JSON-like code): the loaders
+        # take it, so the check must too (a tuple-only test let its NaNs through)
+        check_finite_tensors(p for p in items if isinstance(p, (tuple, list)) and len(p) == 2
                              and isinstance(p[1], torch.Tensor))
     return items
 
