@@ -73,16 +73,21 @@ TESTS: dict[str, list[str]] = {
     "specengine/server/openai_api.py": [
         "tests/test_openai_api.py", "tests/test_behaviours_text.py",
         "tests/test_behaviours_server.py"],
+    # mount's routes are closures: mutmut credits mount only to a test that builds an app,
+    # which test_behaviours_sglang_api does per test (module-scoped servers: the first only)
     "specengine/server/sglang_api.py": [
-        "tests/test_sglang_generate.py", "tests/test_behaviours_server.py"],
+        "tests/test_behaviours_sglang_api.py", "tests/test_sglang_generate.py",
+        "tests/test_behaviours_server.py"],
     "specengine/weights/protocol.py": [
         "tests/test_mutants_weights.py", "tests/test_behaviours_weights.py",
         "tests/test_weight_sync.py"],
     "specengine/weights/receiver.py": [
         "tests/test_mutants_weights.py", "tests/test_behaviours_weights.py",
         "tests/test_weight_sync.py", "tests/test_weight_finite.py"],
+    # test_sglang_weights' other tests run a server process: they cannot see a mutant
     "specengine/weights/sglang_receiver.py": [
-        "tests/test_sglang_weights.py", "tests/test_behaviours_weights.py"],
+        "tests/test_behaviours_sglang_group.py", "tests/test_behaviours_weights.py",
+        "tests/test_sglang_weights.py::test_bad_init_bodies_are_refused_naming_the_field"],
     "specengine/train/data.py": ["tests/test_train_draft.py", "-k", "data or dataset or pack"],
     "kernels/reference_sampling.py": [
         "tests/test_mutants_sampler.py", "tests/test_rejection_sampling.py",
