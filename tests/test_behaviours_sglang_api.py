@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import threading
 from collections.abc import Iterator
@@ -450,6 +451,31 @@ def test_a_weight_operation_that_waited_too_long_is_a_409(wclient, weights_aeng,
     message = ("another weight operation is in progress (a test's operation): load_weights is "
                "refused; retry once it has finished")
     assert (status, out) == (409, refusal(message))
+
+
+def test_a_refusal_that_mentions_in_progress_is_not_retried(wclient, weights_aeng, tmp_path,
+                                                          monkeypatch) -> None:
+    """Only the weight lock's refusal is waited out: an update refused for its own content
+    is answered at once, whatever its message says (a tensor named ``in progress``)."""
+    monkeypatch.setattr(sglang_api, "LOCK_WAIT_S", 1.0)  # bounds a wrong retry
+    save_file({"in progress": torch.tensor([float("nan")])}, str(tmp_path / "model.safetensors"))
+    eng = weights_aeng.engine
+    calls = []
+    stage = eng.stage_weights
+    monkeypatch.setattr(eng, "stage_weights", lambda *a, **k: calls.append(a) or stage(*a, **k))
+    status, out = post(wclient, "/update_weights_from_disk", {"model_path": str(tmp_path)})
+    assert status == 400 and "in progress" in out["message"], out
+    assert len(calls) == 1
+
+
+def test_weight_operations_are_logged_by_name(wclient, caplog) -> None:
+    with caplog.at_level(logging.DEBUG, logger="specengine.server.sglang_api"):
+        post(wclient, "/destroy_weights_update_group", {"group_name": "nobody"})
+        post(wclient, "/update_weights_from_disk", {"model_path": "/nonexistent"})
+    assert [r.getMessage() for r in caplog.records
+            if r.name == "specengine.server.sglang_api"] == [
+        "weight operation destroy_weights_update_group off the step loop",
+        "weight operation update_weights_from_disk off the step loop"]
 
 
 def init_body(port: int, name: str, **over: Any) -> dict[str, Any]:
