@@ -37,8 +37,9 @@ from safetensors.torch import load_file, save_file
 from server_helpers import bundled_engine
 from test_behaviours_sglang_group import JOIN_S, Learner, free_port
 
-from specengine import AsyncSpecEngine, SamplingParams, SpecEngine
+from specengine import AsyncSpecEngine, SamplingParams
 from specengine.assets import DEFAULT_TARGET
+from specengine.outputs import GenerationOutput
 from specengine.server import sglang_api
 from specengine.server.app import build_app
 
@@ -50,12 +51,9 @@ NORM = "model.norm.weight"
 
 
 @pytest.fixture(scope="module")
-def reference() -> SpecEngine:
-    return bundled_engine()
-
-
-@pytest.fixture(scope="module")
 def aeng() -> Iterator[AsyncSpecEngine]:
+    """One engine for every test (the weight tests write the bundled weights back), so a
+    test's outcome does not depend on which ran before it."""
     eng = AsyncSpecEngine(bundled_engine())
     yield eng
     asyncio.run(eng.close())
@@ -85,8 +83,16 @@ def stream(client: TestClient, body: dict[str, Any]) -> list[Any]:
         return read_events(r.iter_lines())
 
 
-def want(reference: SpecEngine, prompt: list[int] | str, **params: Any) -> list[Any]:
-    return reference.generate([prompt], k=3, sampling=SamplingParams(**params))
+def want(aeng: AsyncSpecEngine, prompt: list[int] | str, **params: Any
+         ) -> list[GenerationOutput]:
+    """The engine's own outputs (every sample of a group, in order) for ``prompt``."""
+    async def run() -> list[GenerationOutput]:
+        finals: dict[int, GenerationOutput] = {}
+        async for out in aeng.generate_stream(prompt, SamplingParams(**params), k=3):
+            if out.output is not None:
+                finals[out.output.sample_index] = out.output
+        return [finals[i] for i in sorted(finals)]
+    return asyncio.run(run())
 
 
 def is_result_of(got: dict[str, Any], out: Any) -> None:
@@ -94,22 +100,22 @@ def is_result_of(got: dict[str, Any], out: Any) -> None:
 
 
 # ---- /generate, SGLang's dialect -------------------------------------------------------------
-def test_one_prompt_is_answered_as_one_result_with_a_fresh_id(client, reference) -> None:
+def test_one_prompt_is_answered_as_one_result_with_a_fresh_id(client, aeng) -> None:
     status, out = post(client, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
     assert status == 200 and isinstance(out, dict), out
-    w = want(reference, PROMPT, temperature=0.0, max_tokens=12)[0]
+    w = want(aeng, PROMPT, temperature=0.0, max_tokens=12)[0]
     is_result_of(out, w)
     assert re.fullmatch("sgl-[0-9a-f]{32}", out["meta_info"]["id"]), out["meta_info"]["id"]
     again = post(client, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})[1]
     assert again["meta_info"]["id"] != out["meta_info"]["id"]
 
 
-def test_a_group_and_a_batch_are_lists_prompt_major(client, reference) -> None:
+def test_a_group_and_a_batch_are_lists_prompt_major(client, aeng) -> None:
     sp = {"max_new_tokens": 6, "temperature": 1.0, "n": 2, "sampling_seed": 5}
     status, out = post(client, "/generate", {"input_ids": PROMPT, "sampling_params": sp,
                                              "rid": "one"})
     assert status == 200 and isinstance(out, list) and len(out) == 2, out
-    group = want(reference, PROMPT, temperature=1.0, max_tokens=6, n=2, seed=5)
+    group = want(aeng, PROMPT, temperature=1.0, max_tokens=6, n=2, seed=5)
     for got, w, i in zip(out, group, range(2)):
         is_result_of(got, w)
         assert got["meta_info"]["id"] == f"one-{i}"
@@ -119,14 +125,14 @@ def test_a_group_and_a_batch_are_lists_prompt_major(client, reference) -> None:
     assert status == 200 and len(out) == 4, out
     assert [o["meta_info"]["id"] for o in out] == ["a-0", "a-1", "b-0", "b-1"]
     for p, text in enumerate(texts):
-        for i, w in enumerate(want(reference, text, temperature=1.0, max_tokens=6, n=2,
+        for i, w in enumerate(want(aeng, text, temperature=1.0, max_tokens=6, n=2,
                                    seed=5)):
             is_result_of(out[2 * p + i], w)
     assert "output_token_logprobs" in out[0]["meta_info"]
     assert "output_token_logprobs" not in out[2]["meta_info"]
 
 
-def test_a_streamed_batch_of_groups_indexes_each_sample(client) -> None:
+def test_a_streamed_batch_of_groups_indexes_each_sample(client, aeng) -> None:
     """Prompt p's sample i is ``index`` p * n + i; a chunk before the last carries the ids so
     far, the prompt's length where it is known (ids; a text's only at the end) and the
     engine's weight version; each index's last chunk is the non-streamed answer."""
@@ -144,7 +150,7 @@ def test_a_streamed_batch_of_groups_indexes_each_sample(client) -> None:
         if c["meta_info"]["finish_reason"] is None:
             assert c["meta_info"]["prompt_tokens"] == len(prompt)
             assert c["meta_info"]["completion_tokens"] == len(c["output_ids"])
-            assert c["meta_info"]["weight_version"] == 0
+            assert c["meta_info"]["weight_version"] == aeng.engine.weight_version
     assert sorted(last) == list(range(6))
     for i, a in enumerate(answer):
         assert last[i]["output_ids"] == a["output_ids"] and last[i]["text"] == a["text"], i
@@ -156,10 +162,10 @@ def test_a_streamed_batch_of_groups_indexes_each_sample(client) -> None:
     assert chunks[-1]["meta_info"]["prompt_tokens"] == len("Q:12+7=")
 
 
-def test_skip_special_tokens_false_keeps_them_in_the_text(client, reference) -> None:
-    w = want(reference, "Q:12+7=", temperature=0.0, max_tokens=40)[0]
+def test_skip_special_tokens_false_keeps_them_in_the_text(client, aeng) -> None:
+    w = want(aeng, "Q:12+7=", temperature=0.0, max_tokens=40)[0]
     assert w.finish_reason == "stop" and w.stop_reason is None  # ended by EOS
-    tok = reference.tokenizer.tokenizer  # type: ignore[union-attr]
+    tok = aeng.engine.tokenizer.tokenizer  # type: ignore[union-attr]
     full = tok.decode(list(w.token_ids), skip_special_tokens=False)
     assert full != w.text and full.startswith(w.text)  # the EOS token shows
     sp = {"max_new_tokens": 40, "temperature": 0.0, "skip_special_tokens": False}
@@ -172,7 +178,7 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(client, reference) -> 
     assert [b["text"] for b in batch] == [full, w.text]
     # cut where the engine cut: before a stop string, or after it with no_stop_trim
     stop = w.text[4:6]  # type: ignore[index]
-    cut = want(reference, "Q:12+7=", temperature=0.0, max_tokens=40, stop=(stop,))[0]
+    cut = want(aeng, "Q:12+7=", temperature=0.0, max_tokens=40, stop=(stop,))[0]
     assert cut.stop_reason == stop
     out = post(client, "/generate", {"text": "Q:12+7=", "sampling_params": {**sp,
                                                                            "stop": stop}})[1]
@@ -190,10 +196,10 @@ def test_a_batch_prompt_the_engine_refuses_is_named(client) -> None:
 
 
 # ---- /generate, our dialect ------------------------------------------------------------------
-def test_our_body_with_n_is_one_group_and_with_one_sample_one_output(client, reference
+def test_our_body_with_n_is_one_group_and_with_one_sample_one_output(client, aeng
                                                                      ) -> None:
     params = {"max_tokens": 6, "temperature": 1.0, "n": 2, "seed": 3}
-    group = want(reference, PROMPT, temperature=1.0, max_tokens=6, n=2, seed=3)
+    group = want(aeng, PROMPT, temperature=1.0, max_tokens=6, n=2, seed=3)
     status, out = post(client, "/generate", {"prompt_token_ids": PROMPT, "request_id": "ours",
                                              "sampling_params": params})
     assert status == 200 and out["request_id"] == "ours", out
@@ -214,7 +220,7 @@ def test_our_body_with_n_is_one_group_and_with_one_sample_one_output(client, ref
         if e["finished"]:
             assert e["output"]["token_ids"] == tokens[e["request_id"]]
     assert [tokens["s-0"], tokens["s-1"]] == [list(w.token_ids) for w in group]
-    one = want(reference, PROMPT, temperature=0.0, max_tokens=6)[0]
+    one = want(aeng, PROMPT, temperature=0.0, max_tokens=6)[0]
     for n in (None, 1):
         sp = {"max_tokens": 6, "temperature": 0.0} | ({} if n is None else {"n": n})
         status, out = post(client, "/generate", {"prompt_token_ids": PROMPT,
@@ -334,12 +340,10 @@ def test_flush_cache_empties_the_prefix_cache(client) -> None:
 
 
 # ---- weights ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def weights_aeng() -> Iterator[AsyncSpecEngine]:
-    """An engine whose weights the tests update (to the bundled ones: outputs unchanged)."""
-    eng = AsyncSpecEngine(bundled_engine())
-    yield eng
-    asyncio.run(eng.close())
+@pytest.fixture
+def weights_aeng(aeng: AsyncSpecEngine) -> AsyncSpecEngine:
+    """The engine the weight tests update (to the bundled weights: outputs unchanged)."""
+    return aeng
 
 
 @pytest.fixture
