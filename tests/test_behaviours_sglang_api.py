@@ -611,3 +611,117 @@ def test_mount_needs_the_apps_own_routes(aeng) -> None:
     with pytest.raises(RuntimeError) as info:
         sglang_api.mount(app)
     assert str(info.value) == "mount needs the app's POST /generate route (build_app makes it)"
+
+
+# ---- more of /generate ---------------------------------------------------------------------------
+def test_a_streamed_chunk_holds_back_what_may_start_a_stop_string(client, aeng) -> None:
+    """Each chunk's text is the decoded text so far less its last (longest stop string - 1)
+    characters (never shrinking); without stop strings nothing is held back."""
+    tok = aeng.engine.tokenizer.tokenizer  # type: ignore[union-attr]
+    for stops, hold in (([], 0), (["@@@@", ";A"], 3), ("=9", 1)):
+        sp = {"max_new_tokens": 40, "temperature": 0.0, "stop": stops}
+        chunks = stream(client, {"text": "Q:385+472=", "sampling_params": sp})[:-1]
+        answer = post(client, "/generate", {"text": "Q:385+472=", "sampling_params": sp})[1]
+        assert chunks[-1]["text"] == answer["text"], stops
+        shown = ""
+        for c in chunks[:-1]:
+            decoded = tok.decode(c["output_ids"], skip_special_tokens=True)
+            if len(decoded) - hold > len(shown):
+                shown = decoded[:len(decoded) - hold]
+            assert c["text"] == shown, (stops, c)
+
+
+def test_top_logprobs_num_is_passed_for_each_prompt(client, aeng) -> None:
+    body = {"input_ids": [PROMPT, LONG[:6]], "return_logprob": True, "top_logprobs_num": [2, 0],
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+    out = post(client, "/generate", body)[1]
+    tops = out[0]["meta_info"]["output_top_logprobs"]
+    assert len(tops) == 4 and all(len(t) == 2 for t in tops), tops
+    assert "output_top_logprobs" not in out[1]["meta_info"]
+    final = sorted((c for c in stream(client, body)[:-1] if c["meta_info"]["finish_reason"]),
+                   key=lambda c: c["index"])
+    assert [len(c["meta_info"].get("output_top_logprobs", [])) for c in final] == [4, 0]
+
+
+def test_k_and_k_max_of_a_request_reach_the_engine(client) -> None:
+    """k 0 (or ``"auto"`` with k_max 0) proposes no draft; the server's default k (3) does."""
+    def drafts(body: dict[str, Any]) -> int:
+        status, out = post(client, "/generate", body)
+        assert status == 200, out
+        outs = out["outputs"] if "outputs" in out else out if isinstance(out, list) else [out]
+        return sum(o["meta_info"]["num_draft_tokens"] if "meta_info" in o
+                   else o["num_draft_tokens"] for o in outs)
+    sg = {"input_ids": PROMPT, "sampling_params": GREEDY}
+    ours = {"prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 12,
+                                                            "temperature": 0.0, "n": 2}}
+    for body in (sg, ours):
+        assert drafts(body) > 0
+        assert drafts({**body, "k": 0}) == 0
+        assert drafts({**body, "k": "auto", "k_max": 0}) == 0
+    assert drafts({**sg, "k": 2}) > 0
+
+
+def test_a_stop_string_at_the_start_leaves_no_text(client, aeng) -> None:
+    w = want(aeng, "Q:12+7=", temperature=0.0, max_tokens=40)[0]
+    stop = w.text[:2]  # type: ignore[index]
+    sp = {"max_new_tokens": 40, "temperature": 0.0, "skip_special_tokens": False, "stop": stop}
+    out = post(client, "/generate", {"text": "Q:12+7=", "sampling_params": sp})[1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == ""
+    out = post(client, "/generate", {"text": "Q:12+7=", "sampling_params": {
+        **sp, "no_stop_trim": True}})[1]
+    assert out["text"] == stop
+
+
+def test_a_refused_stream_frees_its_id_and_a_finished_one_too(client) -> None:
+    r = client.post("/generate", json={"input_ids": [1, 99], "rid": "f", "stream": True})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"], r.text
+    for _ in range(2):  # the id is free again, also once a stream ended
+        assert stream(client, {"input_ids": [PROMPT, PROMPT], "rid": ["f", "g"],
+                               "sampling_params": {"max_new_tokens": 2}})[-1] == "[DONE]"
+
+
+def test_our_invalid_body_keeps_its_422_and_sglangs_is_a_400(client) -> None:
+    status, out = post(client, "/generate", {"prompt_token_ids": "x"})
+    assert status == 422, out
+    status, out = post(client, "/generate", {"input_ids": "x"})
+    assert status == 400, out
+
+
+def metric(client: TestClient, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+def test_a_draining_server_refuses_new_generations_and_is_unhealthy(client) -> None:
+    state = client.app.state.server  # type: ignore[attr-defined]
+    state.draining = True
+    try:
+        for body in ({"input_ids": PROMPT}, {"prompt_token_ids": PROMPT,
+                                             "sampling_params": {"n": 2}}):
+            status, out = post(client, "/generate", body)
+            assert (status, out) == (503, {"error": "the server is shutting down: no new "
+                                                    "requests"})
+        r = client.get("/health_generate")
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]
+    finally:
+        state.draining = False
+
+
+def test_waiting_requests_and_refusals_are_counted(client) -> None:
+    before = metric(client, "specengine_http_errors_total", status_code="400")
+    post(client, "/update_weights_from_disk", {"model_path": "/nonexistent"})
+    assert metric(client, "specengine_http_errors_total", status_code="400") == before + 1
+    assert post(client, "/pause_generation", {})[0] == 200
+    waiting = watch_waits(client.app)  # type: ignore[arg-type]
+    call = Background(lambda: post(client, "/generate", {"input_ids": PROMPT}), WAIT_S)
+    assert waiting.wait(WAIT_S)
+    assert metric(client, "specengine_num_requests_paused") == 1
+    assert post(client, "/continue_generation", {})[0] == 200
+    assert call.result()[0] == 200  # type: ignore[index]
+    assert metric(client, "specengine_num_requests_paused") == 0
