@@ -20,10 +20,12 @@ that ``mount`` adds to that app:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
 import threading
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -725,3 +727,84 @@ def test_waiting_requests_and_refusals_are_counted(client) -> None:
     assert post(client, "/continue_generation", {})[0] == 200
     assert call.result()[0] == 200  # type: ignore[index]
     assert metric(client, "specengine_num_requests_paused") == 0
+
+
+# ---- the answer's shape, from an output -------------------------------------------------------
+def output(**over: Any) -> GenerationOutput:
+    fields: dict[str, Any] = {
+        "prompt_token_ids": (5, 6, 7), "token_ids": (9, 4), "logprobs": (-0.5, -1.25),
+        "finish_reason": "length", "num_steps": 2, "num_draft_tokens": 3,
+        "num_accepted_tokens": 1, "weight_version": 4, "text": "ab",
+        "token_weight_versions": (3, 4), "num_cached_tokens": 2}
+    return GenerationOutput(**{**fields, **over})
+
+
+@pytest.mark.parametrize("over,reason", [
+    ({"finish_reason": "stop", "stop_reason": "ab"}, {"type": "stop", "matched": "ab"}),
+    ({"finish_reason": "stop", "stop_reason": 4}, {"type": "stop", "matched": 4}),
+    ({"finish_reason": "stop"}, {"type": "stop", "matched": 4}),
+    ({"finish_reason": "stop", "token_ids": (), "logprobs": (), "token_weight_versions": ()},
+     {"type": "stop", "matched": None}),
+    ({}, {"type": "length", "length": 2}),
+    ({"finish_reason": "policy_lag"},
+     {"type": "abort", "message": "the request's policy lag exceeded its bound"}),
+    ({"finish_reason": "abort"}, {"type": "abort", "message": "aborted"}),
+    ({"finish_reason": "error", "error": "boom"}, {"type": "abort", "message": "boom"}),
+])
+def test_finish_reason_in_sglangs_shape(over: dict[str, Any], reason: dict[str, Any]) -> None:
+    assert sglang_api.finish_reason(output(**over)) == reason
+
+
+def test_result_and_meta_info_from_an_output() -> None:
+    out = output(top_logprobs=({9: -0.5, 2: -0.25, 7: -3.0}, {4: -1.25, 1: -0.75}))
+    assert sglang_api.sglang_result("r", out, False) == {
+        "text": "ab", "output_ids": [9, 4], "meta_info": {
+            "id": "r", "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 3,
+            "completion_tokens": 2, "weight_version": 4, "cached_tokens": 2,
+            "token_weight_versions": [3, 4], "num_draft_tokens": 3, "num_accepted_tokens": 1}}
+    meta = sglang_api.sglang_result("r", out, True, 2, text="a<b>")
+    assert meta["text"] == "a<b>"
+    meta = meta["meta_info"]
+    assert meta["output_token_logprobs"] == [[-0.5, 9, None], [-1.25, 4, None]]
+    assert meta["output_top_logprobs"] == [[[-0.25, 2, None], [-0.5, 9, None]],
+                                           [[-0.75, 1, None], [-1.25, 4, None]]]
+    assert "output_top_logprobs" not in sglang_api.sglang_result("r", out, True)["meta_info"]
+    # a chunk before the end: no output yet
+    assert sglang_api.meta_info("r", None, [9], None, None, 7) == {
+        "id": "r", "finish_reason": None, "prompt_tokens": None, "completion_tokens": 1,
+        "weight_version": 7}
+
+
+def test_json_response_and_events_are_pythons_json() -> None:
+    r = sglang_api.json_response({"lp": float("-inf")}, 201)
+    assert r.status_code == 201 and r.media_type == "application/json"
+    assert r.body == b'{"lp": -Infinity}'
+    assert sglang_api._event({"a": 1}) == b'data: {"a": 1}\n\n'
+    assert sglang_api.output_dict("x", output()) == {"request_id": "x",
+                                                     **dataclasses.asdict(output())}
+
+
+def test_request_ids_are_claimed_once_and_released() -> None:
+    state = types.SimpleNamespace(live={"busy"})
+    job = sglang_api.Job("g", [1], SamplingParams(n=2), 0, 0)
+    assert job.sample_ids == ["g-0", "g-1"]
+    assert sglang_api.Job("s", [1], SamplingParams(), 0, 0).sample_ids == ["s"]
+    with pytest.raises(ValueError) as info:
+        sglang_api._claim(state, [sglang_api.Job("busy", [1], SamplingParams(), 0, 0)])
+    assert str(info.value) == "request id 'busy' is already used by an unfinished request"
+    with pytest.raises(ValueError) as info:  # twice in one call: the id given twice is named
+        sglang_api._claim(state, [job, sglang_api.Job("g-1", [1], SamplingParams(), 0, 0)])
+    assert str(info.value) == "request id 'g-1' is already used by an unfinished request"
+    assert state.live == {"busy"}  # nothing claimed by a refused call
+    sglang_api._claim(state, [job])
+    assert state.live == {"busy", "g-0", "g-1"}
+    sglang_api._release(state, [job])
+    assert state.live == {"busy"}
+
+
+def test_a_batch_whose_ids_collide_names_the_id_given_twice(client) -> None:
+    """Prompt 0's group of two is ``g-0``, ``g-1``; prompt 1 asks for ``g-1`` itself."""
+    status, out = post(client, "/generate", {
+        "input_ids": [PROMPT, PROMPT], "rid": ["g", "g-1"],
+        "sampling_params": [{"n": 2, "max_new_tokens": 2}, {"max_new_tokens": 2}]})
+    assert status == 400 and "request id 'g-1' is already used" in out["error"], out
