@@ -74,10 +74,10 @@ TESTS: dict[str, list[str]] = {
         "tests/test_openai_api.py", "tests/test_behaviours_text.py",
         "tests/test_behaviours_server.py"],
     # mount's routes are closures: mutmut credits mount only to a test that builds an app,
-    # which test_behaviours_sglang_api does per test (module-scoped servers: the first only)
-    "specengine/server/sglang_api.py": [
-        "tests/test_behaviours_sglang_api.py", "tests/test_sglang_generate.py",
-        "tests/test_behaviours_server.py"],
+    # which test_behaviours_sglang_api does for each test; test_sglang_generate and
+    # test_behaviours_server build one server per module (mount credited to their first test
+    # only) and cost two engines and a server for every mutant of mount
+    "specengine/server/sglang_api.py": ["tests/test_behaviours_sglang_api.py"],
     "specengine/weights/protocol.py": [
         "tests/test_mutants_weights.py", "tests/test_behaviours_weights.py",
         "tests/test_weight_sync.py"],
