@@ -808,3 +808,34 @@ def test_a_batch_whose_ids_collide_names_the_id_given_twice(client) -> None:
         "input_ids": [PROMPT, PROMPT], "rid": ["g", "g-1"],
         "sampling_params": [{"n": 2, "max_new_tokens": 2}, {"max_new_tokens": 2}]})
     assert status == 400 and "request id 'g-1' is already used" in out["error"], out
+
+
+def test_pause_retries_the_abort_of_a_request_not_yet_in_the_engine(client, aeng,
+                                                                    monkeypatch) -> None:
+    """A request its handler has claimed but not yet handed to the engine (the engine does not
+    know its id: ``abort`` raises ValueError) is aborted once it is there."""
+    state = client.app.state.server  # type: ignore[attr-defined]
+    attempts: list[str] = []
+
+    async def abort(rid: str) -> None:
+        attempts.append(rid)
+        if len(attempts) == 1:
+            raise ValueError(f"no request {rid!r}")  # not in the engine yet
+        state.live.discard(rid)  # there now: aborted, and its handler releases it
+
+    monkeypatch.setattr(aeng, "abort", abort)
+    state.live.add("handed-over-late")
+    status, out = post(client, "/pause_generation", {})
+    assert (status, out["num_aborted"]) == (200, 1), out
+    assert attempts == ["handed-over-late", "handed-over-late"]
+    assert post(client, "/continue_generation", {})[0] == 200
+
+
+def test_health_generate_is_a_503_when_generating_fails(client, aeng, monkeypatch) -> None:
+    async def fails(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the GPU fell off")
+
+    monkeypatch.setattr(aeng, "generate", fails)
+    r = client.get("/health_generate")
+    assert r.status_code == 503
+    assert r.json() == {"error": "generating one token failed: the GPU fell off"}
