@@ -839,3 +839,15 @@ def test_health_generate_is_a_503_when_generating_fails(client, aeng, monkeypatc
     r = client.get("/health_generate")
     assert r.status_code == 503
     assert r.json() == {"error": "generating one token failed: the GPU fell off"}
+
+
+def test_a_client_leaving_a_stream_releases_it_and_is_counted(client) -> None:
+    state = client.app.state.server  # type: ignore[attr-defined]
+    for body in ({"input_ids": PROMPT, "rid": "gone", "sampling_params": {**ENDLESS, "n": 2}},
+                 {"prompt_token_ids": PROMPT, "request_id": "gone", "sampling_params": {
+                     "max_tokens": 200, "ignore_eos": True, "n": 2}}):
+        before = metric(client, "specengine_client_disconnects_total")
+        with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+            assert next(r.iter_lines()).startswith("data: {")
+        assert metric(client, "specengine_client_disconnects_total") == before + 1
+        assert not state.live  # released
