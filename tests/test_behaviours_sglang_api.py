@@ -742,7 +742,8 @@ def output(**over: Any) -> GenerationOutput:
 @pytest.mark.parametrize("over,reason", [
     ({"finish_reason": "stop", "stop_reason": "ab"}, {"type": "stop", "matched": "ab"}),
     ({"finish_reason": "stop", "stop_reason": 4}, {"type": "stop", "matched": 4}),
-    ({"finish_reason": "stop"}, {"type": "stop", "matched": 4}),
+    ({"finish_reason": "stop", "token_ids": (9, 4, 2), "logprobs": (-1.0, -1.0, -1.0),
+      "token_weight_versions": (4, 4, 4)}, {"type": "stop", "matched": 2}),
     ({"finish_reason": "stop", "token_ids": (), "logprobs": (), "token_weight_versions": ()},
      {"type": "stop", "matched": None}),
     ({}, {"type": "length", "length": 2}),
@@ -769,6 +770,8 @@ def test_result_and_meta_info_from_an_output() -> None:
     assert meta["output_top_logprobs"] == [[[-0.25, 2, None], [-0.5, 9, None]],
                                            [[-0.75, 1, None], [-1.25, 4, None]]]
     assert "output_top_logprobs" not in sglang_api.sglang_result("r", out, True)["meta_info"]
+    assert "output_top_logprobs" not in sglang_api.meta_info("r", 3, [9, 4], [-0.5, -1.25], out,
+                                                             4)  # no top_n: none
     # a chunk before the end: no output yet
     assert sglang_api.meta_info("r", None, [9], None, None, 7) == {
         "id": "r", "finish_reason": None, "prompt_tokens": None, "completion_tokens": 1,
@@ -851,3 +854,55 @@ def test_a_client_leaving_a_stream_releases_it_and_is_counted(client) -> None:
             assert next(r.iter_lines()).startswith("data: {")
         assert metric(client, "specengine_client_disconnects_total") == before + 1
         assert not state.live  # released
+
+
+# ---- what the engine hands back, stood in for ---------------------------------------------------
+def stand_in_stream(monkeypatch, aeng: AsyncSpecEngine, steps: list[Any]) -> None:
+    """``aeng.generate_stream`` replaced by one that yields ``steps`` (``RequestOutput``
+    factories taking the request id), or raises one that is an exception."""
+    async def generate_stream(prompt: Any, params: Any = None, **kw: Any) -> Any:
+        for step in steps:
+            if isinstance(step, BaseException):
+                raise step
+            yield step(kw["request_id"])
+    monkeypatch.setattr(aeng, "generate_stream", generate_stream)
+
+
+def test_an_engine_refusal_keeps_its_status(client, aeng, monkeypatch) -> None:
+    from specengine.async_loop import EngineOverloadedError
+
+    stand_in_stream(monkeypatch, aeng, [EngineOverloadedError("the engine is full")])
+    for body in ({"input_ids": PROMPT}, {"input_ids": PROMPT, "stream": True},
+                 {"prompt_token_ids": PROMPT, "sampling_params": {"n": 2}}):
+        status, out = post(client, "/generate", body)
+        assert (status, out) == (503, {"error": "the engine is full"}), body
+
+
+def test_a_request_that_failed_in_the_engine_is_a_500(client, aeng, monkeypatch) -> None:
+    from specengine.outputs import RequestOutput
+
+    failed = output(finish_reason="error", error="boom")
+    stand_in_stream(monkeypatch, aeng, [
+        lambda rid: RequestOutput(rid, (9,), False),
+        lambda rid: RequestOutput(rid, (4,), True, output=failed)])
+    errors = metric(client, "specengine_http_errors_total", status_code="500")
+    status, out = post(client, "/generate", {"input_ids": PROMPT, "rid": "bad"})
+    assert (status, out) == (500, {"error": "a request failed in the engine after 2 tokens: "
+                                            "boom"})
+    events = stream(client, {"input_ids": PROMPT, "rid": "bad"})
+    assert events[-1] == {"error": "request 'bad' failed in the engine: boom",
+                          "status_code": 500}
+    assert len(events) == 2  # one chunk, then the error: no [DONE]
+    assert metric(client, "specengine_http_errors_total", status_code="500") == errors + 2
+
+
+def test_a_restarted_request_streams_from_its_prompt_again(client, aeng, monkeypatch) -> None:
+    from specengine.outputs import RequestOutput
+
+    final = output(token_ids=(7, 8), logprobs=(-1.0, -2.0), finish_reason="length")
+    stand_in_stream(monkeypatch, aeng, [
+        lambda rid: RequestOutput(rid, (9, 4), False),
+        lambda rid: RequestOutput(rid, (7,), False, restarted=True),
+        lambda rid: RequestOutput(rid, (8,), True, output=final)])
+    chunks = stream(client, {"input_ids": PROMPT})[:-1]
+    assert [c["output_ids"] for c in chunks] == [[9, 4], [7], [7, 8]]
