@@ -906,3 +906,18 @@ def test_a_restarted_request_streams_from_its_prompt_again(client, aeng, monkeyp
         lambda rid: RequestOutput(rid, (8,), True, output=final)])
     chunks = stream(client, {"input_ids": PROMPT})[:-1]
     assert [c["output_ids"] for c in chunks] == [[9, 4], [7], [7, 8]]
+
+
+@pytest.mark.parametrize("path,body,status,error", [
+    ("/generate", {"input_ids": "x"}, 400, 'input_ids: Input should be a valid list (got "x")'),
+    ("/generate", {"input_ids": [1], "sampling_params": [{"n": "q"}]}, 400,
+     'sampling_params.0.n: Input should be a valid integer (got "q")'),
+    ("/generate", {"prompt_token_ids": "x"}, 422,
+     'prompt_token_ids: Input should be a valid list (got "x")'),
+    ("/pause_generation", {"mode": "sideways"}, 400,
+     "mode: Input should be 'abort', 'retract' or 'in_place' (got \"sideways\")"),
+])
+def test_a_body_that_does_not_fit_is_refused_naming_where_and_why(client, path, body, status,
+                                                                  error) -> None:
+    """Where: the field's path, without the one-or-list union's own tags; why: pydantic's."""
+    assert post(client, path, body) == (status, {"error": error})
