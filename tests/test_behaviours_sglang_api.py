@@ -409,7 +409,7 @@ class CountingLock:
     """The engine's weight lock, counting refused attempts (``refused`` is set at the first)."""
 
     def __init__(self, lock: Any) -> None:
-        self.lock, self.refused = lock, threading.Event()
+        self.lock, self.refused, self.taken = lock, threading.Event(), threading.Event()
 
     def acquire(self, what: str, wait_s: float = 0.0) -> None:
         try:
@@ -417,6 +417,7 @@ class CountingLock:
         except RuntimeError:
             self.refused.set()
             raise
+        self.taken.set()
 
     def release(self) -> None:
         self.lock.release()
@@ -921,3 +922,30 @@ def test_a_body_that_does_not_fit_is_refused_naming_where_and_why(client, path, 
                                                                   error) -> None:
     """Where: the field's path, without the one-or-list union's own tags; why: pydantic's."""
     assert post(client, path, body) == (status, {"error": error})
+
+
+def test_a_refusal_names_the_weight_operation_in_progress(wclient, weights_aeng,
+                                                         monkeypatch) -> None:
+    """A join waiting for its learner holds the weight lock: a disk update meanwhile (that may
+    not wait: LOCK_WAIT_S 0) is refused naming it."""
+    monkeypatch.setattr(sglang_api, "LOCK_WAIT_S", 0.0)
+    eng = weights_aeng.engine
+    lock = eng.weight_lock
+    eng.__dict__["_weight_lock_obj"] = counting = CountingLock(lock)
+    try:
+        port = free_port()
+        call = Background(lambda: post(wclient, "/init_weights_update_group",
+                                       init_body(port, "slow_learner")), WAIT_S)
+        assert counting.taken.wait(WAIT_S)  # the join holds the lock while it waits
+        status, out = post(wclient, "/update_weights_from_disk",
+                           {"model_path": str(DEFAULT_TARGET)})
+        assert (status, out) == (409, refusal(
+            "another weight operation is in progress (init_weights_update_group): "
+            "load_weights is refused; retry once it has finished"))
+        learner = Learner("127.0.0.1", port, "slow_learner", JOIN_S)
+        assert call.result()[0] == 200  # type: ignore[index]
+        assert post(wclient, "/destroy_weights_update_group",
+                    {"group_name": "slow_learner"})[0] == 200
+        learner.leave()
+    finally:
+        eng.__dict__["_weight_lock_obj"] = lock
