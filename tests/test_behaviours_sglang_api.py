@@ -949,3 +949,12 @@ def test_a_refusal_names_the_weight_operation_in_progress(wclient, weights_aeng,
         learner.leave()
     finally:
         eng.__dict__["_weight_lock_obj"] = lock
+
+
+def test_a_stream_is_server_sent_events_not_cached(client) -> None:
+    for body in ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}},
+                 {"prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 2, "n": 2}}):
+        with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+            assert r.headers["content-type"].split(";")[0] == "text/event-stream"
+            assert r.headers["cache-control"] == "no-cache"
+            r.read()
