@@ -728,6 +728,7 @@ def test_waiting_requests_and_refusals_are_counted(client) -> None:
     assert post(client, "/continue_generation", {})[0] == 200
     assert call.result()[0] == 200  # type: ignore[index]
     assert metric(client, "specengine_num_requests_paused") == 0
+    assert metric(client, "specengine_client_disconnects_total") == 0  # it waited, not left
 
 
 # ---- the answer's shape, from an output -------------------------------------------------------
