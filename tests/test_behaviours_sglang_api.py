@@ -959,3 +959,51 @@ def test_a_stream_is_server_sent_events_not_cached(client) -> None:
             assert r.headers["content-type"].split(";")[0] == "text/event-stream"
             assert r.headers["cache-control"] == "no-cache"
             r.read()
+
+
+def post_then_leave(app: FastAPI, body: dict[str, Any]) -> int:
+    """POST ``body`` to ``/generate`` over ASGI from a client that disconnects once its body is
+    sent; the status the app answered (to nobody)."""
+    async def run() -> int:
+        pending = [{"type": "http.request", "body": json.dumps(body).encode(),
+                    "more_body": False}]
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "POST", "path": "/generate", "raw_path": b"/generate",
+                 "query_string": b"", "root_path": "", "scheme": "http",
+                 "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        await app(scope, receive, send)
+        return sent[0]["status"]
+    return asyncio.run(run())
+
+
+def test_a_client_that_leaves_before_any_token_is_let_go(aeng, monkeypatch) -> None:
+    """Its request is aborted and its ids released, the disconnect counted, and the answer
+    (nobody reads it) is a 499: while it waits for its first step (streamed or not, one
+    request or a group) and while generation is paused."""
+    async def never(prompt: Any, params: Any = None, **kw: Any) -> Any:
+        await asyncio.Event().wait()  # no step comes
+        yield None
+    monkeypatch.setattr(aeng, "generate_stream", never)
+    app = build_app(aeng, default_k=3)
+    state = app.state.server
+    bodies = [{"input_ids": PROMPT, "rid": "left", "stream": True},
+              {"input_ids": PROMPT, "rid": "left"},
+              {"prompt_token_ids": PROMPT, "request_id": "left", "sampling_params": {"n": 2}},
+              {"prompt_token_ids": PROMPT, "request_id": "left", "stream": True,
+               "sampling_params": {"n": 2}}]
+    for i, body in enumerate(bodies):
+        assert post_then_leave(app, body) == 499, body
+        assert not state.live, body
+        assert state.metrics.disconnects._value.get() == i + 1
+    app.state.sglang_resumed.clear()  # paused: it leaves while it waits
+    assert post_then_leave(app, {"input_ids": PROMPT}) == 499
+    assert state.metrics.disconnects._value.get() == len(bodies) + 1
+    assert state.metrics.paused_waiting._value.get() == 0
