@@ -1007,3 +1007,19 @@ def test_a_client_that_leaves_before_any_token_is_let_go(aeng, monkeypatch) -> N
     assert post_then_leave(app, {"input_ids": PROMPT}) == 499
     assert state.metrics.disconnects._value.get() == len(bodies) + 1
     assert state.metrics.paused_waiting._value.get() == 0
+
+
+def test_special_tokens_text_is_cut_where_the_engine_cut_after_min_tokens(client, aeng
+                                                                          ) -> None:
+    """A stop string that also occurs before ``min_new_tokens`` (not looked for there): the
+    text with special tokens is cut at the match that ended the request, as the engine's."""
+    sp = {"max_new_tokens": 40, "temperature": 0.0, "stop": ";", "min_new_tokens": 8}
+    plain = post(client, "/generate", {"text": "Q:12+7=", "sampling_params": sp})[1]
+    assert plain["meta_info"]["finish_reason"] == {"type": "stop", "matched": ";"}
+    assert plain["text"].count(";") == 1  # the first ";" came before min_new_tokens
+    out = post(client, "/generate", {"text": "Q:12+7=", "sampling_params": {
+        **sp, "skip_special_tokens": False}})[1]
+    assert out["text"] == plain["text"]
+    out = post(client, "/generate", {"text": "Q:12+7=", "sampling_params": {
+        **sp, "skip_special_tokens": False, "no_stop_trim": True}})[1]
+    assert out["text"] == plain["text"] + ";"

@@ -552,7 +552,11 @@ def mount(app: FastAPI) -> None:
             return None
         full = tok.tokenizer.decode(list(out.token_ids), skip_special_tokens=False)
         if isinstance(out.stop_reason, str):
-            at = full.find(out.stop_reason)
+            # The match is the one the last token completed: an earlier occurrence (before
+            # min_tokens, when stop strings are not looked for) is not where the engine cut.
+            before = len(tok.tokenizer.decode(list(out.token_ids[:-1]),
+                                              skip_special_tokens=False))
+            at = full.find(out.stop_reason, max(0, before - len(out.stop_reason) + 1))
             if at >= 0:
                 keep = len(out.stop_reason) if params.include_stop_str_in_output else 0
                 full = full[:at + keep]
