@@ -150,6 +150,8 @@ def test_a_streamed_batch_of_groups_indexes_each_sample(client, aeng) -> None:
         ids.setdefault(c["index"], set()).add(c["meta_info"]["id"])
         prompt = body["input_ids"][c["index"] // 2]  # type: ignore[index]
         if c["meta_info"]["finish_reason"] is None:
+            final = answer[c["index"]]["output_ids"]  # each sample's own ids so far
+            assert final[:len(c["output_ids"])] == c["output_ids"], c
             assert c["meta_info"]["prompt_tokens"] == len(prompt)
             assert c["meta_info"]["completion_tokens"] == len(c["output_ids"])
             assert c["meta_info"]["weight_version"] == aeng.engine.weight_version
@@ -269,18 +271,23 @@ def watch_waits(app: FastAPI) -> threading.Event:
     return waiting
 
 
-def test_pause_aborts_what_runs_and_holds_new_requests_until_continue(client) -> None:
+def test_pause_aborts_what_runs_and_holds_new_requests_until_continue(client,
+                                                                      monkeypatch) -> None:
+    # (the wait for stragglers is not waited out once every request is aborted)
+    monkeypatch.setattr(sglang_api, "PAUSE_ABORT_WAIT_S", 10 * WAIT_S)
     with client.stream("POST", "/generate", json={"input_ids": PROMPT, "rid": "run",
-                                                  "stream": True, "sampling_params": ENDLESS}
+                                                  "stream": True,
+                                                  "sampling_params": {**ENDLESS, "n": 2}}
                        ) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: {")
         status, out = post(client, "/pause_generation", {})
-        assert (status, out) == (200, {"success": True, "message": "generation paused; 1 "
-                                       "requests in flight aborted", "num_aborted": 1})
-        final = [e for e in read_events(lines) if e != "[DONE]"][-1]
-    assert final["meta_info"]["finish_reason"]["type"] == "abort"
-    assert len(final["output_ids"]) < 200
+        assert (status, out) == (200, {"success": True, "message": "generation paused; 2 "
+                                       "requests in flight aborted", "num_aborted": 2})
+        finals = [e for e in read_events(lines) if e != "[DONE]"
+                  and e["meta_info"]["finish_reason"]]
+    assert [f["meta_info"]["finish_reason"]["type"] for f in finals] == ["abort", "abort"]
+    assert all(len(f["output_ids"]) < 200 for f in finals)
     waiting = watch_waits(client.app)  # type: ignore[arg-type]
     for body in ({"input_ids": PROMPT, "sampling_params": GREEDY},
                  {"prompt_token_ids": PROMPT, "sampling_params": {"max_tokens": 3}},
@@ -384,14 +391,18 @@ def test_a_non_finite_checkpoint_is_a_400_naming_the_tensor(wclient, tmp_path: P
     assert status == 400 and out == refusal(out["message"]) and NORM in out["message"], out
 
 
-def test_keep_pause_and_abort_all_requests_around_a_disk_update(wclient) -> None:
+def test_keep_pause_and_abort_all_requests_around_a_disk_update(wclient, caplog) -> None:
     with wclient.stream("POST", "/generate", json={"input_ids": PROMPT, "stream": True,
                                                    "sampling_params": ENDLESS}) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: {")
-        status, out = post(wclient, "/update_weights_from_disk", {
-            "model_path": str(DEFAULT_TARGET), "abort_all_requests": True, "keep_pause": True})
+        with caplog.at_level(logging.INFO, logger="specengine.server.sglang_api"):
+            status, out = post(wclient, "/update_weights_from_disk", {
+                "model_path": str(DEFAULT_TARGET), "abort_all_requests": True,
+                "keep_pause": True})
         assert status == 200, out
+        assert "aborted 1 requests before a weight update" in [
+            r.getMessage() for r in caplog.records if r.name == "specengine.server.sglang_api"]
         final = [e for e in read_events(lines) if e != "[DONE]"][-1]
     assert final["meta_info"]["finish_reason"]["type"] == "abort"  # ended before the update
     waiting = watch_waits(wclient.app)  # type: ignore[arg-type]
