@@ -1034,3 +1034,46 @@ def test_special_tokens_text_is_cut_where_the_engine_cut_after_min_tokens(client
     out = post(client, "/generate", {"text": "Q:12+7=", "sampling_params": {
         **sp, "skip_special_tokens": False, "no_stop_trim": True}})[1]
     assert out["text"] == plain["text"] + ";"
+
+
+def test_an_error_after_the_first_chunk_is_the_streams_last_event(client, aeng,
+                                                                  monkeypatch) -> None:
+    from specengine.async_loop import EngineOverloadedError
+    from specengine.outputs import RequestOutput
+
+    stand_in_stream(monkeypatch, aeng, [lambda rid: RequestOutput(rid, (9,), False),
+                                        EngineOverloadedError("the engine is full")])
+    events = stream(client, {"input_ids": PROMPT})
+    assert events[-1] == {"error": "the engine is full", "status_code": 503}
+    assert events[0]["output_ids"] == [9] and len(events) == 2
+
+
+def test_a_weight_operation_that_breaks_is_a_500_and_logged(wclient, weights_aeng, caplog,
+                                                            monkeypatch) -> None:
+    def breaks(*args: Any, **kwargs: Any) -> None:
+        raise KeyError("boom")
+
+    monkeypatch.setattr(weights_aeng.engine, "stage_weights", breaks)
+    with caplog.at_level(logging.ERROR, logger="specengine.server.sglang_api"):
+        status, out = post(wclient, "/update_weights_from_disk", {"model_path": "/m"})
+    assert (status, out) == (500, refusal("'boom'"))
+    assert [r.getMessage() for r in caplog.records
+            if r.name == "specengine.server.sglang_api"] == ["weight operation failed"]
+
+
+def test_a_streamed_batch_of_single_samples_is_indexed_by_prompt(client) -> None:
+    body = {"input_ids": [PROMPT, LONG[:5]], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0.0}}
+    chunks = stream(client, body)[:-1]
+    assert {c["index"] for c in chunks} == {0, 1}
+    finals = [c for c in chunks if c["meta_info"]["finish_reason"]]
+    assert all("output_top_logprobs" not in c["meta_info"] for c in finals)  # none asked
+
+
+def test_a_streamed_text_with_special_tokens_is_cut_at_the_stop(client, aeng) -> None:
+    sp = {"max_new_tokens": 40, "temperature": 0.0, "stop": ";", "min_new_tokens": 8,
+          "skip_special_tokens": False}
+    answer = post(client, "/generate", {"text": "Q:12+7=", "sampling_params": sp})[1]
+    events = stream(client, {"text": "Q:12+7=", "sampling_params": sp})
+    assert events[-1] == "[DONE]" and events[-2]["text"] == answer["text"]
+    assert events[-2]["meta_info"]["finish_reason"] == {"type": "stop", "matched": ";"}
