@@ -1043,9 +1043,11 @@ def test_an_error_after_the_first_chunk_is_the_streams_last_event(client, aeng,
 
     stand_in_stream(monkeypatch, aeng, [lambda rid: RequestOutput(rid, (9,), False),
                                         EngineOverloadedError("the engine is full")])
+    errors = metric(client, "specengine_http_errors_total", status_code="503")
     events = stream(client, {"input_ids": PROMPT})
     assert events[-1] == {"error": "the engine is full", "status_code": 503}
     assert events[0]["output_ids"] == [9] and len(events) == 2
+    assert metric(client, "specengine_http_errors_total", status_code="503") == errors + 1
 
 
 def test_a_weight_operation_that_breaks_is_a_500_and_logged(wclient, weights_aeng, caplog,
@@ -1057,8 +1059,9 @@ def test_a_weight_operation_that_breaks_is_a_500_and_logged(wclient, weights_aen
     with caplog.at_level(logging.ERROR, logger="specengine.server.sglang_api"):
         status, out = post(wclient, "/update_weights_from_disk", {"model_path": "/m"})
     assert (status, out) == (500, refusal("'boom'"))
-    assert [r.getMessage() for r in caplog.records
-            if r.name == "specengine.server.sglang_api"] == ["weight operation failed"]
+    logged = [r for r in caplog.records if r.name == "specengine.server.sglang_api"]
+    assert [r.getMessage() for r in logged] == ["weight operation failed"]
+    assert logged[0].exc_info is not None and logged[0].exc_info[1].args == ("boom",)
 
 
 def test_a_streamed_batch_of_single_samples_is_indexed_by_prompt(client) -> None:
