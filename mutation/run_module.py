@@ -84,8 +84,11 @@ TESTS: dict[str, list[str]] = {
     "specengine/server/openai_api.py": [
         "tests/test_behaviours_openai.py", "tests/test_behaviours_text.py",
         "tests/test_openai_api.py", "-k", "not test_openai_api.py or incremental_text"],
-    "specengine/server/sglang_api.py": [
-        "tests/test_sglang_generate.py", "tests/test_behaviours_server.py"],
+    # mount's routes are closures: mutmut credits mount only to a test that builds an app,
+    # which test_behaviours_sglang_api does for each test; test_sglang_generate and
+    # test_behaviours_server build one server per module (mount credited to their first test
+    # only) and cost two engines and a server for every mutant of mount
+    "specengine/server/sglang_api.py": ["tests/test_behaviours_sglang_api.py"],
     # test_weight_sync's tests that spawn receivers or senders (~20 s a mutant, and timing-
     # sensitive under mutmut's load) left out: the layout is pinned in-process
     "specengine/weights/protocol.py": [
@@ -101,8 +104,10 @@ TESTS: dict[str, list[str]] = {
         "tests/test_behaviours_weight_receiver.py",
         "-k", "not sender_dies and not time_out and not colocated and not receivers and not "
               "every_rank and not draft_update_keeps and not on_both_sides"],
+    # test_sglang_weights' other tests run a server process: they cannot see a mutant
     "specengine/weights/sglang_receiver.py": [
-        "tests/test_sglang_weights.py", "tests/test_behaviours_weights.py"],
+        "tests/test_behaviours_sglang_group.py", "tests/test_behaviours_weights.py",
+        "tests/test_sglang_weights.py::test_bad_init_bodies_are_refused_naming_the_field"],
     # the prompt-file tests of test_train_draft (its other tests train heads: minutes)
     "specengine/train/data.py": [
         "tests/test_train_draft.py", "tests/test_behaviours_prompt_files.py",

@@ -108,9 +108,13 @@ def _claim(state: Any, jobs: list[Job]) -> None:
     """Mark the jobs' request ids in flight (``/abort``, shutdown); refuse ids in use."""
     ids = [rid for job in jobs for rid in job.sample_ids]
     used = [rid for rid in ids if rid in state.live]
-    if used or len(set(ids)) != len(ids):
-        raise ValueError(f"request id {(used or ids)[0]!r} is already used by an unfinished "
-                         "request")
+    seen: set[str] = set()
+    for rid in ids:  # also the call's own: a group's "g-1" and a prompt whose id is "g-1"
+        if rid in seen:
+            used.append(rid)
+        seen.add(rid)
+    if used:
+        raise ValueError(f"request id {used[0]!r} is already used by an unfinished request")
     for rid in ids:
         state.live.add(rid)
 
@@ -548,7 +552,11 @@ def mount(app: FastAPI) -> None:
             return None
         full = tok.tokenizer.decode(list(out.token_ids), skip_special_tokens=False)
         if isinstance(out.stop_reason, str):
-            at = full.find(out.stop_reason)
+            # The match is the one the last token completed: an earlier occurrence (before
+            # min_tokens, when stop strings are not looked for) is not where the engine cut.
+            before = len(tok.tokenizer.decode(list(out.token_ids[:-1]),
+                                              skip_special_tokens=False))
+            at = full.find(out.stop_reason, max(0, before - len(out.stop_reason) + 1))
             if at >= 0:
                 keep = len(out.stop_reason) if params.include_stop_str_in_output else 0
                 full = full[:at + keep]
