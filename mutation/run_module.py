@@ -68,8 +68,8 @@ TESTS: dict[str, list[str]] = {
     "specengine/core/verify.py": [
         "tests/test_step_api.py", "tests/test_min_p_sampler.py", "tests/test_sampling_fields.py"],
     "specengine/core/sampler.py": [
-        "tests/test_greedy_sampler.py", "tests/test_min_p_sampler.py",
-        "tests/test_behaviours_sampling.py"],
+        "tests/test_greedy_sampler.py", "tests/test_chain_sampler.py",
+        "tests/test_behaviours_sampler.py"],
     "specengine/server/openai_api.py": [
         "tests/test_openai_api.py", "tests/test_behaviours_text.py",
         "tests/test_behaviours_server.py"],
