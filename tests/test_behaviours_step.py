@@ -1,0 +1,95 @@
+"""One speculative step (``core.step``): the draft plan's cuts, and the step's bookkeeping on a
+tiny engine (chains and trees, greedy and sampled): outputs equal plain decoding's (greedy),
+and the step counters add up to what the requests report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specengine import SamplingParams, SpecEngine
+from specengine.core.sequence import Sequence
+from specengine.core.step import _filled, _shape, num_drafts_for
+from specengine.tree import DraftTree
+
+
+def _seq(prompt_len: int, generated: int, max_tokens: int) -> Sequence:
+    s = Sequence(0, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), 0, ())
+    s.append([7] * generated, [0.0] * generated, 1000)
+    return s
+
+
+def test_draft_length_is_cut_by_max_tokens_and_the_context_limit() -> None:
+    """``k``, but at most ``max_tokens - generated - 1`` (a step emits drafts + 1) and at most
+    ``max_model_len - len`` (the last fed position), never below 0."""
+    assert num_drafts_for(_seq(5, 0, 100), 4, 64) == 4
+    assert num_drafts_for(_seq(5, 2, 6), 4, 64) == 3  # 4 tokens left: 3 drafts + 1
+    assert num_drafts_for(_seq(5, 5, 6), 4, 64) == 0  # 1 token left: plain decoding
+    assert num_drafts_for(_seq(5, 0, 100), 4, 7) == 2  # positions 5, 6 then the limit
+    assert num_drafts_for(_seq(8, 0, 100), 4, 7) == 0  # (past the limit: none, not negative)
+    assert num_drafts_for(_seq(5, 0, 100), 0, 64) == 0
+
+
+def test_step_shapes_and_filled_rows_are_made_once() -> None:
+    a = _filled(3, 2)
+    assert a.tolist() == [2, 2, 2] and a.dtype == np.int64 and not a.flags.writeable
+    assert _filled(3, 2) is a
+    tree = DraftTree([(0,), (1,)])
+    s = _shape(4, 3, tree, True, False, True)
+    assert _shape(4, 3, tree, True, False, True) is s
+    assert (s.num_rows, s.num_tokens, s.tree, s.has_probs, s.masks_stops, s.top_logprobs) == \
+        (4, 3, tree, True, False, True)
+
+
+PROMPTS = [[5, 9, 13, 7, 5, 9, 13], [1, 2, 3], [8] * 11, [4, 6, 4, 6, 4, 6, 4, 6]]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_checkpoint: Path) -> SpecEngine:
+    return SpecEngine(tiny_checkpoint, str(tiny_checkpoint), device="cpu", dtype="float32",
+                      max_model_len=64, kv_cache_tokens=2048, max_batch_size=8)
+
+
+def _check_counters(eng: SpecEngine, outs, chain: bool = True) -> None:
+    st = eng.stats
+    assert st.num_steps > 0
+    assert st.num_step_tokens == sum(len(o.token_ids) - 1 for o in outs)
+    # every request takes part in each step from its prefill to its end
+    assert st.num_seq_steps == sum(o.num_steps - 1 for o in outs)
+    assert st.num_draft_tokens == sum(o.num_draft_tokens for o in outs)
+    if chain:  # (a tree proposes all its nodes, counted per position by depth)
+        assert st.num_draft_tokens == sum(st.proposed_per_position)
+    assert st.num_accepted_tokens == sum(o.num_accepted_tokens for o in outs) == \
+        sum(st.accepted_per_position)
+    assert 0 < st.num_accepted_tokens <= st.num_draft_tokens
+
+
+@pytest.mark.parametrize("tree", [None, [(0,), (1,), (0, 0), (0, 0, 0)]])
+def test_greedy_steps_equal_plain_decoding_and_count_what_they_kept(
+        tiny_pair: SpecEngine, tree) -> None:
+    """Chains and trees of self-drafts (max_tokens ragged: the plan is cut near the end) emit
+    plain decoding's tokens, and the step counters equal the requests' own."""
+    params = [SamplingParams(temperature=0.0, max_tokens=9 + 3 * i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    want = [o.token_ids for o in tiny_pair.generate(PROMPTS, k=0, sampling=params)]
+    assert tiny_pair.stats.num_draft_tokens == 0
+    assert tiny_pair.stats.num_seq_steps == sum(len(t) - 1 for t in want)
+    kw = {"k": 3} if tree is None else {"k": 3, "tree": tree}
+    outs = tiny_pair.generate(PROMPTS, sampling=params, **kw)
+    assert [o.token_ids for o in outs] == want
+    _check_counters(tiny_pair, outs, tree is None)
+    if tree is not None:  # a tree proposes its depth per step at most: positions 0..2
+        assert len([p for p in tiny_pair.stats.proposed_per_position if p]) == 3
+
+
+def test_sampled_steps_are_reproducible_and_count_what_they_kept(tiny_pair: SpecEngine) -> None:
+    # (a low temperature: the tiny random model's laws are flat, its drafts rarely pass at 1)
+    params = SamplingParams(temperature=0.1, max_tokens=12, seed=5, ignore_eos=True)
+    a = tiny_pair.generate(PROMPTS, k=3, sampling=params)
+    _check_counters(tiny_pair, a)
+    assert tiny_pair.stats.num_accepted_tokens < tiny_pair.stats.num_draft_tokens
+    b = tiny_pair.generate(PROMPTS, k=3, sampling=params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [len(o.token_ids) for o in a] == [12] * len(PROMPTS)
