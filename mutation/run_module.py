@@ -63,8 +63,10 @@ TESTS: dict[str, list[str]] = {
     "specengine/core/requests.py": [
         "tests/test_mutants_admission.py", "tests/test_bounded_admission.py"],
     "specengine/core/isolation.py": ["tests/test_request_isolation.py"],
+    # (test_step_api cannot be collected in the scratch copy: it reads README.md at import)
     "specengine/core/step.py": [
-        "tests/test_step_api.py", "tests/test_behaviours_drafts.py", "tests/test_ngram.py"],
+        "tests/test_behaviours_step.py", "tests/test_behaviours_drafts.py", "tests/test_ngram.py",
+        "tests/test_sampling_fields.py", "-k", "not async"],
     # (test_min_p_sampler never reaches verify.py; test_step_api cannot be collected in the
     # scratch copy: it reads README.md at import)
     "specengine/core/verify.py": [

@@ -93,3 +93,25 @@ def test_sampled_steps_are_reproducible_and_count_what_they_kept(tiny_pair: Spec
     b = tiny_pair.generate(PROMPTS, k=3, sampling=params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [len(o.token_ids) for o in a] == [12] * len(PROMPTS)
+
+
+def test_the_steps_own_tree_compaction_keeps_the_accepted_paths(tiny_pair: SpecEngine) -> None:
+    """Under tensor parallelism the verify pass leaves tree paths in place and the step moves
+    the accepted nodes' K/V itself (one launch, mirrored to the other ranks): a tree run that
+    way still emits plain decoding's tokens, and the mirror gets every move the step made."""
+    params = [SamplingParams(temperature=0.0, max_tokens=10 + 2 * i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    want = [o.token_ids for o in tiny_pair.generate(PROMPTS, k=0, sampling=params)]
+    verifier, kv = tiny_pair.graphs.verifier, tiny_pair.kv_cache
+    mirrored: list[tuple[list[int], list[int]]] = []
+    verifier.compacts_trees = False
+    kv.mirror_compact = lambda src, dst: mirrored.append((list(src), list(dst)))
+    try:
+        outs = tiny_pair.generate(PROMPTS, k=3, tree=[(0,), (1,), (0, 0), (0, 0, 0)],
+                                  sampling=params)
+    finally:
+        verifier.compacts_trees = True
+        del kv.mirror_compact
+    assert [o.token_ids for o in outs] == want
+    assert mirrored and all(len(s) == len(d) > 0 for s, d in mirrored)
+    assert all(a != b for s, d in mirrored for a, b in zip(s, d))  # only nodes out of place

@@ -102,10 +102,11 @@ def test_same_view_is_a_leading_block_with_the_same_strides() -> None:
 VOCAB, CAPACITY, MAX_TOKENS, BLOCK = 16, 4, 6, 8
 
 
-def _verifier(max_prob_drafts: int = 3, mirror: bool = False) -> StaticVerifier:
+def _verifier(max_prob_drafts: int = 3, mirror: bool = False,
+              device: str = "cpu") -> StaticVerifier:
     kv = SimpleNamespace(kv=None, mirror_compact=None) if mirror else SimpleNamespace(kv=None)
     runner = SimpleNamespace(kv_cache=kv)
-    state = SimpleNamespace(capacity=CAPACITY, device=torch.device("cpu"))
+    state = SimpleNamespace(capacity=CAPACITY, device=torch.device(device))
     return StaticVerifier(runner, None, state, BLOCK, VOCAB, MAX_TOKENS,  # type: ignore[arg-type]
                           max_prob_drafts=max_prob_drafts)
 
@@ -184,12 +185,13 @@ def test_a_draft_vocabulary_narrows_the_distribution_buffer() -> None:
     assert v.probs_view(2, 2).shape == (2, 2, 6)
     shape = VerifyShape(2, 2, None, True)
     v.load_drafts(shape, torch.tensor([[1], [2]]), torch.rand(2, 1, 6))
-    with pytest.raises(RuntimeError, match="after"):
+    with pytest.raises(RuntimeError, match="^set_draft_vocab after draft-probability buffers"):
         v.set_draft_vocab(index, 6)
     for bad_index, size in ((index[:-1], 6), (index, 0), (index, VOCAB + 1)):
         with pytest.raises(ValueError, match="draft vocabulary"):
             _verifier().set_draft_vocab(bad_index, size)
     _verifier().set_draft_vocab(index, VOCAB)  # as wide as the target: allowed
+    _verifier().set_draft_vocab(index, 1)  # a one-token draft vocabulary: allowed
 
 
 def test_per_shape_constants_of_chains_and_trees() -> None:
@@ -207,3 +209,12 @@ def test_per_shape_constants_of_chains_and_trees() -> None:
     packed = torch.as_tensor(np.asarray(tree.packed_mask_host))
     assert torch.equal(mask, packed.repeat(2, 1))
     assert v._constants(VerifyShape(2, n, tree, False))[0] is indptr  # made once per shape
+
+
+def test_buffers_live_on_the_batch_states_device() -> None:
+    """The draft ids and every draft-distribution buffer (shared or a shape's own) are made on
+    the batch state's device (``meta`` here: any device but the CPU default would do)."""
+    v = _verifier(device="meta")
+    assert v.draft_ids.device.type == "meta"
+    assert v.probs_view(2, 2).device.type == "meta"
+    assert v.probs_view(CAPACITY + 1, 2).device.type == "meta"
