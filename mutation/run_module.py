@@ -89,15 +89,15 @@ TESTS: dict[str, list[str]] = {
     "specengine/weights/sglang_receiver.py": [
         "tests/test_sglang_weights.py", "tests/test_behaviours_weights.py"],
     "specengine/train/data.py": ["tests/test_train_draft.py", "-k", "data or dataset or pack"],
-    # the chi-square tests (1e5 draws) and the Triton-interpreter comparisons take minutes
-    # each on 2 shared cores: the reference is held to the independent CPU samplers
+    # the chi-square tests (1e4-1e5 draws) and the Triton-interpreter comparisons take
+    # minutes each on 2 shared cores, and a surviving mutant (878 in all) pays for every test
+    # that reaches its function: the reference is held to the independent CPU samplers
     # (chain_sampler, greedy_sampler) bit for bit instead, and to exact small cases
     "kernels/reference_sampling.py": [
-        "tests/test_mutants_sampler.py", "tests/test_rejection_sampling.py",
-        "tests/test_behaviours_sampling.py", "tests/test_chain_sampler.py",
-        "tests/test_greedy_sampler.py", "tests/test_min_p_sampler.py",
+        "tests/test_rejection_sampling.py", "tests/test_behaviours_sampling.py",
+        "tests/test_chain_sampler.py", "tests/test_greedy_sampler.py",
         "-k", "not kernel and not distribution and not gpu and not low_precision and not "
-        "vocab_parts and not residual_covers and not follows_the_exact_law"],
+        "vocab_parts and not residual_covers"],
 }
 
 

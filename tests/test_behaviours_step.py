@@ -82,6 +82,8 @@ def test_greedy_steps_equal_plain_decoding_and_count_what_they_kept(
     _check_counters(tiny_pair, outs, tree is None)
     if tree is not None:  # a tree proposes its depth per step at most: positions 0..2
         assert len([p for p in tiny_pair.stats.proposed_per_position if p]) == 3
+        # every step verifies the whole tree (its 4 nodes past the root are the drafts)
+        assert [o.num_draft_tokens for o in outs] == [4 * (o.num_steps - 1) for o in outs]
 
 
 def test_sampled_steps_are_reproducible_and_count_what_they_kept(tiny_pair: SpecEngine) -> None:
