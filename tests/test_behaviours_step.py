@@ -80,8 +80,14 @@ def test_greedy_steps_equal_plain_decoding_and_count_what_they_kept(
     outs = tiny_pair.generate(PROMPTS, sampling=params, **kw)
     assert [o.token_ids for o in outs] == want
     _check_counters(tiny_pair, outs, tree is None)
-    if tree is not None:  # a tree proposes its depth per step at most: positions 0..2
-        assert len([p for p in tiny_pair.stats.proposed_per_position if p]) == 3
+    st = tiny_pair.stats
+    # greedy self-drafts are the target's own greedy tokens: a chain's drafts all pass, and
+    # so does a tree's rank-0 path at every depth (it is drafted as the tree asked)
+    if tree is None:
+        assert st.num_accepted_tokens == st.num_draft_tokens
+    else:
+        assert st.accepted_per_position == st.proposed_per_position
+        assert len([p for p in st.proposed_per_position if p]) == 3  # depths 1..3
         # every step verifies the whole tree (its 4 nodes past the root are the drafts)
         assert [o.num_draft_tokens for o in outs] == [4 * (o.num_steps - 1) for o in outs]
 
@@ -117,3 +123,30 @@ def test_the_steps_own_tree_compaction_keeps_the_accepted_paths(tiny_pair: SpecE
     assert [o.token_ids for o in outs] == want
     assert mirrored and all(len(s) == len(d) > 0 for s, d in mirrored)
     assert all(a != b for s, d in mirrored for a, b in zip(s, d))  # only nodes out of place
+
+
+def test_draft_counts_of_any_integer_dtype_are_taken(tiny_checkpoint: Path) -> None:
+    """A drafter that proposes fewer drafts than asked may hand its counts as int32 (a
+    ``DraftProposal``'s counts are host ints of any width): the step verifies and counts
+    exactly those, losslessly."""
+    import dataclasses
+
+    eng = SpecEngine(tiny_checkpoint, "ngram", device="cpu", dtype="float32", max_model_len=64,
+                     kv_cache_tokens=2048, max_batch_size=8)
+    prompts = [[5, 9, 13, 7, 5, 9, 13, 7, 5, 9], [1, 2, 3, 1, 2, 3, 1, 2]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in eng.generate(prompts, k=0, sampling=params)]
+    original = eng.drafter.propose
+    proposed = []
+
+    def halved(seqs, num_drafts, tree):
+        prop = original(seqs, num_drafts, tree)
+        counts = (np.asarray(prop.num_draft_tokens) // 2).astype(np.int32)
+        proposed.append(int(counts.sum()))
+        return dataclasses.replace(prop, num_draft_tokens=counts, as_asked=False)
+
+    eng.drafter.propose = halved
+    outs = eng.generate(prompts, k=4, sampling=params)
+    assert [o.token_ids for o in outs] == want
+    assert sum(proposed) > 0
+    assert eng.stats.num_draft_tokens == sum(o.num_draft_tokens for o in outs) == sum(proposed)
