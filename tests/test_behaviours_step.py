@@ -150,3 +150,29 @@ def test_draft_counts_of_any_integer_dtype_are_taken(tiny_checkpoint: Path) -> N
     assert [o.token_ids for o in outs] == want
     assert sum(proposed) > 0
     assert eng.stats.num_draft_tokens == sum(o.num_draft_tokens for o in outs) == sum(proposed)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_chain_step_feeds_k_plus_one_tokens_only_on_the_static_path(
+        tiny_checkpoint: Path, static: bool) -> None:
+    """With an n-gram drafter that often proposes fewer than k drafts: the static path (one
+    graph per k) verifies k + 1 tokens per row every drafting step, the eager path only as
+    many as the longest chain of the step needs; both emit plain decoding's tokens."""
+    eng = SpecEngine(tiny_checkpoint, "ngram", device="cpu", dtype="float32", max_model_len=64,
+                     kv_cache_tokens=2048, max_batch_size=8, cuda_graphs=static,
+                     graph_buckets=(1, 2, 4, 8))
+    prompts = [[5, 9, 13, 7, 5, 9, 13, 7, 5, 9], [1, 2, 3, 1, 2, 3, 1, 2], [8, 4, 2, 6]]
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    want = [o.token_ids for o in eng.generate(prompts, k=0, sampling=params)]
+    fed: list[int] = []
+    run = eng.graphs.run
+    eng.graphs.run = lambda shape: fed.append(shape.num_tokens) or run(shape)
+    outs = eng.generate(prompts, k=4, sampling=params)
+    assert [o.token_ids for o in outs] == want
+    drafting = [n for n in fed if n > 1]
+    assert drafting
+    if static:
+        assert set(drafting) == {5}
+    else:
+        assert min(drafting) < 5  # some steps' longest chain is shorter than k
+
