@@ -96,6 +96,7 @@ TESTS: dict[str, list[str]] = {
     "kernels/reference_sampling.py": [
         "tests/test_rejection_sampling.py", "tests/test_behaviours_sampling.py",
         "tests/test_chain_sampler.py", "tests/test_greedy_sampler.py",
+        "tests/test_behaviours_reference_sampling.py",
         "-k", "not kernel and not distribution and not gpu and not low_precision and not "
         "vocab_parts and not residual_covers"],
 }
