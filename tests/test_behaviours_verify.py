@@ -152,6 +152,12 @@ def test_shared_outputs_only_when_asked_and_within_the_buffer() -> None:
     assert big.shape == (2, CAPACITY * 4, 7)
     assert v.output_views(CAPACITY + 1, 2, like, 1) is None
     assert v.output_views(2, 5, like, 1) is None
+    # one allocation of (1 + aux) x capacity * (max_prob_drafts + 1) rows, no more (memory the
+    # KV cache does not get)
+    assert view.untyped_storage().nbytes() == 2 * CAPACITY * 4 * 7 * 2
+    meta = _verifier()
+    meta.share_outputs = True
+    assert meta.output_views(2, 2, like.to("meta"), 1).device.type == "meta"
 
 
 def test_drafts_are_loaded_into_the_shapes_buffers_and_checked() -> None:
