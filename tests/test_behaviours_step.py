@@ -165,14 +165,54 @@ def test_a_chain_step_feeds_k_plus_one_tokens_only_on_the_static_path(
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     want = [o.token_ids for o in eng.generate(prompts, k=0, sampling=params)]
     fed: list[int] = []
-    run = eng.graphs.run
+    longest: list[int] = []
+    run, propose = eng.graphs.run, eng.drafter.propose
     eng.graphs.run = lambda shape: fed.append(shape.num_tokens) or run(shape)
+
+    def recorded(seqs, num_drafts, tree):
+        prop = propose(seqs, num_drafts, tree)
+        longest.append(int(max(prop.num_draft_tokens)))
+        return prop
+
+    eng.drafter.propose = recorded
     outs = eng.generate(prompts, k=4, sampling=params)
     assert [o.token_ids for o in outs] == want
     drafting = [n for n in fed if n > 1]
     assert drafting
     if static:
         assert set(drafting) == {5}
-    else:
-        assert min(drafting) < 5  # some steps' longest chain is shorter than k
+    else:  # each step feeds its longest chain + 1, some shorter than k
+        assert drafting == [n + 1 for n in longest if n] and min(drafting) < 5
+
+
+def test_min_tokens_hold_stop_ids_back_in_every_step(tiny_pair: SpecEngine) -> None:
+    """A stop id the target would emit early is masked at every position before
+    ``min_tokens`` (decode and verify steps alike), and allowed after."""
+    prompt = [[5, 9, 13, 7, 5, 9, 13]]
+    free = tiny_pair.generate(prompt, k=0, sampling=SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True))[0].token_ids
+    stop = free[2]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, min_tokens=6,
+                            stop_token_ids=[stop])
+    for k in (0, 3):
+        out = tiny_pair.generate(prompt, k=k, sampling=params)[0].token_ids
+        assert len(out) >= 6 and stop not in out[:5], (k, out)
+
+
+def test_sampled_drafts_carry_their_distributions_to_the_verify_pass(
+        tiny_checkpoint: Path) -> None:
+    """A drafter that samples its drafts hands their distributions to the step, which loads
+    them and verifies with them (every drafting pass has probabilities)."""
+    eng = SpecEngine(tiny_checkpoint, str(tiny_checkpoint), device="cpu", dtype="float32",
+                     max_model_len=64, kv_cache_tokens=2048, max_batch_size=8,
+                     draft_options={"sample": True})
+    shapes = []
+    run = eng.graphs.run
+    eng.graphs.run = lambda shape: shapes.append(shape) or run(shape)
+    params = SamplingParams(temperature=0.5, max_tokens=10, seed=3, ignore_eos=True)
+    outs = eng.generate(PROMPTS, k=3, sampling=params)
+    assert [len(o.token_ids) for o in outs] == [10] * len(PROMPTS)
+    drafting = [s for s in shapes if s.num_tokens > 1]
+    assert drafting and all(s.has_probs for s in drafting)
+    assert eng.graphs.verifier._probs_all is not None
 
