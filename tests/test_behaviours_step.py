@@ -216,3 +216,26 @@ def test_sampled_drafts_carry_their_distributions_to_the_verify_pass(
     assert drafting and all(s.has_probs for s in drafting)
     assert eng.graphs.verifier._probs_all is not None
 
+
+
+def test_plain_decoding_leaves_the_drafter_alone(tiny_pair: SpecEngine) -> None:
+    """k = 0 requests on an engine with a drafter: the drafter is neither asked for drafts nor
+    shown the steps (it catches up when drafting resumes); k > 0 shows it every step."""
+    calls: list[str] = []
+    d = tiny_pair.drafter
+    originals = {name: getattr(d, name) for name in ("propose", "observe_step", "observe")}
+
+    def spy(name):
+        return lambda *a, **kw: calls.append(name) or originals[name](*a, **kw)
+
+    for name in originals:
+        setattr(d, name, spy(name))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        tiny_pair.generate(PROMPTS, k=0, sampling=params)
+        assert calls == []
+        tiny_pair.generate(PROMPTS, k=2, sampling=params)
+        assert "propose" in calls and "observe_step" in calls
+    finally:
+        for name in originals:
+            delattr(d, name)
