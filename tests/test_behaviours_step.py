@@ -234,8 +234,36 @@ def test_plain_decoding_leaves_the_drafter_alone(tiny_pair: SpecEngine) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         tiny_pair.generate(PROMPTS, k=0, sampling=params)
         assert calls == []
-        tiny_pair.generate(PROMPTS, k=2, sampling=params)
+        tiny_pair.generate(PROMPTS, k=1, sampling=params)
         assert "propose" in calls and "observe_step" in calls
     finally:
         for name in originals:
             delattr(d, name)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_finish_reasons_and_step_count_of_one_request(tiny_pair: SpecEngine, k: int) -> None:
+    """A request ends with "stop" at a stop id and with "length" at max_tokens; the engine
+    counts one step per verify pass after the prefill."""
+    prompt = [[5, 9, 13, 7, 5, 9, 13]]
+    free = tiny_pair.generate(prompt, k=k, sampling=SamplingParams(
+        temperature=0.0, max_tokens=9, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 9
+    assert tiny_pair.stats.num_steps == free.num_steps - 1 > 1
+    stopped = tiny_pair.generate(prompt, k=k, sampling=SamplingParams(
+        temperature=0.0, max_tokens=9, ignore_eos=True, stop_token_ids=[free.token_ids[4]]))[0]
+    first = free.token_ids.index(free.token_ids[4])
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[:first + 1]
+
+
+def test_static_self_drafts_catch_up_through_the_verify_outputs(tiny_checkpoint: Path) -> None:
+    """On the static path the drafter catches up from the verify pass's own outputs: greedy
+    self-drafts keep passing whole, and the tokens are plain decoding's."""
+    eng = SpecEngine(tiny_checkpoint, str(tiny_checkpoint), device="cpu", dtype="float32",
+                     max_model_len=64, kv_cache_tokens=2048, max_batch_size=8, cuda_graphs=True,
+                     graph_buckets=(1, 2, 4, 8))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in eng.generate(PROMPTS, k=0, sampling=params)]
+    outs = eng.generate(PROMPTS, k=3, sampling=params)
+    assert [o.token_ids for o in outs] == want
+    assert 0 < eng.stats.num_accepted_tokens == eng.stats.num_draft_tokens
