@@ -96,7 +96,9 @@ _AUTO_K_UNITS = ["tests/test_auto_k.py", "-k",
                  "and not sampled_auto and not cli_and_server"]
 TESTS.update({
     "specengine/core/auto_k.py": _AUTO_K_UNITS,
-    "specengine/core/cost_model.py": _AUTO_K_UNITS,
+    # and its own behaviour tests (the -k filter excludes none of them)
+    "specengine/core/cost_model.py": [_AUTO_K_UNITS[0], "tests/test_behaviours_cost_model.py",
+                                      *_AUTO_K_UNITS[1:]],
 })
 
 
