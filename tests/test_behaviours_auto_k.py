@@ -6,6 +6,7 @@ times. The rule's choices on synthetic costs are in tests/test_auto_k.py."""
 
 from __future__ import annotations
 
+import logging
 import re
 
 import numpy as np
@@ -116,8 +117,8 @@ def test_step_counts_are_the_drafts_since_the_snapshot_up_to_the_deepest() -> No
     times.draft, times.verify, times.bookkeeping = 1.0, 2.0, 0.5
     before = snapshot(times)
     assert (before.draft, before.verify) == (1.0, 2.5)
-    times.position_counts[:, :3] += [[4, 4, 2], [4, 2, 1]]
-    assert step_counts(before, times) == ([4, 4, 2], [4, 2, 1])
+    times.position_counts[:, :3] += [[4, 4, 2], [4, 2, 0]]  # none accepted at the 3rd
+    assert step_counts(before, times) == ([4, 4, 2], [4, 2, 0])
     assert before.counts[:, :3].tolist() == [[5, 5, 0], [4, 3, 0]]  # a copy, not a view
 
 
@@ -145,8 +146,9 @@ def test_rates_are_cached_until_the_acceptance_or_the_fit_changes() -> None:
     auto.acceptance.update([10.0], [0.0])
     again = auto.rates(4, 8)
     assert again is not first and again[1][1] < first[1][1]
-    auto.costs.cost = StepCost(FLAT.draft, (2, 0, 0, 0, 0, 0))
+    auto.costs.cost = StepCost(FLAT.draft, (2, 0, 0, 0, 1, 0))
     assert auto.rates(4, 8)[1][0] == pytest.approx(0.5)
+    assert auto.rates(4, 8, sync=True)[1][0] == pytest.approx(1 / 3)  # a catch-up costs 1
     fresh = given(FLAT, 0.8)
     hits = [fresh.rates(b, 8) for b in range(1, 66)]  # 65 entries: all kept
     assert fresh.rates(1, 8) is hits[0] and fresh.rates(65, 8) is hits[-1]
@@ -168,7 +170,7 @@ def test_run_records_the_steps_measured_times_and_counts() -> None:
     seconds, its verify + bookkeeping seconds, and the drafts per position; a catch-up step
     runs as 0 drafts."""
     auto = given(FLAT, 0.9)
-    times = StepTimes()
+    times = StepTimes(draft=2.0, verify=3.0, bookkeeping=1.0)  # earlier steps' seconds
     ran = []
 
     def step(k: int) -> None:
@@ -191,6 +193,16 @@ def test_run_records_the_steps_measured_times_and_counts() -> None:
     lagging.synced = False
     assert lagging.run(4, 8, StepTimes(), lambda k: ran.append(k)) == 0 and ran[-1] == SYNC
     assert lagging.synced  # the catch-up step observed
+    plain = given(FLAT, 0.0)  # useless drafts: a plain step, the drafter left behind
+    assert plain.run(4, 8, StepTimes(), lambda k: ran.append(k)) == 0 == ran[-1]
+    assert not plain.synced
+    times = StepTimes(draft=2.0, verify=3.0)
+    before = snapshot(times)
+    times.verify += 0.5
+    plain.record(4, 0, before, times)
+    assert not plain.synced
+    assert [(m.sync, m.draft_s, m.verify_s) for q in plain.costs.recent.values()
+            for m in q][-1] == (False, 0.0, 0.5)
 
 
 def test_a_plain_step_leaves_the_drafter_behind_and_a_draft_resets_the_zero_run() -> None:
@@ -202,3 +214,103 @@ def test_a_plain_step_leaves_the_drafter_behind_and_a_draft_resets_the_zero_run(
     assert auto.synced and auto.num_zero_steps == 0
     widths = [m.k for q in auto.costs.recent.values() for m in q]
     assert widths == [0, 1]
+
+
+def test_a_catch_up_or_drafting_step_is_measured_as_one_that_caught_up() -> None:
+    auto = given(FLAT, 0.5)
+    auto.record_step(4, 1, [1, 1], [1, 0], 0.1, 1.0)  # one row drafting: width 2
+    auto.record_step(4, SYNC, [], [], 0.0, 1.0)
+    got = [(m.k, m.sync) for q in auto.costs.recent.values() for m in q]
+    assert got == [(2, True), (0, True)]
+
+
+def _rule_with_costly_catch_up() -> AutoK:
+    # drafting per token and sequence 0.02, a catch-up pass 0.5: at batch 50 drafting pays
+    # against a catch-up step at k = 0 but not against a plain one
+    return given(StepCost((0, 0, 0, 0, 0, 0.02), (1, 0, 0, 0, 0.5, 0)), 0.9)
+
+
+def test_a_rule_keeping_the_drafter_in_sync_compares_with_a_catch_up_step() -> None:
+    auto = _rule_with_costly_catch_up()
+    assert auto.observes(8)
+    k, rates = auto.rates(50, 8, sync=True)
+    assert rates[0] == pytest.approx(1 / 1.5) and k > 0
+    assert auto.rates(50, 8)[1][0] == pytest.approx(1.0) and auto.rates(50, 8)[0] == 0
+    assert auto.choose(50, 8) == k
+
+
+def test_observes_while_drafting_pays_at_batch_one_even_for_one_draft() -> None:
+    """At 0.8 s per draft and sequence one draft pays at batch 1 (and longer chains do not),
+    at batch 2 none does: the drafter keeps catching up."""
+    auto = given(StepCost((0, 0, 0, 0, 0, 0.8), (1, 0, 0, 0, 0, 0)), 0.9)
+    assert auto.rates(1, 8)[0] == 1 and auto.rates(2, 8)[0] == 0
+    assert auto.observes(8)
+
+
+# a draft pass costs a whole step, a token 1 % more: at 0.5 acceptance no k pays, and the
+# best drafting k is 6
+FIXED = StepCost((0, 0, 1.0, 0, 0.01, 0), (1, 0, 0, 0, 0, 0))
+
+
+def test_exploration_and_probes_draft_the_best_drafting_k() -> None:
+    explorer = given(FIXED)  # nothing counted yet: prior 0.5 everywhere, uncertain
+    _, rates = explorer.rates(4, 8, sync=True)
+    assert int(np.argmax(rates)) == 0 and int(np.argmax(rates[1:])) + 1 == 6
+    assert explorer.uncertain and explorer.choose(4, 8) == 6
+    prober = given(FIXED, 0.5, probe_min=2, probe_max=2)
+    ks = []
+    for _ in range(3):
+        ks.append(prober.choose(4, 8))
+        prober.record_step(4, ks[-1], [4] * max(ks[-1], 0), [2] * max(ks[-1], 0), 0.1, 1.0)
+    assert ks == [0, SYNC, 6]
+
+
+def test_probes_restart_the_zero_count_even_when_nothing_was_proposed() -> None:
+    """A probe whose drafter proposed nothing (an n-gram drafter without a match) still
+    restarts the count of plain steps: the next probe comes ``probe_interval`` steps on."""
+    auto = given(FLAT, 0.0, probe_min=2, probe_max=2)
+    ks = []
+    for _ in range(8):
+        ks.append(auto.choose(4, 8))
+        auto.record_step(4, ks[-1], [], [], 0.0, 1.0)
+    assert ks == [0, SYNC, 1, 0, SYNC, 1, 0, SYNC] and auto.num_probes == 3
+
+
+def test_drafting_resets_the_probe_interval_and_counts_drafting_steps() -> None:
+    auto = given(FLAT, 0.9, probe_min=3)
+    auto.probe_interval = 12
+    assert all(auto.choose(4, 8) > 0 for _ in range(3))
+    assert auto.probe_interval == 3 and auto.num_draft_steps == 3
+
+
+def test_neighbour_steps_take_the_better_side_and_stay_in_range() -> None:
+    """With ``neighbour_every=2`` every other drafting step runs the better-rated of k +- 1:
+    k - 1 when it rates better, and never 0 or above ``k_max``."""
+    for a in np.linspace(0.3, 0.95, 27):
+        auto = given(FLAT, float(a), neighbour_every=2)
+        best, rates = auto.rates(4, 8)
+        if best >= 2 and rates[best - 1] > rates[best + 1]:
+            break
+    else:
+        raise AssertionError("no acceptance rate with k - 1 the better neighbour")
+    assert [auto.choose(4, 8) for _ in range(2)] == [best, best - 1]
+    one = given(FLAT, 0.9, neighbour_every=2)
+    assert [one.choose(4, 1) for _ in range(2)] == [1, 1]  # k_max 1: no neighbour
+    low = given(StepCost((0, 0, 0, 0, 0.6, 0), (1, 0, 0, 0, 0, 0)), 0.8, neighbour_every=2)
+    k, rates = low.rates(4, 8)
+    assert k == 1 and [low.choose(4, 8) for _ in range(2)] == [1, 2]  # not 0
+
+
+def test_warm_up_fits_from_two_chain_lengths_and_drops_empty_steps(caplog) -> None:
+    """A plan of catch-up and k = 1 steps is enough to fit (two lengths: 0 and 1); a step
+    that measured no verify time is not kept; the fit is logged with the steps it used."""
+    true = StepCost((0, 0, 0, 0, 0, 0.0002), (0.01, 0.0004, 0, 0, 0.001, 0))
+    auto = AutoK(AutoKConfig(warmup_ks=(1,)))
+    caplog.set_level(logging.INFO, logger="specengine.core.auto_k")
+    for i in range(6):
+        k = auto.choose(8, 8)
+        drafts = max(k, 0)
+        verify = 0.0 if i == 5 else true.t_verify(8, drafts + 1, k != 0)
+        auto.record_step(8, k, [8] * drafts, [4] * drafts, true.t_draft(8, drafts), verify)
+    assert auto.calibrated and len(auto.costs.calibration) == 3
+    assert "k='auto' cost model fitted to 3 warm-up steps" in caplog.messages
