@@ -58,7 +58,7 @@ def test_resolve_k_refuses_other_k_saying_what_is_allowed(k: object) -> None:
 
 
 @pytest.mark.parametrize("k_max", [-1, MAX_K + 1, True, "8", 8.0])
-def test_resolve_k_refuses_a_bad_k_max_whatever_k_is(k_max: object) -> None:
+def test_resolve_k_refuses_an_invalid_k_max_whatever_k_is(k_max: object) -> None:
     for k in ("auto", 3):
         message = rf"^k_max must be an int in \[0, {MAX_K}\], got {re_repr(k_max)}$"
         with pytest.raises(ValueError, match=message):
