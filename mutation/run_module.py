@@ -134,9 +134,12 @@ TESTS: dict[str, list[str]] = {
 _AUTO_K_UNITS = ["tests/test_auto_k.py", "-k",
                  "not greedy_auto and not step_api and not bad_k and not needs_a_drafter "
                  "and not sampled_auto and not cli_and_server"]
+# Each with its own behaviour tests (the -k filter excludes none of them).
 TESTS.update({
-    "specengine/core/auto_k.py": _AUTO_K_UNITS,
-    "specengine/core/cost_model.py": _AUTO_K_UNITS,
+    "specengine/core/auto_k.py": [_AUTO_K_UNITS[0], "tests/test_behaviours_auto_k.py",
+                                  *_AUTO_K_UNITS[1:]],
+    "specengine/core/cost_model.py": [_AUTO_K_UNITS[0], "tests/test_behaviours_cost_model.py",
+                                      *_AUTO_K_UNITS[1:]],
 })
 
 
