@@ -31,19 +31,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from fastapi import FastAPI
-from fastapi.testclient import TestClient
-from net_helpers import WAIT_S, Background
-from safetensors.torch import load_file, save_file
-from server_helpers import bundled_engine
-from test_behaviours_sglang_group import JOIN_S, Learner, free_port
 
-from specengine import AsyncSpecEngine, SamplingParams
-from specengine.assets import DEFAULT_TARGET
-from specengine.outputs import GenerationOutput
-from specengine.server import sglang_api
-from specengine.server.app import build_app
+pytest.importorskip("fastapi")  # the server tests skip without it (test_optional_deps)
+
+import torch  # noqa: E402
+from fastapi import FastAPI  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+from net_helpers import WAIT_S, Background  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from server_helpers import bundled_engine  # noqa: E402
+from test_behaviours_sglang_group import JOIN_S, Learner, free_port  # noqa: E402
+
+from specengine import AsyncSpecEngine, SamplingParams  # noqa: E402
+from specengine.assets import DEFAULT_TARGET  # noqa: E402
+from specengine.outputs import GenerationOutput  # noqa: E402
+from specengine.server import sglang_api  # noqa: E402
+from specengine.server.app import build_app  # noqa: E402
 
 PROMPT = [5, 9, 6, 7, 8]
 LONG = [4 + (i * 7) % 14 for i in range(40)]  # 40 tokens: two full prefix-cache blocks
