@@ -203,7 +203,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(OpenAIRequest):
     """``POST /v1/chat/completions``: ``messages`` rendered with the checkpoint's chat
     template (``add_generation_prompt``, ``chat_template_kwargs``, ``tools`` and
-    ``documents`` passed to it, as transformers' ``apply_chat_template``)."""
+    ``documents`` passed to it, as transformers' ``apply_chat_template``; as vLLM,
+    ``chat_template_kwargs`` override the named fields)."""
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
