@@ -280,7 +280,6 @@ def test_auto_with_step_api_and_warm_up() -> None:
     prompts = arith(3)
     sp = SamplingParams(temperature=0.0, max_tokens=24)
     base = eng.generate(prompts, k=0, sampling=sp)
-    before = eng.stats
     ids = [eng.add_request(prompts[0], sp, k="auto", k_max=4),
            eng.add_request(prompts[1], sp, k=2), eng.add_request(prompts[2], sp)]
     assert not eng.core.auto_k.calibrated  # no sweep before the first step

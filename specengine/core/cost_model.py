@@ -176,9 +176,9 @@ def identified_terms(samples: Sequence[StepMeasure]) -> tuple[bool, bool]:
     * The batch-size terms need steps at two batch sizes an octave or more apart (a run's
       batch drifting from 32 to 30 cannot separate ``θ·1`` from ``θ·B``), each at three or more
       chain lengths (no draft, and two drafting lengths: a draft pass's fixed cost and its
-      cost per token, per sequence and per step). Without them the fit is constant in B: the best k at the measured batch
-      is taken at every batch until another is measured (steps scaled alike in k keep the
-      argmax).
+      cost per token, per sequence and per step). Without them the fit is constant in B:
+      the best k at the measured batch is taken at every batch until another is measured
+      (steps scaled alike in k keep the argmax).
     * The catch-up terms ``s, s·B`` need plain k = 0 steps (``s = 0``) next to steps that
       caught up: every drafting step catches up, so without a plain step ``s`` is the
       constant column again, and a plain step is taken to cost a catch-up step.
