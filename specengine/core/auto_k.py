@@ -109,8 +109,7 @@ class AutoKConfig:
         """The warm-up's steps: catch-up steps (``SYNC``), then each drafting k; each k's
         first step is not measured (it may compile kernels or capture a graph)."""
         ks = self.warmup_ks or (1, -(-k_max // 2))
-        plan = [SYNC]
-        plan += sorted({min(k, k_max) for k in ks})
+        plan = [SYNC, *sorted({min(k, k_max) for k in ks})]
         return [k for k in plan for _ in range(self.warmup_steps + 1)]
 
 
@@ -248,7 +247,7 @@ class AutoK:
         compiled or captured); fit once the plan is done (again if the drafter proposed too
         few distinct lengths to fit, e.g. an n-gram drafter without matches)."""
         at, plan = self._plan_at, self._plan
-        if at and plan[at - 1] == plan[at] and measure.draft_s >= 0 and measure.verify_s > 0:
+        if at and plan[at - 1] == plan[at] and measure.usable:
             self._warm.append(measure)
         self._plan_at += 1
         if self._plan_at < len(plan):

@@ -161,6 +161,11 @@ class StepMeasure:
     draft_s: float
     verify_s: float
 
+    @property
+    def usable(self) -> bool:
+        """False for a clock that went backwards or a step that did nothing: it says nothing."""
+        return self.draft_s >= 0 and self.verify_s > 0
+
 
 #: columns of the batch-size terms in draft_features / verify_features
 DRAFT_BATCH_COLUMNS = (1, 3, 5)
@@ -235,8 +240,8 @@ class CostModel:
     def add(self, sample: StepMeasure) -> None:
         """A measured step; refits (once calibrated) every ``refit_every`` steps, or at once
         when it lets the fit identify a term it could not (:func:`identified_terms`)."""
-        if sample.draft_s < 0 or sample.verify_s <= 0:
-            return  # a clock that went backwards or a step that did nothing says nothing
+        if not sample.usable:
+            return
         octave = max(sample.batch, 1).bit_length()
         if octave not in self.recent:
             self.recent[octave] = deque(maxlen=self.window)
