@@ -348,3 +348,125 @@ def test_catch_up_at_k0_records_what_drafting_records() -> None:
     for (ta, fa), (tb, fb) in zip(a, b):
         assert ta == tb  # every position, with the token that followed
         torch.testing.assert_close(fa, fb, rtol=1e-4, atol=1e-4)
+
+
+def test_soft_labels_are_the_distribution_each_rows_token_was_drawn_from() -> None:
+    """Row ``q`` of a sampled rollout gets the policy's top-K distribution of ``x_{q+1}``:
+    the drawn token is in it with the log-probability the engine reported for it; prompt
+    rows (no anchor) have none, and a rollout whose record is missing is left unlabelled."""
+    from specengine.train.offline import SoftLabels
+
+    prompts = [encode(p) for p in heldout_prompts(4)]
+    engine = SpecEngine(DEFAULT_TARGET, DEFAULT_DRAFT, device="cpu", dtype="float32",
+                        draft_options={"adapt_buffer_tokens": 4096})
+    engine.drafter.catch_up_at_k0 = True
+    outs = engine.generate(prompts, k=0, sampling=SamplingParams(
+        temperature=1.0, max_tokens=16, logprobs=3, seed=11))
+    labels = SoftLabels(4)
+    for o in outs[1:]:  # the first rollout's record is missing
+        labels.add(o.prompt_token_ids, o.token_ids, o.top_logprobs)
+    data = GeneratedSet(counts=np.zeros(20, dtype=np.int64))
+    data.take(engine.drafter.adapter.buffer, labels)
+    engine.close()
+    data.finish()
+    assert data.soft_ids is not None and data.soft_ids.shape == (len(data.tokens), 4)
+    assert len(data.seqs) == 4 and data.num_unlabelled == 1
+    by_prompt = {o.prompt_token_ids[1:]: o for o in outs}
+    checked = 0
+    for s in data.seqs:
+        p = s.num_prompt_tokens
+        fed = data.tokens[s.rows].tolist()  # x_1 .. x_L
+        o = by_prompt[tuple(fed[: p - 1])]
+        ids, logps = data.soft_ids[s.rows], data.soft_logps[s.rows]
+        assert (ids[: p - 1] == -1).all()  # prompt rows: no distribution
+        if o is outs[0]:
+            assert (ids == -1).all()
+            continue
+        assert len(s.rows) == p + len(o.token_ids) - 1
+        for q in range(p - 1, len(s.rows)):
+            row = ids[q].tolist()
+            assert fed[q] == o.token_ids[q + 1 - p] and fed[q] in row
+            # T=1: the policy's raw log-probability is the reported one
+            assert float(logps[q, row.index(fed[q])]) == pytest.approx(
+                o.logprobs[q + 1 - p], abs=1e-6)
+            n = sum(i >= 0 for i in row)  # the rest is padding
+            assert n in (3, 4) and (logps[q, : n - 1] >= logps[q, 1:n]).all()  # likeliest first
+            checked += 1
+    assert checked >= 3 * 15
+
+
+def _soft_source(vocab: int, rows: int, k: int, seed: int) -> GeneratedSet:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(rows)]).int()
+    logps = torch.log_softmax(torch.randn(rows, k, generator=g) * 2, -1)
+    return GeneratedSet(feats=torch.zeros(rows, 3), tokens=ids[:, 0].long(),
+                        soft_ids=ids, soft_logps=logps)
+
+
+def test_soft_targets_read_the_next_rows_distribution_over_draft_ids() -> None:
+    """Anchor ``i`` at depth ``d`` is scored against the distribution recorded at the row of
+    position ``i + d + 1`` (whose token is the hard target ``x_{i+d+2}``), only over tokens
+    with a draft id, renormalised there; none before the first anchor or past the end."""
+    from specengine.drafters.adapt import BufferedSeq
+
+    embed = read_embedding(DEFAULT_TARGET)
+    cfg = fresh_config(read_config(DEFAULT_TARGET), 12, "float32")
+    d2t = torch.tensor([3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16])  # 12 of the 20 tokens
+    head = build_head(cfg, embed, torch.device("cpu"), draft_to_target=d2t)
+    trainer = DraftTrainer(head, embed, torch.device("cpu"), depth=3)
+    src = _soft_source(20, 30, 5, seed=4)
+    seqs = [BufferedSeq(0, np.arange(0, 11), 4), BufferedSeq(1, np.arange(11, 30), 6)]
+    soft = trainer.soft_targets(src, seqs)
+    _, _, _, hard = trainer.batch(src, seqs)
+    t2d = {int(t): i for i, t in enumerate(d2t)}
+    assert soft is not None and len(soft) == 3
+    for d, (idx, probs) in enumerate(soft):
+        for b, s in enumerate(seqs):
+            for i in range(idx.shape[1]):
+                has = s.num_prompt_tokens - 1 <= i and i + d + 1 < len(s.rows)
+                assert (hard[d][b, i] >= 0) <= has
+                if not has:
+                    assert float(probs[b, i].sum()) == 0.0
+                    continue
+                r = s.rows[i + d + 1]
+                want = {t2d[int(t)]: float(lp.exp()) for t, lp in
+                        zip(src.soft_ids[r], src.soft_logps[r]) if int(t) in t2d}
+                total = sum(want.values())
+                got = {int(j): float(p) for j, p in zip(idx[b, i], probs[b, i]) if p > 0}
+                assert got.keys() == want.keys()
+                for j, p in want.items():
+                    assert got[j] == pytest.approx(p / total, rel=1e-5)
+
+
+def test_soft_loss_is_the_expected_hard_loss_and_a_point_mass_is_the_hard_loss() -> None:
+    """The soft cross-entropy of an entry is ``-sum_v p_v log q_v``: a point mass on the hard
+    target gives exactly the hard loss, and a distribution gives the hard losses of its
+    tokens weighted by their probabilities."""
+    from specengine.drafters.adapt_math import HeadMath, ttt_sums
+
+    embed = read_embedding(DEFAULT_TARGET)
+    cfg = fresh_config(read_config(DEFAULT_TARGET), 20, "float32")
+    torch.manual_seed(5)
+    head = build_head(cfg, embed, torch.device("cpu"))
+    hm = HeadMath(head, embed)
+    params = {n: p.detach() for n, p in head.named_parameters()}
+    b, t, depth = 2, 9, 2
+    feats = torch.randn(b, t, 3 * cfg["hidden_size"])
+    ids = torch.randint(2, 20, (b, t + depth))
+    valid = torch.ones(b, t, dtype=torch.bool)
+    targets = [torch.where(torch.arange(t) >= 3, ids[:, d + 1: d + 1 + t], -100)
+               for d in range(depth)]
+    hard_sums, hard_counts = ttt_sums(hm, params, feats, ids, valid, targets)
+    point = [(tg.clamp_min(0)[..., None].repeat(1, 1, 3), torch.where(
+        tg[..., None] >= 0, torch.tensor([1.0, 0.0, 0.0]), 0.0)) for tg in targets]
+    sums, counts = ttt_sums(hm, params, feats, ids, valid, targets, soft=point)
+    torch.testing.assert_close(sums, hard_sums, rtol=1e-6, atol=1e-5)
+    assert torch.equal(counts, hard_counts)
+    # a two-token distribution: the probability-weighted hard losses of the two tokens
+    other = [torch.where(tg >= 0, (tg + 1) % 20, -100) for tg in targets]
+    mix = [(torch.stack([tg.clamp_min(0), o.clamp_min(0)], -1), torch.where(
+        tg[..., None] >= 0, torch.tensor([0.25, 0.75]), 0.0)) for tg, o in zip(targets, other)]
+    sums, _ = ttt_sums(hm, params, feats, ids, valid, targets, soft=mix)
+    other_sums, _ = ttt_sums(hm, params, feats, ids, valid, other)
+    torch.testing.assert_close(sums, 0.25 * hard_sums + 0.75 * other_sums, rtol=1e-5,
+                               atol=1e-4)

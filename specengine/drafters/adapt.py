@@ -61,6 +61,9 @@ class FeatureBuffer:
         self.capacity, self.device = capacity, device
         self.feats: Tensor | None = None  # [capacity, F], allocated at the first write
         self.tokens = torch.zeros(capacity, dtype=torch.int64, device=device)
+        # the policy's distributions of the tokens are not recorded online (hard targets)
+        self.soft_ids: Tensor | None = None
+        self.soft_logps: Tensor | None = None
         self.seq_ids = np.full(capacity, -1, dtype=np.int64)
         self.positions = np.zeros(capacity, dtype=np.int64)
         self.prompt_lens = np.zeros(capacity, dtype=np.int64)

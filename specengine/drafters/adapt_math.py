@@ -16,6 +16,16 @@ Fed tokens are the policy's (teacher forcing): a draft at depth ``d`` only count
 draft chain can start from (``i >= prompt_len - 1``) and targets with a draft id count; the
 loss is ``sum_d 0.8^d * mean CE_d`` (EAGLE-3's depth weights). The parameters come as a
 dict (the trainer's float32 masters); the target's embeddings are read, never trained.
+
+**Soft targets.** The token ``x_{i+d+2}`` is one sample of the policy's distribution at
+position ``i + d + 1``; when that distribution is known (offline training records the
+policy's top-N log-probabilities of every generated position, ``train/offline.py``), the
+entry's cross-entropy is taken against it instead, restricted to the draft vocabulary and
+renormalised there (SpecForge trains on the target's distribution the same way). Its
+expectation over the sampled token is the hard loss's, with far less variance: at T=1 one
+sampled token says little about which token is the policy's most likely one, which is what
+greedy drafting must guess. An entry whose recorded tokens have no draft id keeps the hard
+target (or none).
 """
 
 from __future__ import annotations
@@ -140,19 +150,36 @@ class HeadMath:
 
 
 def ttt_sums(math: HeadMath, p: dict[str, Tensor], feats: Tensor, ids: Tensor,
-             valid: Tensor, targets: list[Tensor]) -> tuple[Tensor, Tensor]:
+             valid: Tensor, targets: list[Tensor],
+             soft: list[tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, Tensor]:
     """Per depth ``d``: the summed cross-entropy of the depth-d logits against ``targets[d]``
-    (``-100``: no loss at that entry) and the number of entries it sums over."""
+    (``-100``: no loss at that entry) and the number of entries it sums over. ``soft[d]``:
+    ``(idx [B, T, K], probs [B, T, K])``, the policy's distribution over draft ids at each
+    entry (``probs`` 0 on padding, rows summing to 1 or all 0): an entry with one is scored
+    against it (module docstring) and counts whether or not its hard target has a draft id."""
     # the first entry with a loss at any depth (anchors start at a prompt's last token):
     # the entries before it only serve as keys and values
-    has = torch.stack([(tg >= 0).any(0) for tg in targets]).any(0)
+    masks = [tg >= 0 for tg in targets]
+    if soft is not None:
+        masks = [m | (pr.sum(-1) > 0) for m, (_, pr) in zip(masks, soft)]
+    has = torch.stack([m.any(0) for m in masks]).any(0)
     start = int(has.int().argmax()) if bool(has.any()) else 0
     logits = math.unroll(p, feats, ids, valid, len(targets), start)
-    sums = torch.stack([F.cross_entropy(lg.flatten(0, 1), tg[:, start:].flatten(),
-                                        ignore_index=-100, reduction="sum")
-                        for lg, tg in zip(logits, targets)])
-    counts = torch.stack([(tg >= 0).sum() for tg in targets])
-    return sums, counts
+    if soft is None:
+        sums = torch.stack([F.cross_entropy(lg.flatten(0, 1), tg[:, start:].flatten(),
+                                            ignore_index=-100, reduction="sum")
+                            for lg, tg in zip(logits, targets)])
+        return sums, torch.stack([m.sum() for m in masks])
+    out = []
+    for lg, tg, (idx, pr), m in zip(logits, targets, soft, masks):
+        logp = torch.log_softmax(lg, dim=-1)  # [B, T', Vd]
+        tg, idx, pr, m = tg[:, start:], idx[:, start:], pr[:, start:], m[:, start:]
+        hard = -logp.gather(-1, tg.clamp_min(0)[..., None])[..., 0]
+        # padding has probability 0 and a clamped index: 0 * a finite log-probability
+        dist = -(pr * logp.gather(-1, idx.clamp_min(0))).sum(-1)
+        nll = torch.where(pr.sum(-1) > 0, dist, hard)
+        out.append(torch.where(m, nll, torch.zeros_like(nll)).sum())
+    return torch.stack(out), torch.stack([m.sum() for m in masks])
 
 
 def ttt_loss(sums: Tensor, counts: Tensor) -> Tensor:

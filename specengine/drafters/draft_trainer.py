@@ -26,10 +26,14 @@ GROUP_SEQS = 16  # sequences per padded forward (sorted by length)
 
 class FeatureSource(Protocol):
     """Rows of training entries: ``feats[r]`` the target's features of an entry, ``tokens[r]``
-    the token fed with it (``x_{p+1}`` for the entry of position ``p``)."""
+    the token fed with it (``x_{p+1}`` for the entry of position ``p``). Optionally the
+    policy's distribution of that token: ``soft_ids[r]`` / ``soft_logps[r]`` ``[K]``, its
+    top-K target ids (-1: padding, or no record) and their log-probabilities."""
 
     feats: Tensor | None
     tokens: Tensor
+    soft_ids: Tensor | None
+    soft_logps: Tensor | None
 
 
 class DraftTrainer:
@@ -53,7 +57,9 @@ class DraftTrainer:
         seqs = sorted(seqs, key=lambda s: len(s.rows))
         sums = counts = None
         for i in range(0, len(seqs), GROUP_SEQS):
-            s, c = ttt_sums(self.math, params, *self.batch(source, seqs[i: i + GROUP_SEQS]))
+            group = seqs[i: i + GROUP_SEQS]
+            s, c = ttt_sums(self.math, params, *self.batch(source, group),
+                            soft=self.soft_targets(source, group))
             sums, counts = (s, c) if sums is None else (sums + s, counts + c)
         return ttt_loss(sums, counts)  # type: ignore[arg-type]
 
@@ -69,17 +75,58 @@ class DraftTrainer:
             n += len(seqs[i].rows)
         return out
 
-    def batch(self, source: FeatureSource, seqs: list[BufferedSeq]
-              ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
-        """Padded ``feats [B, T, F]`` float32, ``ids [B, T + depth]``, ``valid [B, T]`` and
-        the per-depth targets (draft ids, -100 where no loss) of ``seqs``, on the device."""
-        dev, depth = self.device, self.depth
+    @staticmethod
+    def _rows(seqs: list[BufferedSeq]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``rows [B, T]`` (padded with row 0), ``lens [B]`` and each sequence's first anchor."""
         t = max(len(s.rows) for s in seqs)
         rows = np.zeros((len(seqs), t), dtype=np.int64)
         lens = np.array([len(s.rows) for s in seqs], dtype=np.int64)
         first = np.array([s.num_prompt_tokens - 1 for s in seqs], dtype=np.int64)
         for b, s in enumerate(seqs):
             rows[b, : len(s.rows)] = s.rows
+        return rows, lens, first
+
+    def soft_targets(self, source: FeatureSource, seqs: list[BufferedSeq]
+                     ) -> list[tuple[Tensor, Tensor]] | None:
+        """Per depth ``d``, the policy's recorded distribution of each anchor's target
+        (anchor ``i``, depth ``d``: the entry of position ``i + d + 1``, whose token is
+        ``x_{i+d+2}``) as ``(draft ids [B, T, K], probs [B, T, K])``: only tokens with a draft
+        id, renormalised over them (probs all 0: no record, or none has a draft id, or no
+        target at that anchor, the hard target's rule). None when ``source`` records none."""
+        if source.soft_ids is None or source.soft_logps is None:
+            return None
+        dev, depth = self.device, self.depth
+        rows, lens, first = self._rows(seqs)
+        b, t = rows.shape
+        rows_src = torch.from_numpy(rows).to(source.soft_ids.device)
+        ids = source.soft_ids[rows_src].to(dev).long()  # [B, T, K]
+        logps = source.soft_logps[rows_src].to(dev).float()
+        to_draft = self.math.to_draft(dev)
+        kept = ids >= 0
+        if to_draft is not None:
+            ids = torch.where(kept, to_draft[ids.clamp_min(0)], -1)
+            kept = ids >= 0
+        probs = torch.where(kept, logps.exp(), torch.zeros_like(logps))
+        probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-30)  # over the draft ids
+        pad_i = ids.new_full((b, depth, ids.shape[-1]), -1)
+        pad_p = probs.new_zeros((b, depth, ids.shape[-1]))
+        ids, probs = torch.cat([ids, pad_i], 1), torch.cat([probs, pad_p], 1)
+        j = np.arange(t)
+        out = []
+        for d in range(depth):
+            ok = (j[None, :] >= first[:, None]) & (j[None, :] + d + 1 < lens[:, None])
+            okt = torch.from_numpy(ok).to(dev)[..., None]
+            out.append((ids[:, d + 1: d + 1 + t],
+                        torch.where(okt, probs[:, d + 1: d + 1 + t], 0.0)))
+        return out
+
+    def batch(self, source: FeatureSource, seqs: list[BufferedSeq]
+              ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+        """Padded ``feats [B, T, F]`` float32, ``ids [B, T + depth]``, ``valid [B, T]`` and
+        the per-depth targets (draft ids, -100 where no loss) of ``seqs``, on the device."""
+        dev, depth = self.device, self.depth
+        rows, lens, first = self._rows(seqs)
+        t = rows.shape[1]
         j = np.arange(t)
         valid_np = j[None, :] < lens[:, None]
         assert source.feats is not None

@@ -106,6 +106,11 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFor
                    help="positions per optimiser step")
     t.add_argument("--ttt-steps", type=_positive(1), default=C.ttt_steps,
                    help="unrolled draft steps of the loss")
+    t.add_argument("--soft-labels", type=_positive(0), default=C.soft_labels,
+                   help="train on the policy's top-N distribution of each generated token "
+                        "(recorded as the rollouts run, at most 20), renormalised over the "
+                        "draft vocabulary: far less noise than the sampled token at T=1; "
+                        "0: the sampled tokens")
     t.add_argument("--seed", type=_positive(0), default=C.seed,
                    help="seed of the held-out split, rollout order and samples, head init and "
                         "batch order")
@@ -151,6 +156,7 @@ def main(args: argparse.Namespace, default_model: Path) -> int:
             draft_vocab_size=args.draft_vocab_size, head_init=args.head_init,
             steps=args.steps, epochs=args.epochs, lr=args.lr,
             batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, seed=args.seed,
+            soft_labels=args.soft_labels,
             holdout=args.holdout, save_every=args.save_every, resume=args.resume,
             overwrite=args.overwrite, device=None if args.device == "auto" else args.device,
             dtype=args.dtype, num_threads=args.threads, eval_max_tokens=args.eval_max_tokens,

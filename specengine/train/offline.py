@@ -60,6 +60,7 @@ from specengine.drafters.eagle3 import aux_layer_inputs
 from specengine.drafters.mtp_math import MTPMath
 from specengine.model.config import CheckpointError
 from specengine.model.loader import checkpoint_files
+from specengine.sampling import MAX_TOP_LOGPROBS
 from specengine.train.data import DEFAULT_PROMPT_COLUMN, read_prompts, tokenize_prompts
 from specengine.train.head_init import (
     build_head,
@@ -90,7 +91,7 @@ KV_FILL = 0.9  # share of the KV cache a call's sequences may fill (blocks round
 GROUP_SEQS_EVAL = 16  # held-out sequences per unrolled pass of offline_acceptance
 # Settings a resumed run must share with the run that wrote the checkpoint.
 RESUME_KEYS = ("steps", "epochs", "lr", "batch_tokens", "ttt_steps", "seed", "draft_vocab_size",
-               "init", "arch", "head_init", "norm_before_residual")
+               "init", "arch", "head_init", "norm_before_residual", "soft_labels")
 ARCHS = ("eagle3", "mtp")
 HEAD_INITS = ("random", "target")
 HEAD_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -121,6 +122,7 @@ class TrainDraftConfig:
     lr: float = 3e-3
     batch_tokens: int = 2048
     ttt_steps: int = 3
+    soft_labels: int = 20  # train on the policy's top-N distribution (0: the drawn tokens)
     head_init: str = "random"  # fresh head: "random", or "target" (lm_head / norm from the
     #                            target's; RESULTS.md: no gain measured, so not the default)
     head_dtype: str = "auto"  # dtype of the written head ("auto": the target's)
@@ -145,7 +147,8 @@ class TrainDraftConfig:
                 object.__setattr__(self, name, Path(v))
         for name, low in (("max_tokens", 1), ("steps", 1), ("rollout_tokens", 0),
                           ("batch_tokens", 1), ("ttt_steps", 1), ("draft_vocab_size", 1),
-                          ("save_every", 0), ("seed", 0), ("curve_points", 0)):
+                          ("save_every", 0), ("seed", 0), ("curve_points", 0),
+                          ("soft_labels", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"train-draft: {name} must be an int >= {low}, got {v!r}")
@@ -172,6 +175,10 @@ class TrainDraftConfig:
         if self.head_dtype not in HEAD_DTYPES:
             raise ValueError(f"train-draft: head_dtype must be one of {HEAD_DTYPES}, got "
                              f"{self.head_dtype!r}")
+        if self.soft_labels > MAX_TOP_LOGPROBS:
+            raise ValueError(f"train-draft: soft_labels is the policy's top-N per token that "
+                             f"the engine reports, at most {MAX_TOP_LOGPROBS}; got "
+                             f"{self.soft_labels!r}")
         if self.resume and self.overwrite:
             raise ValueError("train-draft: --resume continues the run in the output dir and "
                              "--overwrite deletes it: give one of them")
@@ -214,7 +221,10 @@ class TrainDraftResult:
 class GeneratedSet:
     """The training sequences in host memory: entry rows ``feats [N, F]`` / ``tokens [N]``
     (a :class:`~specengine.drafters.draft_trainer.FeatureSource`), the sequences' rows, the
-    generated tokens' counts over the target vocabulary and the held-out prompts."""
+    generated tokens' counts over the target vocabulary and the held-out prompts. With soft
+    labels, ``soft_ids [N, K]`` / ``soft_logps [N, K]``: the policy's top-K distribution of
+    each row's token (the row of position ``q`` holds the distribution ``x_{q+1}`` was drawn
+    from; -1 ids on prompt rows and where no record matched)."""
 
     feats: Tensor | None = None
     tokens: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
@@ -222,17 +232,30 @@ class GeneratedSet:
     counts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     holdout: list[list[int]] = field(default_factory=list)
     passes: int = 0  # passes over the prompts the rollouts started (0: unknown, a resume)
-    _parts: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    soft_ids: Tensor | None = None
+    soft_logps: Tensor | None = None
+    num_unlabelled: int = 0  # sequences taken with labels given but none matching them
+    _parts: list[tuple[Tensor, Tensor, Tensor | None, Tensor | None]] = field(
+        default_factory=list)
     _num_rows: int = 0
 
-    def take(self, buffer: FeatureBuffer) -> None:
-        """Copy the buffer's trainable sequences (at least one generated target) to host."""
+    def take(self, buffer: FeatureBuffer, labels: SoftLabels | None = None) -> None:
+        """Copy the buffer's trainable sequences (at least one generated target) to host,
+        with their recorded distributions from ``labels`` when given."""
         assert buffer.feats is not None
         for s in buffer.sequences():
             if len(s.rows) <= s.num_prompt_tokens:
                 continue
             rows = torch.from_numpy(s.rows).to(buffer.device)
-            self._parts.append((buffer.feats[rows].cpu(), buffer.tokens[rows].cpu()))
+            tokens = buffer.tokens[rows].cpu()
+            soft = None
+            if labels is not None:
+                soft = labels.rows(tokens.numpy(), s.num_prompt_tokens)
+                self.num_unlabelled += soft is None
+                if soft is None:
+                    soft = labels.empty(len(s.rows))
+            self._parts.append((buffer.feats[rows].cpu(), tokens,
+                                *(soft if soft is not None else (None, None))))
             n = len(s.rows)
             self.seqs.append(BufferedSeq(len(self.seqs), np.arange(self._num_rows,
                                                                    self._num_rows + n),
@@ -243,10 +266,14 @@ class GeneratedSet:
         """Join the parts taken so far onto the rows (it may be called again after more
         :meth:`take` calls)."""
         if self._parts:
-            old = [] if self.feats is None else [(self.feats, self.tokens)]
+            old = [] if self.feats is None else [(self.feats, self.tokens, self.soft_ids,
+                                                  self.soft_logps)]
             parts = old + self._parts
-            self.feats = torch.cat([f for f, _ in parts])
-            self.tokens = torch.cat([t for _, t in parts])
+            self.feats = torch.cat([p[0] for p in parts])
+            self.tokens = torch.cat([p[1] for p in parts])
+            if all(p[2] is not None for p in parts):
+                self.soft_ids = torch.cat([p[2] for p in parts])  # type: ignore[misc]
+                self.soft_logps = torch.cat([p[3] for p in parts])  # type: ignore[misc]
             self._parts.clear()
 
     @property
@@ -257,10 +284,12 @@ class GeneratedSet:
         assert self.feats is not None
         lens = np.array([len(s.rows) for s in self.seqs], dtype=np.int64)
         plens = np.array([s.num_prompt_tokens for s in self.seqs], dtype=np.int64)
-        save_file({"feats": self.feats.contiguous(), "tokens": self.tokens,
+        tensors = {"feats": self.feats.contiguous(), "tokens": self.tokens,
                    "seq_lens": torch.from_numpy(lens), "prompt_lens": torch.from_numpy(plens),
-                   "counts": torch.from_numpy(self.counts)}, str(path),
-                  metadata={"holdout": json.dumps(self.holdout)})
+                   "counts": torch.from_numpy(self.counts)}
+        if self.soft_ids is not None and self.soft_logps is not None:
+            tensors.update(soft_ids=self.soft_ids, soft_logps=self.soft_logps)
+        save_file(tensors, str(path), metadata={"holdout": json.dumps(self.holdout)})
 
     @classmethod
     def load(cls, path: Path) -> GeneratedSet:
@@ -274,7 +303,55 @@ class GeneratedSet:
         ends = np.cumsum(t["seq_lens"].numpy())
         seqs = [BufferedSeq(i, np.arange(e - n, e), int(p)) for i, (e, n, p) in enumerate(
             zip(ends, t["seq_lens"].numpy(), t["prompt_lens"].numpy()))]
-        return cls(t["feats"], t["tokens"], seqs, t["counts"].numpy(), holdout)
+        return cls(t["feats"], t["tokens"], seqs, t["counts"].numpy(), holdout,
+                   soft_ids=t.get("soft_ids"), soft_logps=t.get("soft_logps"))
+
+
+class SoftLabels:
+    """The policy's top-K distributions of one generate call's rollouts
+    (``GenerationOutput.top_logprobs``: the raw distribution each generated token was drawn
+    from, its K - 1 most likely tokens and the token itself), found again for the buffered
+    sequences by their tokens: a buffered sequence holds ``x_1 .. x_L`` (row ``q`` fed
+    ``x_{q+1}``), which must start with a recorded rollout's prompt (less its first token)
+    and then its generated tokens."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k  # entries per row: the top logprobs asked for plus the drawn token
+        # prompt less its first token -> (generated tokens, their distributions) per rollout
+        self.by_prompt: dict[tuple[int, ...], list[tuple[tuple[int, ...], Any]]] = {}
+
+    def add(self, prompt: tuple[int, ...], generated: tuple[int, ...],
+            top: tuple[dict[int, float], ...]) -> None:
+        if len(top) != len(generated):
+            raise ValueError("soft labels need SamplingParams.logprobs: one distribution per "
+                             "generated token")
+        self.by_prompt.setdefault(tuple(prompt[1:]), []).append((tuple(generated), top))
+
+    def clear(self) -> None:
+        self.by_prompt.clear()
+
+    def empty(self, n: int) -> tuple[Tensor, Tensor]:
+        return (torch.full((n, self.k), -1, dtype=torch.int32),
+                torch.zeros((n, self.k), dtype=torch.float32))
+
+    def rows(self, tokens: np.ndarray, num_prompt_tokens: int) -> tuple[Tensor, Tensor] | None:
+        """``(ids [L, K], logps [L, K])`` of a buffered sequence whose rows fed ``tokens``
+        (``x_1 .. x_L``), or None when no recorded rollout has these tokens."""
+        p = num_prompt_tokens
+        gen = tuple(tokens[p - 1:].tolist())  # x_P .. x_L: its generated tokens so far
+        for generated, top in self.by_prompt.get(tuple(tokens[: p - 1].tolist()), ()):
+            if generated[: len(gen)] != gen:
+                continue
+            ids, logps = self.empty(len(tokens))
+            for q in range(p - 1, len(tokens)):  # row q: the distribution of x_{q+1}
+                dist = top[q + 1 - p]
+                # the K most likely first (the drawn token is in the record even when it is
+                # not among the top; a full row keeps the most likely)
+                best = sorted(dist.items(), key=lambda kv: -kv[1])[: self.k]
+                ids[q, : len(best)] = torch.tensor([i for i, _ in best], dtype=torch.int32)
+                logps[q, : len(best)] = torch.tensor([v for _, v in best])
+            return ids, logps
+        return None
 
 
 def read_embedding(model: Path) -> nn.Embedding:
@@ -435,6 +512,8 @@ def generate_set(cfg: TrainDraftConfig, prompts: list[list[int]], gen_head: Path
         engine.drafter.catch_up_at_k0 = True
     buffer = engine.drafter.adapter.buffer
     data = GeneratedSet(counts=np.zeros(vocab_size, dtype=np.int64))
+    # the policy's top-N distribution of every generated token (+1: the drawn token)
+    labels = SoftLabels(cfg.soft_labels + 1) if cfg.soft_labels else None
     budget = cfg.rollout_tokens
     bar = _progress(budget if budget else None, "rollouts", cfg.progress, unit="tok")
     st = RolloutProgress()
@@ -442,6 +521,8 @@ def generate_set(cfg: TrainDraftConfig, prompts: list[list[int]], gen_head: Path
 
     def done(o: Any) -> None:
         ids = np.asarray(o.token_ids, dtype=np.int64)
+        if labels is not None:
+            labels.add(o.prompt_token_ids, o.token_ids, o.top_logprobs)
         data.counts += np.bincount(ids, minlength=vocab_size)[:vocab_size]
         st.num_rollouts += 1
         st.num_tokens += len(ids)
@@ -474,13 +555,16 @@ def generate_set(cfg: TrainDraftConfig, prompts: list[list[int]], gen_head: Path
             pos += len(idx)
             st.num_prompts += len(idx)
             params = [SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                     n=n, seed=(cfg.seed * 1_000_003 + st.passes * 7_919
+                                     n=n, logprobs=cfg.soft_labels or None,
+                                     seed=(cfg.seed * 1_000_003 + st.passes * 7_919
                                                 + int(i) * 31 + 17) % (2**62))
                       for i in idx]
             first = st.num_rollouts == 0
             _run_rollouts(engine, [prompts[int(i)] for i in idx], params, k, done)
-            data.take(buffer)
+            data.take(buffer, labels)
             buffer.clear()
+            if labels is not None:
+                labels.clear()
             st.seconds = time.perf_counter() - t0
             if first and on_calibrated is not None:
                 on_calibrated(data, st)
@@ -887,7 +971,9 @@ def plan_text(cfg: TrainDraftConfig, num_train: int, num_holdout: int,
         f"tokens per rollout, k={cfg.gen_k or 0} while generating",
         f"  head:      {head}",
         f"  training:  {train} of about {cfg.batch_tokens} positions, lr {cfg.lr:g}, "
-        f"{cfg.ttt_steps} unrolled steps, seed {cfg.seed}",
+        f"{cfg.ttt_steps} unrolled steps, seed {cfg.seed}, "
+        + (f"targets: the policy's top-{cfg.soft_labels} distribution of each token"
+           if cfg.soft_labels else "targets: the drawn tokens"),
         f"  held out:  {num_holdout} prompts; evaluation at k=0..{max(EVAL_KS)} ({temps}), "
         f"at most {cfg.eval_max_tokens or cfg.max_tokens} tokens"
         + (f"; greedy acceptance curve at {cfg.curve_points} points" if cfg.curve_points
