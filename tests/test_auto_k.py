@@ -22,6 +22,7 @@ from specengine.arith_task import encode, heldout_prompts
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
 from specengine.core.auto_k import SYNC, AutoK, AutoKConfig, conditional_counts, resolve_k
 from specengine.core.cost_model import (
+    MAX_TOLERANCE,
     AcceptanceTracker,
     CostModel,
     StepCost,
@@ -29,6 +30,7 @@ from specengine.core.cost_model import (
     best_k,
     expected_accepted,
     expected_by_k,
+    fit_error,
     fit_relative,
     identified_terms,
 )
@@ -77,6 +79,44 @@ def test_best_k_maximises_tokens_per_second() -> None:
     assert controller(BATCHY, 0.9).choose(200, 8) == SYNC
     k, rates = best_k([0, 0.5], [1.0, 1.5])
     assert k == 0 and rates == pytest.approx([1.0, 1.0])  # a tie: the smaller k
+
+
+def test_the_smallest_k_the_fit_cannot_tell_from_the_best_wins() -> None:
+    """Rates within the fit's own error of the best are not told apart, and the shortest of
+    those chains runs; the tolerance is the fit's median error, capped so that a noisy fit
+    never makes k = 0 win over drafts that pay by more than the cap."""
+    expected, times = [0, 0.5, 0.52, 0.53], [1.0] * 4
+    assert best_k(expected, times)[0] == 3
+    assert best_k(expected, times, 0.01)[0] == 2  # 1.52 >= 0.99 * 1.53
+    assert best_k(expected, times, 0.03)[0] == 1
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="tolerance"):
+            best_k(expected, times, bad)
+    auto = controller(FLAT, 0.9)  # rates 1, 1.46, 1.69, 1.81, 1.86, 1.88 (best), 1.86, ...
+    assert auto.rates(4, 8)[0] == 5
+    auto.costs.error = 0.04
+    auto.costs.version += 1
+    k, rates = auto.rates(4, 8)
+    assert k == 3 and rates[3] >= 0.96 * rates.max() > rates[2]
+    assert auto.choose(4, 8) == 3
+    auto.costs.error = 0.5  # capped at MAX_TOLERANCE: drafting still wins over k = 0
+    auto.costs.version += 1
+    k, rates = auto.rates(4, 8)
+    assert MAX_TOLERANCE == 0.05 and k == 3 and rates[0] < 0.95 * rates.max()
+
+
+def test_the_fit_error_is_the_median_relative_error_of_whole_steps() -> None:
+    true = StepCost(draft=(0, 0, 0, 0, 0.001, 0), verify=(0.01, 0, 0, 0.002, 0, 0))
+    exact = [StepMeasure(8, k, True, true.t_draft(8, k), true.t_verify(8, k + 1, True))
+             for k in (1, 2, 3, 4) * 4]
+    model = CostModel()
+    model.calibrate(exact)
+    assert model.error < 1e-6
+    noisy = [StepMeasure(m.batch, m.k, m.sync, m.draft_s * f, m.verify_s * f)
+             for m, f in zip(exact, [1.05] * 8 + [0.95] * 8)]  # every k both ways
+    assert fit_error(true, noisy) == pytest.approx((1 / 0.95 - 1 / 1.05) / 2, rel=1e-9)
+    model.calibrate(noisy)  # any fit between the two halves is off by 5 % on average
+    assert 0.04 < model.error < 0.06
 
 
 def test_a_drafting_rule_measures_the_neighbours_of_its_k() -> None:
@@ -229,9 +269,9 @@ def test_cost_fit_from_one_batch_size_is_constant_in_the_batch() -> None:
     assert model.cost.step_time(16, 0) == pytest.approx(true.step_time(16, 0), rel=1e-6)
     model.add(measured(16, 0, False))
     assert model.version == version + 1  # nothing new: no refit
-    # a batch size one octave away at two k identifies nothing; at a third k it does
+    # a batch size one octave away at one k identifies nothing; at a second k it does
     model.add(measured(2, 1, True))
-    model.add(measured(2, 0, True))
+    model.add(measured(2, 1, True))
     assert model.version == version + 1
     model.add(measured(2, 4, True))
     assert model.version == version + 2 and model.terms == (True, True)
@@ -369,3 +409,26 @@ def test_cpu_step_clock_counts_the_engine_threads_cpu_time(monkeypatch) -> None:
     clock.synced(times)
     clock.end(times)
     assert (times.draft, times.verify, times.bookkeeping) == (0.5, 2.0, 0.75)
+
+
+def test_a_rollouts_shrinking_batch_is_fitted_with_its_batch_terms() -> None:
+    """A rollout's batch shrinks from its size to 1 as sequences end. The rule runs its k
+    and now and then a neighbour: two drafting lengths per batch octave, which identify the
+    batch terms, so the fit's step times at the full batch are the true ones (a fit constant
+    in B reads the cheap late steps as cheap long chains), and the k chosen for the next
+    full batch is the truly best one; one chain length per octave does not."""
+    true = StepCost(draft=(2e-4, 1e-5, 2e-4, 1e-5, 1e-4, 2e-5),
+                    verify=(1e-3, 1e-4, 6e-5, 1e-5, 3e-4, 1e-5))
+    assert identified_terms([StepMeasure(b, k, True, 1e-3, 1e-3)
+                             for b in (32, 8) for k in (3, 4)])[0]
+    assert not identified_terms([StepMeasure(b, 3, True, 1e-3, 1e-3) for b in (32, 8)]
+                                + [StepMeasure(32, 4, True, 1e-3, 1e-3)])[0]
+    auto = AutoK(AutoKConfig(neighbour_every=4))
+    for _ in range(4):  # four rollouts: batch 32 down to 1 over 48 steps each
+        for batch in np.linspace(32, 1, 48).round().astype(int):
+            warm_step(auto, true, int(batch), 8, 0.8)
+    assert auto.costs.terms[0]
+    fitted, want = auto.costs.cost.step_times(32, 8, True), true.step_times(32, 8, True)
+    assert fitted == pytest.approx(want, rel=0.02)
+    best, _ = best_k(expected_by_k(auto.acceptance.conditional(), 8), want)
+    assert auto.rates(32, 8)[0] == best

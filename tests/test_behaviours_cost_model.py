@@ -255,10 +255,10 @@ def test_batch_one_and_two_are_an_octave_apart_for_the_batch_terms() -> None:
     steps = [measured(b, k, k > 0) for b in (1, 2) for k in (0, 1, 3)]
     assert identified_terms(steps) == (True, True)
     model = CostModel(refit_every=1000)
-    model.calibrate([measured(1, k, k > 0) for k in (0, 1, 3)] + [measured(2, 0, False),
+    model.calibrate([measured(1, k, k > 0) for k in (0, 1, 3)] + [measured(1, 0, False),
                                                                    measured(2, 1, True)])
     assert model.terms == (False, True)
-    model.add(measured(2, 3, True))  # the second octave's third chain length
+    model.add(measured(2, 3, True))  # the second octave's second chain length
     assert model.version == 2 and model.terms == (True, True)
 
 

@@ -11,9 +11,11 @@ cost model and its accepted drafts per position to the acceptance tracker. The r
   ``ceil(k_max / 2)``, a few measured steps each), and the fit is made from those steps. No
   start-up sweep on synthetic requests: the warm-up's steps produce tokens, so fitting costs
   only their distance from the best k, and it works the same on a busy engine or a server.
-* ``k > 0`` when it pays. A drafter that skipped steps (it observes nothing at ``k = 0``)
-  first catches up for one step (``SYNC``: no drafts, the drafter observes the pass), since
-  drafting from a stale root would be rejected and would teach the tracker a false low rate.
+* ``k > 0`` when it pays, and the smallest ``k`` among those the fit cannot tell apart
+  (within its own median error, ``core.cost_model.best_k``). A drafter that skipped steps
+  (it observes nothing at ``k = 0``) first catches up for one step (``SYNC``: no drafts, the
+  drafter observes the pass), since drafting from a stale root would be rejected and would
+  teach the tracker a false low rate.
 * ``k = 0`` otherwise. While drafting would pay at batch 1 (the drafts are good; the batch is
   what makes them too dear, and it shrinks as a rollout's long tail runs) the drafter keeps
   catching up at ``k = 0`` steps (``SYNC``) and on the prefills of auto requests
@@ -45,6 +47,7 @@ import numpy as np
 
 from specengine.config import DEFAULT_K_MAX, MAX_K
 from specengine.core.cost_model import (
+    MAX_TOLERANCE,
     AcceptanceTracker,
     CostModel,
     StepMeasure,
@@ -184,8 +187,10 @@ class AutoK:
         if hit is None:
             if len(self._rates) > 64:
                 self._rates.clear()
+            # the smallest k the fit cannot tell from the best (cost_model.best_k)
             hit = self._rates[key] = best_k(expected_by_k(self.acceptance.conditional(), k_max),
-                                            cost.step_times(batch, k_max, sync))
+                                            cost.step_times(batch, k_max, sync),
+                                            min(self.costs.error, MAX_TOLERANCE))
         return hit
 
     def choose(self, batch: int, k_max: int) -> int:

@@ -16,7 +16,14 @@ median, which bursts of another job on a shared machine barely move) to measured
 Each step then runs the ``k`` of :func:`best_k`:
 ``argmax_k E[accepted + 1 | k] / (t_draft(B, k) + t_verify(B, k + 1))`` with
 ``E[accepted | k] = sum_{j=1..k} prod_{i<=j} a_i`` (:func:`expected_accepted`) for the
-conditional acceptance ``a_i`` of draft position ``i`` (:class:`AcceptanceTracker`).
+conditional acceptance ``a_i`` of draft position ``i`` (:class:`AcceptanceTracker`), except
+that the smallest ``k`` whose rate is within the fit's own error of the best one wins
+(``tolerance``: :attr:`CostModel.error`, the median relative error of the fitted step times,
+capped at :data:`MAX_TOLERANCE`). Rates that close are not told apart by the fit, and where
+they are not the shorter chain is the safer guess: the model is linear in ``k`` while a
+verify pass's cost per token rises past some length (on a CPU, ``k >= 5`` of the bundled
+pair), and the acceptance of the far positions, tried least, is the least known. The rule
+gives up at most the tolerance where the longer chain really was better.
 """
 
 from __future__ import annotations
@@ -62,12 +69,16 @@ def expected_accepted(conditional: Sequence[float], k: int) -> float:
     return total
 
 
-def best_k(expected: Sequence[float], step_times: Sequence[float]) -> tuple[int, np.ndarray]:
-    """The ``k`` with the most expected tokens per second ``(1 + expected[k]) /
-    step_times[k]`` (ties: the smaller k) and the rate of every k."""
+def best_k(expected: Sequence[float], step_times: Sequence[float], tolerance: float = 0.0
+           ) -> tuple[int, np.ndarray]:
+    """The smallest ``k`` whose expected tokens per second ``(1 + expected[k]) /
+    step_times[k]`` is within ``tolerance`` (relative) of the most (ties: the smaller k),
+    and the rate of every k."""
+    if not 0.0 <= tolerance < 1.0:
+        raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
     rates = (1.0 + np.asarray(expected, dtype=float)) / np.maximum(
         np.asarray(step_times, dtype=float), 1e-12)
-    return int(np.argmax(rates)), rates
+    return int(np.argmax(rates >= rates.max() * (1.0 - tolerance))), rates
 
 
 def expected_by_k(conditional: Sequence[float], k_max: int) -> np.ndarray:
@@ -167,6 +178,11 @@ class StepMeasure:
         return self.draft_s >= 0 and self.verify_s > 0
 
 
+#: the most :func:`best_k`'s tolerance may be (a noisy fit must not make k = 0 look as good
+#: as drafts that pay by more than this)
+MAX_TOLERANCE = 0.05
+
+
 #: columns of the batch-size terms in draft_features / verify_features
 DRAFT_BATCH_COLUMNS = (1, 3, 5)
 VERIFY_BATCH_COLUMNS = (1, 2, 5)
@@ -179,11 +195,15 @@ def identified_terms(samples: Sequence[StepMeasure]) -> tuple[bool, bool]:
     ``(batch, catch_up)``.
 
     * The batch-size terms need steps at two batch sizes an octave or more apart (a run's
-      batch drifting from 32 to 30 cannot separate ``θ·1`` from ``θ·B``), each at three or more
-      chain lengths (no draft, and two drafting lengths: a draft pass's fixed cost and its
-      cost per token, per sequence and per step). Without them the fit is constant in B:
-      the best k at the measured batch is taken at every batch until another is measured
-      (steps scaled alike in k keep the argmax).
+      batch drifting from 32 to 30 cannot separate ``θ·1`` from ``θ·B``), each at two or more
+      chain lengths (the verify pass's cost per token, per sequence and per step; the chosen
+      k and the neighbour the rule runs now and then are two; with k = 0 as one of them, the
+      draft pass's cost per token comes from the warm-up's two drafting lengths). Without them
+      the fit is constant in B. Identified as early as that: a rollout's batch shrinks from
+      its size to 1 as sequences end, and a fit constant in B reads the cheap steps of the
+      late small batches, at whatever k ran then, as long chains that cost little (measured
+      on the bundled pair at batch 32 -> 1: a 24 % median error, and k = 6 fitted at 1.1x a
+      k = 0 step where it costs 3.4x).
     * The catch-up terms ``s, s·B`` need plain k = 0 steps (``s = 0``) next to steps that
       caught up: every drafting step catches up, so without a plain step ``s`` is the
       constant column again, and a plain step is taken to cost a catch-up step.
@@ -197,7 +217,7 @@ def identified_terms(samples: Sequence[StepMeasure]) -> tuple[bool, bool]:
 def _terms(ks: dict[int, set[int]], syncs: set[bool]) -> tuple[bool, bool]:
     """:func:`identified_terms` from the chain lengths measured per batch-size octave and the
     catch-up flags seen."""
-    return sum(1 for found in ks.values() if len(found) >= 3) >= 2, len(syncs) == 2
+    return sum(1 for found in ks.values() if len(found) >= 2) >= 2, len(syncs) == 2
 
 
 class CostModel:
@@ -217,6 +237,8 @@ class CostModel:
         self.cost: StepCost | None = None
         self.version = 0  # bumped by every refit
         self.terms = (False, False)  # identified_terms of the last fit
+        #: median relative error of the last fit's step times (draft + verify) over its steps
+        self.error = 0.0
         self._since_fit = 0
         # what every step so far measured: octave -> chain lengths, catch-up flags, and the
         # terms they identify (a change triggers a refit)
@@ -273,9 +295,21 @@ class CostModel:
                                self.iters)
         self.cost = StepCost(tuple(float(t) for t in theta_d),
                              tuple(float(t) for t in theta_v))
+        self.error = fit_error(self.cost, samples)
         self._since_fit = 0
         self.version += 1
         return self.cost
+
+
+def fit_error(cost: StepCost, samples: Sequence[StepMeasure]) -> float:
+    """Median of ``|predicted / measured - 1|`` of whole steps (draft + verify seconds): how
+    far apart two step times must be before the fit can tell them apart."""
+    if not samples:
+        return 0.0
+    pred = np.array([cost.t_draft(s.batch, s.k) + cost.t_verify(s.batch, s.k + 1, s.sync)
+                     for s in samples])
+    got = np.array([s.draft_s + s.verify_s for s in samples])
+    return float(np.median(np.abs(pred / got - 1.0)))
 
 
 def _fit_columns(x: np.ndarray, y: np.ndarray, dropped: tuple[int, ...],
@@ -340,5 +374,6 @@ class AcceptanceTracker:
         return expected_accepted(self.conditional(), k)
 
 
-__all__ = ["AcceptanceTracker", "CostModel", "StepCost", "StepMeasure", "best_k",
+__all__ = ["MAX_TOLERANCE", "AcceptanceTracker", "CostModel", "StepCost", "StepMeasure",
+           "best_k", "fit_error",
            "expected_accepted", "expected_by_k", "fit_relative", "identified_terms"]
