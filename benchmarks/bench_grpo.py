@@ -100,7 +100,7 @@ class Task:
     reward: Callable[[Any, str], float]
 
 
-def make_task(name: str, model: str) -> Task:
+def make_task(name: str, model: str, format_reward: float = 0.0) -> Task:
     if name == "arith":
         from specengine import arith_task as t
 
@@ -119,9 +119,12 @@ def make_task(name: str, model: str) -> Task:
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys")
                         else ids)
 
+        # + format_reward for a parsable answer line, right or wrong: a 135M policy is
+        # rarely right, and a group whose rewards are all 0 has no advantage to learn from
         return Task(m.training_problems, encode,
                     lambda ids: tok.decode(ids, skip_special_tokens=True),
-                    lambda problem, text: m.reward(problem, text))
+                    lambda problem, text: m.reward(problem, text) + format_reward * (
+                        m.answer_of(text) is not None))
     raise ValueError(f"task must be 'math' or 'arith', got {name!r}")
 
 
@@ -365,7 +368,7 @@ def run_all(args: argparse.Namespace, configs: list[RunSpec],
             records: list[dict[str, Any]]) -> None:
     """Every configuration in turn (until ``--budget-s``); records are appended to
     ``records`` and written to ``grpo_steps.jsonl`` as they come."""
-    task = make_task(args.task, args.model)
+    task = make_task(args.task, args.model, args.format_reward)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(args.out / "grpo_steps.jsonl", "w") as f:
@@ -397,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=2e-6)
+    ap.add_argument("--format-reward", type=float, default=0.0,
+                    help="math task: reward added for a parsable answer line (shaping: the "
+                         "small policy is rarely right)")
     ap.add_argument("--clip-eps", type=float, default=0.2)
     ap.add_argument("--adapt-steps", type=int, default=8)
     ap.add_argument("--adapt-lr", type=float, default=3e-4)
