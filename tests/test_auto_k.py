@@ -38,11 +38,11 @@ from specengine.core.cost_model import (
 NUM_SEQS = 12_000  # samples of the (t2, t3) law: enough for cells >= 5 expected counts
 
 # t_draft = 0.3 k (per row: 0), t_verify = 1: a step costs 1 + 0.3 k at every batch size
-FLAT = StepCost(draft=(0, 0, 0, 0, 0.3, 0), verify=(1, 0, 0, 0, 0, 0))
+FLAT = StepCost(draft=(0, 0, 0, 0, 0.3, 0), verify=(1, 0, 0, 0, 0, 0, 0, 0))
 # a draft token costs 1 % of a step per sequence: drafting pays at small batches only
-BATCHY = StepCost(draft=(0, 0, 0, 0, 0, 0.01), verify=(1, 0, 0, 0, 0, 0))
+BATCHY = StepCost(draft=(0, 0, 0, 0, 0, 0.01), verify=(1, 0, 0, 0, 0, 0, 0, 0))
 # 3 %: with the bundled head's ~0.98 acceptance drafting pays below ~32 sequences only
-TAIL = StepCost(draft=(0, 0, 0, 0, 0, 0.03), verify=(1, 0, 0, 0, 0, 0))
+TAIL = StepCost(draft=(0, 0, 0, 0, 0, 0.03), verify=(1, 0, 0, 0, 0, 0, 0, 0))
 
 
 def controller(cost: StepCost, conditional: float | None = None, history: float = 1e6,
@@ -106,7 +106,7 @@ def test_the_smallest_k_the_fit_cannot_tell_from_the_best_wins() -> None:
 
 
 def test_the_fit_error_is_the_median_relative_error_of_whole_steps() -> None:
-    true = StepCost(draft=(0, 0, 0, 0, 0.001, 0), verify=(0.01, 0, 0, 0.002, 0, 0))
+    true = StepCost(draft=(0, 0, 0, 0, 0.001, 0), verify=(0.01, 0, 0, 0.002, 0, 0, 0, 0))
     exact = [StepMeasure(8, k, True, true.t_draft(8, k), true.t_verify(8, k + 1, True))
              for k in (1, 2, 3, 4) * 4]
     model = CostModel()
@@ -149,7 +149,7 @@ def test_useless_drafts_choose_zero_and_probe_rarely() -> None:
 
 
 def test_explores_first_and_keeps_the_drafter_in_sync_only_when_it_may_pay() -> None:
-    fresh = controller(StepCost(draft=(0, 0, 0, 0, 0, 1.0), verify=(1, 0, 0, 0, 0, 0)))
+    fresh = controller(StepCost(draft=(0, 0, 0, 0, 0, 1.0), verify=(1, 0, 0, 0, 0, 0, 0, 0)))
     assert fresh.uncertain and fresh.choose(64, 8) >= 1  # too dear, but not measured yet
     assert fresh.observes() and fresh.on_prefill(8) and fresh.synced
     useless = controller(FLAT, 0.0)
@@ -174,7 +174,7 @@ def test_warm_up_fits_the_cost_model_on_the_runs_own_steps() -> None:
     """No sweep: the first auto steps follow the warm-up plan (catch-up steps, then k = 1 and
     ceil(k_max / 2)), each k's first step unmeasured, and the fit that ends it chooses as the
     true costs would; the drafter is kept in sync from the prefill on."""
-    true = StepCost(draft=(0, 0, 0, 0, 0, 0.0002), verify=(0.01, 0.0004, 0, 0, 0.001, 0))
+    true = StepCost(draft=(0, 0, 0, 0, 0, 0.0002), verify=(0.01, 0.0004, 0, 0, 0.001, 0, 0, 0))
     auto = AutoK(AutoKConfig(warmup_steps=2))
     assert AutoKConfig().warmup_plan(8) == [SYNC] * 3 + [1] * 3 + [4] * 3
     assert AutoKConfig(warmup_ks=(2, 9)).warmup_plan(6) == [SYNC] * 3 + [2] * 3 + [6] * 3
@@ -193,7 +193,7 @@ def test_warm_up_fits_the_cost_model_on_the_runs_own_steps() -> None:
 
 
 def test_warm_up_catches_up_before_drafting_and_retries_without_drafts() -> None:
-    true = StepCost(draft=(0, 0, 0, 0, 0, 0.0002), verify=(0.01, 0.0004, 0, 0, 0.001, 0))
+    true = StepCost(draft=(0, 0, 0, 0, 0, 0.0002), verify=(0.01, 0.0004, 0, 0, 0.001, 0, 0, 0))
     auto = AutoK(AutoKConfig(warmup_ks=(1, 4), warmup_steps=1))
     assert [warm_step(auto, true, 8, 8, 0.9) for _ in range(2)] == [SYNC, SYNC]
     warm_step(auto, true, 8, 0, 0.9)  # a group with k_max = 0 runs plain: the drafter lags
@@ -226,7 +226,7 @@ def test_probe_notices_when_drafting_pays_again() -> None:
 
 def test_cost_fit_recovers_a_linear_cost_and_shrugs_off_bursts() -> None:
     true = StepCost(draft=(1e-4, 1e-6, 5e-4, 2e-6, 1e-3, 3e-5),
-                    verify=(5e-3, 2e-4, 2e-5, 1e-4, 2e-3, 1e-5))
+                    verify=(5e-3, 2e-4, 2e-5, 1e-4, 2e-3, 1e-5, 1e-3, 2e-5))
     samples = [StepMeasure(b, k, k > 0, true.t_draft(b, k), true.t_verify(b, k + 1, k > 0))
                for b in (1, 4, 16, 64) for k in (0, 1, 2, 4, 8)]
     bursts = [StepMeasure(s.batch, s.k, s.sync, s.draft_s * 3, s.verify_s * 3)
@@ -249,7 +249,7 @@ def test_cost_fit_from_one_batch_size_is_constant_in_the_batch() -> None:
     everywhere) and exact at the measured batch; the catch-up terms need a plain k = 0 step
     next to the catch-up ones, else a plain step is taken to cost a catch-up one."""
     true = StepCost(draft=(1e-4, 1e-6, 5e-4, 2e-6, 1e-3, 3e-5),
-                    verify=(5e-3, 2e-4, 2e-5, 1e-4, 2e-3, 1e-5))
+                    verify=(5e-3, 2e-4, 2e-5, 1e-4, 2e-3, 1e-5, 1e-3, 2e-5))
 
     def measured(b: int, k: int, sync: bool) -> StepMeasure:
         return StepMeasure(b, k, sync, true.t_draft(b, k), true.t_verify(b, k + 1, sync))
@@ -418,7 +418,7 @@ def test_a_rollouts_shrinking_batch_is_fitted_with_its_batch_terms() -> None:
     in B reads the cheap late steps as cheap long chains), and the k chosen for the next
     full batch is the truly best one; one chain length per octave does not."""
     true = StepCost(draft=(2e-4, 1e-5, 2e-4, 1e-5, 1e-4, 2e-5),
-                    verify=(1e-3, 1e-4, 6e-5, 1e-5, 3e-4, 1e-5))
+                    verify=(1e-3, 1e-4, 6e-5, 1e-5, 3e-4, 1e-5, 0, 0))
     assert identified_terms([StepMeasure(b, k, True, 1e-3, 1e-3)
                              for b in (32, 8) for k in (3, 4)])[0]
     assert not identified_terms([StepMeasure(b, 3, True, 1e-3, 1e-3) for b in (32, 8)]

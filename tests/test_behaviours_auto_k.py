@@ -26,7 +26,7 @@ from specengine.core.cost_model import StepCost
 from specengine.core.run_stats import StepTimes
 
 # a step costs 1 + 0.3 k at every batch size
-FLAT = StepCost(draft=(0, 0, 0, 0, 0.3, 0), verify=(1, 0, 0, 0, 0, 0))
+FLAT = StepCost(draft=(0, 0, 0, 0, 0.3, 0), verify=(1, 0, 0, 0, 0, 0, 0, 0))
 
 
 def given(cost: StepCost, conditional: float | None = None, **cfg: object) -> AutoK:
@@ -146,7 +146,7 @@ def test_rates_are_cached_until_the_acceptance_or_the_fit_changes() -> None:
     auto.acceptance.update([10.0], [0.0])
     again = auto.rates(4, 8)
     assert again is not first and again[1][1] < first[1][1]
-    auto.costs.cost = StepCost(FLAT.draft, (2, 0, 0, 0, 1, 0))
+    auto.costs.cost = StepCost(FLAT.draft, (2, 0, 0, 0, 1, 0, 0, 0))
     assert auto.rates(4, 8)[1][0] == pytest.approx(0.5)
     assert auto.rates(4, 8, sync=True)[1][0] == pytest.approx(1 / 3)  # a catch-up costs 1
     fresh = given(FLAT, 0.8)
@@ -227,7 +227,7 @@ def test_a_catch_up_or_drafting_step_is_measured_as_one_that_caught_up() -> None
 def _rule_with_costly_catch_up() -> AutoK:
     # drafting per token and sequence 0.02, a catch-up pass 0.5: at batch 50 drafting pays
     # against a catch-up step at k = 0 but not against a plain one
-    return given(StepCost((0, 0, 0, 0, 0, 0.02), (1, 0, 0, 0, 0.5, 0)), 0.9)
+    return given(StepCost((0, 0, 0, 0, 0, 0.02), (1, 0, 0, 0, 0.5, 0, 0, 0)), 0.9)
 
 
 def test_a_rule_keeping_the_drafter_in_sync_compares_with_a_catch_up_step() -> None:
@@ -242,14 +242,14 @@ def test_a_rule_keeping_the_drafter_in_sync_compares_with_a_catch_up_step() -> N
 def test_observes_while_drafting_pays_at_batch_one_even_for_one_draft() -> None:
     """At 0.8 s per draft and sequence one draft pays at batch 1 (and longer chains do not),
     at batch 2 none does: the drafter keeps catching up."""
-    auto = given(StepCost((0, 0, 0, 0, 0, 0.8), (1, 0, 0, 0, 0, 0)), 0.9)
+    auto = given(StepCost((0, 0, 0, 0, 0, 0.8), (1, 0, 0, 0, 0, 0, 0, 0)), 0.9)
     assert auto.rates(1, 8)[0] == 1 and auto.rates(2, 8)[0] == 0
     assert auto.observes(8)
 
 
 # a draft pass costs a whole step, a token 1 % more: at 0.5 acceptance no k pays, and the
 # best drafting k is 6
-FIXED = StepCost((0, 0, 1.0, 0, 0.01, 0), (1, 0, 0, 0, 0, 0))
+FIXED = StepCost((0, 0, 1.0, 0, 0.01, 0), (1, 0, 0, 0, 0, 0, 0, 0))
 
 
 def test_exploration_and_probes_draft_the_best_drafting_k() -> None:
@@ -296,7 +296,7 @@ def test_neighbour_steps_take_the_better_side_and_stay_in_range() -> None:
     assert [auto.choose(4, 8) for _ in range(2)] == [best, best - 1]
     one = given(FLAT, 0.9, neighbour_every=2)
     assert [one.choose(4, 1) for _ in range(2)] == [1, 1]  # k_max 1: no neighbour
-    low = given(StepCost((0, 0, 0, 0, 0.6, 0), (1, 0, 0, 0, 0, 0)), 0.8, neighbour_every=2)
+    low = given(StepCost((0, 0, 0, 0, 0.6, 0), (1, 0, 0, 0, 0, 0, 0, 0)), 0.8, neighbour_every=2)
     k, rates = low.rates(4, 8)
     assert k == 1 and [low.choose(4, 8) for _ in range(2)] == [1, 2]  # not 0
 
@@ -304,7 +304,7 @@ def test_neighbour_steps_take_the_better_side_and_stay_in_range() -> None:
 def test_warm_up_fits_from_two_chain_lengths_and_drops_empty_steps(caplog) -> None:
     """A plan of catch-up and k = 1 steps is enough to fit (two lengths: 0 and 1); a step
     that measured no verify time is not kept; the fit is logged with the steps it used."""
-    true = StepCost((0, 0, 0, 0, 0, 0.0002), (0.01, 0.0004, 0, 0, 0.001, 0))
+    true = StepCost((0, 0, 0, 0, 0, 0.0002), (0.01, 0.0004, 0, 0, 0.001, 0, 0, 0))
     auto = AutoK(AutoKConfig(warmup_ks=(1,)))
     caplog.set_level(logging.INFO, logger="specengine.core.auto_k")
     for i in range(6):

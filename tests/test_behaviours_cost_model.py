@@ -20,6 +20,7 @@ from specengine.core.cost_model import (
     StepMeasure,
     best_k,
     draft_features,
+    drafts_identified,
     expected_accepted,
     expected_by_k,
     expected_distinct_experts,
@@ -30,9 +31,9 @@ from specengine.core.cost_model import (
 
 # every coefficient distinct, so that a feature mixed up shows in the step time
 COST = StepCost(draft=(1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3),
-                verify=(7e-3, 8e-3, 9e-3, 10e-3, 11e-3, 12e-3))
+                verify=(7e-3, 8e-3, 9e-3, 10e-3, 11e-3, 12e-3, 13e-3, 14e-3))
 TRUE = StepCost(draft=(1e-4, 1e-6, 5e-4, 2e-6, 1e-3, 3e-5),
-                verify=(5e-3, 2e-4, 2e-5, 1e-4, 2e-3, 1e-5))
+                verify=(5e-3, 2e-4, 2e-5, 1e-4, 2e-3, 1e-5, 1e-3, 2e-5))
 
 
 def measured(b: int, k: int, sync: bool, scale: float = 1.0) -> StepMeasure:
@@ -57,8 +58,10 @@ def test_draft_features_are_staging_fixed_pass_and_per_token_terms() -> None:
 
 
 def test_verify_features_are_pass_tokens_and_catch_up_terms() -> None:
-    assert verify_features(3, 2, False) == [1.0, 3, 6, 2, 0.0, 0.0]
-    assert verify_features(3, 2, True) == [1.0, 3, 6, 2, 1.0, 3.0]
+    assert verify_features(3, 2, False) == [1.0, 3, 6, 2, 0.0, 0.0, 1.0, 3.0]
+    assert verify_features(3, 2, True) == [1.0, 3, 6, 2, 1.0, 3.0, 1.0, 3.0]
+    # a pass without drafts (n = 1) has no verify-of-drafts terms
+    assert verify_features(3, 1, True) == [1.0, 3, 3, 1, 1.0, 3.0, 0.0, 0.0]
 
 
 # ------------------------------------------------------------------------- step times
@@ -71,7 +74,7 @@ def test_step_time_is_draft_plus_verify_of_k_plus_one_tokens_with_catch_up() -> 
     assert COST.step_time(2, 0, sync=True) == pytest.approx(
         5e-3 + (7 + 16 + 18 + 10 + 11 + 24) * 1e-3)
     assert COST.step_time(2, 1) == pytest.approx(
-        (1 + 4 + 3 + 8 + 5 + 12) * 1e-3 + (7 + 16 + 36 + 20 + 11 + 24) * 1e-3)
+        (1 + 4 + 3 + 8 + 5 + 12) * 1e-3 + (7 + 16 + 36 + 20 + 11 + 24 + 13 + 28) * 1e-3)
     assert COST.t_verify(2, 1) == pytest.approx(51e-3)
     assert COST.t_draft(2, 0) == pytest.approx(5e-3)
 
@@ -91,7 +94,7 @@ def test_step_times_match_step_time_per_k(batch: float) -> None:
 def test_step_times_never_fall_with_a_longer_chain() -> None:
     """A fit whose per-token draft cost came out negative: the step times are the running
     maximum of the step time in k."""
-    cost = StepCost(draft=(0, 0, 0.5, 0, -0.2, 0), verify=(1, 0, 0, 0, 0, 0))
+    cost = StepCost(draft=(0, 0, 0.5, 0, -0.2, 0), verify=(1, 0, 0, 0, 0, 0, 0, 0))
     raw = [cost.step_time(1, k) for k in range(5)]
     assert raw[2] < raw[1]
     assert cost.step_times(1, 4) == pytest.approx(np.maximum.accumulate(raw))
@@ -113,12 +116,12 @@ def test_step_times_are_cached_per_batch_and_bounded() -> None:
 
 
 def test_step_cost_checks_its_coefficients() -> None:
-    with pytest.raises(ValueError, match=r"^StepCost needs 6 draft and 6 verify coefficients$"):
-        StepCost(draft=(0.0,) * 5, verify=(0.0,) * 6)
-    with pytest.raises(ValueError, match=r"^StepCost needs 6 draft and 6 verify coefficients$"):
+    with pytest.raises(ValueError, match=r"^StepCost needs 6 draft and 8 verify coefficients$"):
+        StepCost(draft=(0.0,) * 5, verify=(0.0,) * 8)
+    with pytest.raises(ValueError, match=r"^StepCost needs 6 draft and 8 verify coefficients$"):
         StepCost(draft=(0.0,) * 6, verify=(0.0,) * 7)
     with pytest.raises(ValueError, match=r"^StepCost coefficients must be finite$"):
-        StepCost(draft=(0.0,) * 5 + (math.nan,), verify=(0.0,) * 6)
+        StepCost(draft=(0.0,) * 5 + (math.nan,), verify=(0.0,) * 8)
 
 
 # ------------------------------------------------------------------------------ fitting
@@ -212,7 +215,7 @@ def test_refit_uses_steps_added_without_calibration() -> None:
 def test_cost_model_fits_with_its_iteration_count() -> None:
     """The fit of an identified model is :func:`fit_relative` over all columns with the
     model's ``iters`` (12 by default): a cheap refit, spread over many steps."""
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(14)  # noise whose free fit is >= 0 (no column left out)
     steps = [measured(s.batch, s.k, s.sync, float(rng.uniform(0.8, 1.5)))
              for s in identifying_steps() * 3]
     xv = np.array([verify_features(s.batch, s.k + 1, s.sync) for s in steps])
@@ -223,6 +226,41 @@ def test_cost_model_fits_with_its_iteration_count() -> None:
         assert np.allclose(fit.verify, fit_relative(xv, yv, iters=iters), rtol=1e-9, atol=0)
     assert not np.allclose(fit_relative(xv, yv, iters=12), fit_relative(xv, yv, iters=13),
                            rtol=1e-6, atol=0)
+
+
+def test_the_verify_of_drafts_terms_need_a_step_without_drafts() -> None:
+    """``v = 1{n > 1}`` is told from the per-token terms only by a step without drafts next
+    to two drafting lengths; without one it is left out (its coefficients 0), with one the
+    fit prices the decode and the verify passes as they are."""
+    steps = [measured(b, k, True) for b in (2, 16) for k in (1, 3, 5)]
+    assert not drafts_identified(steps)
+    fit = CostModel().calibrate(steps)
+    assert fit.verify[6] == fit.verify[7] == 0.0
+    steps += [measured(b, 0, True) for b in (2, 16)]
+    assert drafts_identified(steps) and not drafts_identified(steps[:1] + steps[-1:])
+    fit = CostModel().calibrate(steps)
+    for b, k in ((16, 0), (16, 1), (2, 4)):
+        assert fit.step_time(b, k, sync=True) == pytest.approx(TRUE.step_time(b, k, sync=True),
+                                                               rel=1e-4)
+    assert fit.verify[6] == pytest.approx(TRUE.verify[6], rel=1e-3)
+
+
+def test_every_fitted_coefficient_is_a_cost_at_least_zero() -> None:
+    """A term the steps would fit below zero (a token, a sequence or a pass that saves time)
+    is left out and the rest refitted: on steps whose unconstrained fit has a negative
+    coefficient, the fit has none, and it is the unconstrained fit of the other columns."""
+    rng = np.random.default_rng(3)
+    steps = [measured(s.batch, s.k, s.sync, float(rng.uniform(0.8, 1.5)))
+             for s in identifying_steps() * 3]
+    xv = np.array([verify_features(s.batch, s.k + 1, s.sync) for s in steps])
+    yv = np.array([s.verify_s for s in steps])
+    free = fit_relative(xv, yv, iters=12)
+    assert (free < 0).any()
+    fit = CostModel().calibrate(steps)
+    got = np.array(fit.verify)
+    assert (got >= 0).all() and (got == 0).any()
+    kept = np.flatnonzero(got != 0)
+    assert np.allclose(got[kept], fit_relative(xv[:, kept], yv, iters=12), rtol=1e-9)
 
 
 def test_steps_that_say_nothing_are_dropped() -> None:

@@ -7,12 +7,20 @@ A decode step of ``B`` sequences drafting ``k`` tokens each costs
 
 * ``t_draft = θ_d·[1, B, 1{k>0}, 1{k>0}·B, k, k·B]``: staging the batch (every step), a draft
   pass's fixed cost, and the draft passes per proposed token;
-* ``t_verify = θ_v·[1, B, B·n, n, s, s·B]`` with ``n = k + 1`` tokens per sequence: the
-  target pass, rejection sampling and bookkeeping, and ``s = 1`` when the drafter catches up
-  after the pass (its catch-up pass over the accepted tokens).
+* ``t_verify = θ_v·[1, B, B·n, n, s, s·B, v, v·B]`` with ``n = k + 1`` tokens per sequence:
+  the target pass, rejection sampling and bookkeeping, ``s = 1`` when the drafter catches up
+  after the pass (its catch-up pass over the accepted tokens), and ``v = 1{n > 1}``: a pass
+  that verifies drafts costs more than a decode beyond its extra tokens (the drafts'
+  rejection sampling, the accepted path's bookkeeping). Measured on the bundled pair (CPU,
+  batch 32): verify + bookkeeping 4.8 ms at n = 1 with catch-up, 6.4 ms at n = 2, then
+  +0.3 ms per token; a line in n through those costs long chains about twice their price.
 
 Both are fitted by :func:`fit_relative` (least absolute relative error: the conditional
-median, which bursts of another job on a shared machine barely move) to measured steps.
+median, which bursts of another job on a shared machine barely move) to measured steps, every
+coefficient at least 0 (each term is a cost: a column the fit would make negative is left
+out and the rest refitted; with few batch sizes or chain lengths a free fit traded a negative
+per-token cost against a positive per-sequence one and read long chains as free at small
+batches).
 Each step then runs the ``k`` of :func:`best_k`:
 ``argmax_k E[accepted + 1 | k] / (t_draft(B, k) + t_verify(B, k + 1))`` with
 ``E[accepted | k] = sum_{j=1..k} prod_{i<=j} a_i`` (:func:`expected_accepted`) for the
@@ -37,7 +45,7 @@ import numpy as np
 
 #: features of t_draft and t_verify (names for docs and debugging)
 DRAFT_FEATURES = ("1", "B", "1{k>0}", "1{k>0}B", "k", "kB")
-VERIFY_FEATURES = ("1", "B", "Bn", "n", "s", "sB")
+VERIFY_FEATURES = ("1", "B", "Bn", "n", "s", "sB", "v", "vB")
 
 
 def fit_relative(x: np.ndarray, y: np.ndarray, robust: bool = True,
@@ -109,7 +117,8 @@ def draft_features(batch: float, k: float) -> list[float]:
 
 def verify_features(batch: float, num_tokens: float, sync: bool) -> list[float]:
     s = 1.0 if sync else 0.0
-    return [1.0, batch, batch * num_tokens, num_tokens, s, s * batch]
+    v = 1.0 if num_tokens > 1 else 0.0
+    return [1.0, batch, batch * num_tokens, num_tokens, s, s * batch, v, v * batch]
 
 
 @dataclass(frozen=True)
@@ -151,8 +160,8 @@ class StepCost:
         s = np.maximum(d, float(sync))
         b = float(batch)
         xd = np.stack([np.ones_like(ks), np.full_like(ks, b), d, d * b, ks, ks * b], axis=1)
-        xv = np.stack([np.ones_like(ks), np.full_like(ks, b), b * (ks + 1), ks + 1, s, s * b],
-                      axis=1)
+        xv = np.stack([np.ones_like(ks), np.full_like(ks, b), b * (ks + 1), ks + 1, s, s * b,
+                       d, d * b], axis=1)
         t = np.maximum(xd @ np.asarray(self.draft), 0.0) + np.maximum(
             xv @ np.asarray(self.verify), 1e-9)
         out = self._cache[(batch, k_max, sync)] = np.maximum.accumulate(t)
@@ -185,9 +194,11 @@ MAX_TOLERANCE = 0.05
 
 #: columns of the batch-size terms in draft_features / verify_features
 DRAFT_BATCH_COLUMNS = (1, 3, 5)
-VERIFY_BATCH_COLUMNS = (1, 2, 5)
+VERIFY_BATCH_COLUMNS = (1, 2, 5, 7)
 #: columns of the catch-up terms in verify_features
 VERIFY_SYNC_COLUMNS = (4, 5)
+#: columns of the verify-of-drafts terms in verify_features
+VERIFY_DRAFTS_COLUMNS = (6, 7)
 
 
 def identified_terms(samples: Sequence[StepMeasure]) -> tuple[bool, bool]:
@@ -212,6 +223,14 @@ def identified_terms(samples: Sequence[StepMeasure]) -> tuple[bool, bool]:
     for s in samples:
         ks.setdefault(max(s.batch, 1).bit_length(), set()).add(s.k)
     return _terms(ks, {s.sync for s in samples})
+
+
+def drafts_identified(samples: Sequence[StepMeasure]) -> bool:
+    """Whether ``samples`` tell a pass that verifies drafts (``v``) from its extra tokens: a
+    step without drafts (n = 1, plain or catching up, as the warm-up's first steps) and two
+    drafting lengths. Else ``v`` is left out and the verify cost is a line in n."""
+    ks = {s.k for s in samples}
+    return 0 in ks and len(ks) >= 3
 
 
 def _terms(ks: dict[int, set[int]], syncs: set[bool]) -> tuple[bool, bool]:
@@ -287,7 +306,8 @@ class CostModel:
         draft = [s for s in samples if s.draft_s > 0]
         dropped_d = () if batch else DRAFT_BATCH_COLUMNS
         dropped_v = (() if batch else VERIFY_BATCH_COLUMNS) + (
-            () if catch_up else VERIFY_SYNC_COLUMNS)
+            () if catch_up else VERIFY_SYNC_COLUMNS) + (
+            () if drafts_identified(samples) else VERIFY_DRAFTS_COLUMNS)
         xd = np.array([draft_features(s.batch, s.k) for s in draft]).reshape(-1, 6)
         xv = np.array([verify_features(s.batch, s.k + 1, s.sync) for s in samples])
         theta_d = _fit_columns(xd, np.array([s.draft_s for s in draft]), dropped_d, self.iters)
@@ -320,7 +340,13 @@ def _fit_columns(x: np.ndarray, y: np.ndarray, dropped: tuple[int, ...],
     if not len(y):
         return theta
     keep = [c for c in range(x.shape[1]) if c not in dropped]
-    theta[keep] = fit_relative(x[:, keep], y, iters=iters)
+    while keep:  # at most one refit per column: an active set that only shrinks
+        theta[:] = 0.0
+        theta[keep] = fit_relative(x[:, keep], y, iters=iters)
+        worst = min(keep, key=lambda c: theta[c])
+        if theta[worst] >= 0:
+            break
+        keep.remove(worst)
     return theta
 
 
@@ -375,5 +401,5 @@ class AcceptanceTracker:
 
 
 __all__ = ["MAX_TOLERANCE", "AcceptanceTracker", "CostModel", "StepCost", "StepMeasure",
-           "best_k", "fit_error",
+           "best_k", "drafts_identified", "fit_error",
            "expected_accepted", "expected_by_k", "fit_relative", "identified_terms"]
