@@ -17,6 +17,13 @@ the same inputs and seeds. Two launches, no host sync (CUDA-graph capturable):
    It stores per row the token emitted if the walk ends there and, per child, p_row(x_child).
 2. ``_walk_kernel``, one program per request: chain = first rejected draft; tree = the
    child-by-child walk on residuals (tiny: O(N) scalar steps per accepted token).
+
+At small batch (rows fewer than about 2 per SM, ``default_vocab_parts``) three launches run
+before the row kernel, each over (row, vocabulary part) programs: ``_part_kernel`` (pass 1),
+``_search_pivot_kernel`` and ``_search_snap_kernel`` (the first pass of the row's first
+top-k / top-p search, its snap and the compaction into the row's buffer). Their partials merge
+exactly (maxima, minima, race keys, integer counts and masses), so the row kernel's search
+goes on from the state one program would have reached, and draws the same tokens.
 """
 
 from __future__ import annotations
@@ -231,17 +238,17 @@ def _part_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, temp_pt
 
 
 @triton.jit
-def _search_part_kernel(logits_ptr, s_lb, s_ln, num_draft_ptr, temp_ptr, inv_t_ptr, top_k_ptr,
-                        top_p_ptr, min_p_ptr, part_f_ptr, search_i_ptr, search_f_ptr,
-                        buf_ptr, C, CHUNK, N, V, IS_TREE: tl.constexpr,
-                        HAS_MIN_P: tl.constexpr, SNAP: tl.constexpr, P: tl.constexpr,
-                        SBLOCK: tl.constexpr):
+def _search_part(logits_ptr, s_lb, s_ln, num_draft_ptr, temp_ptr, inv_t_ptr, top_k_ptr,
+                 top_p_ptr, min_p_ptr, part_f_ptr, search_i_ptr, search_f_ptr, buf_ptr, C,
+                 CHUNK, N, V, IS_TREE: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                 SNAP: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr):
     """The first pass of a sampled row's first threshold search (``keep_cut``), program
     (row, c) over its tokens [c * CHUNK, (c + 1) * CHUNK) as ``_part_kernel``: the pivot
-    pass's integer partials, or (``SNAP``, the next launch) the snap after it and the copy of
-    the bracket's entries into the row's buffer. The row kernel merges them and runs the rest
-    of the search (over the buffer) in one program: at small batch a pass over the whole row
-    in one program was most of the search's time."""
+    pass's integer partials (``_search_pivot_kernel``), or (``SNAP``: ``_search_snap_kernel``,
+    the next launch) the snap after it and the copy of the bracket's entries into the row's
+    buffer. The row kernel merges them and runs the rest of the search (over the buffer) in
+    one program: at small batch a pass over the whole row in one program was most of the
+    search's time."""
     pid = tl.program_id(0)
     c = tl.program_id(1)
     b = pid // N
@@ -280,6 +287,26 @@ def _search_part_kernel(logits_ptr, s_lb, s_ln, num_draft_ptr, temp_ptr, inv_t_p
                 else:
                     split_pivot_part(row_ptr, start, end, inv_t, m, zmin, m, out_i, True, P,
                                      SBLOCK)
+
+
+@triton.jit
+def _search_pivot_kernel(logits_ptr, s_lb, s_ln, num_draft_ptr, temp_ptr, inv_t_ptr,
+                         top_k_ptr, top_p_ptr, min_p_ptr, part_f_ptr, search_i_ptr,
+                         search_f_ptr, buf_ptr, C, CHUNK, N, V, IS_TREE: tl.constexpr,
+                         HAS_MIN_P: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr):
+    _search_part(logits_ptr, s_lb, s_ln, num_draft_ptr, temp_ptr, inv_t_ptr, top_k_ptr,
+                 top_p_ptr, min_p_ptr, part_f_ptr, search_i_ptr, search_f_ptr, buf_ptr, C,
+                 CHUNK, N, V, IS_TREE, HAS_MIN_P, False, P, SBLOCK)
+
+
+@triton.jit
+def _search_snap_kernel(logits_ptr, s_lb, s_ln, num_draft_ptr, temp_ptr, inv_t_ptr,
+                        top_k_ptr, top_p_ptr, min_p_ptr, part_f_ptr, search_i_ptr,
+                        search_f_ptr, buf_ptr, C, CHUNK, N, V, IS_TREE: tl.constexpr,
+                        HAS_MIN_P: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr):
+    _search_part(logits_ptr, s_lb, s_ln, num_draft_ptr, temp_ptr, inv_t_ptr, top_k_ptr,
+                 top_p_ptr, min_p_ptr, part_f_ptr, search_i_ptr, search_f_ptr, buf_ptr, C,
+                 CHUNK, N, V, IS_TREE, HAS_MIN_P, True, P, SBLOCK)
 
 
 @triton.jit
@@ -404,16 +431,21 @@ def launch_search_parts(logits: Tensor, s_lb: int, s_ln: int, num_draft: Tensor,
                         log_min_p: Tensor | None, part_f: Tensor, search_i: Tensor,
                         search_f: Tensor, scratch: Tensor, rows: int, parts: int, chunk: int,
                         n_rows: int, vocab: int, is_tree: bool) -> None:
-    """The first pass of each sampled row's first threshold search over its ``parts``
-    (``_search_part_kernel``: the pivot pass, then its snap and compaction), after
-    ``_part_kernel`` and before the row kernel: two launches of rows x parts programs."""
-    for snap in (False, True):
-        _search_part_kernel[(rows, parts)](
-            logits, s_lb, s_ln, num_draft, temperature, inv_t, top_k, top_p,
-            log_min_p if log_min_p is not None else top_p, part_f, search_i, search_f,
-            scratch, parts, chunk, n_rows, vocab, IS_TREE=is_tree,
-            HAS_MIN_P=log_min_p is not None, SNAP=snap, P=SEARCH_P, SBLOCK=_SBLOCK,
-            num_warps=4)
+    """The first pass of each sampled row's first threshold search over its ``parts``, after
+    ``_part_kernel`` and before the row kernel: two launches of rows x parts programs, the
+    pivot pass (``_search_pivot_kernel``), then its snap and compaction
+    (``_search_snap_kernel``: it merges every part's pivot partials first)."""
+    args = (logits, s_lb, s_ln, num_draft, temperature, inv_t, top_k, top_p,
+            log_min_p if log_min_p is not None else top_p, part_f, search_i, search_f, scratch,
+            parts, chunk, n_rows, vocab)
+    meta = dict(IS_TREE=is_tree, HAS_MIN_P=log_min_p is not None, P=SEARCH_P, SBLOCK=_SBLOCK,
+                num_warps=4)
+    # No FMA contraction in the pivot pass: fused, z - m became fma(logit, 1 / T, -m) there
+    # while the row kernel's passes (row and buffer) compute it from the rounded z (FADD in
+    # their SASS), and a token's fixed-point weight could differ by one unit between the split
+    # and the one-program search. (The snap pass only compares z and sums a float mass.)
+    _search_pivot_kernel[(rows, parts)](*args, **meta, enable_fp_fusion=False)
+    _search_snap_kernel[(rows, parts)](*args, **meta)
 
 
 def rejection_sample(

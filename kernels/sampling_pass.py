@@ -441,9 +441,11 @@ def merged_max_min(part_f_ptr, C):
     """The row's max and min z from pass 1's C parts (``_part_kernel``), as ``merge_parts``
     gives them (a max and a min are exact in any order), PART_BLOCK parts per step."""
     ci = tl.arange(0, PART_BLOCK)
-    m = tl.load(part_f_ptr) * 0.0 - 3.4028234663852886e38
-    zmin = m * 0.0 + POS_INF
-    for c0 in range(0, C, PART_BLOCK):
+    # the first step starts the reductions (merge_parts starts m at -FLT_MAX, which every
+    # part's max already is at least: first_pass_part starts there)
+    m = tl.max(tl.load(part_f_ptr + ci * 5, mask=ci < C, other=-3.4028234663852886e38), 0)
+    zmin = tl.min(tl.load(part_f_ptr + ci * 5 + 2, mask=ci < C, other=POS_INF), 0)
+    for c0 in range(PART_BLOCK, C, PART_BLOCK):
         at = part_f_ptr + (c0 + ci) * 5
         has = c0 + ci < C
         m = tl.maximum(m, tl.max(tl.load(at, mask=has, other=-3.4028234663852886e38), 0))
@@ -613,11 +615,14 @@ def _merged_snap(part_f_ptr, C):
     PART_BLOCK parts per step (the mass's order is fixed: the same every run, rounded unlike
     one pass's lanes)."""
     ci = tl.arange(0, PART_BLOCK)
-    zlo = tl.load(part_f_ptr) * 0.0 + POS_INF
-    zhi = zlo * 0.0 + NEG_INF
-    f_above = zlo * 0.0
-    for c0 in range(0, C, PART_BLOCK):
-        at = part_f_ptr + (c0 + ci) * 3  # 3 = SPLIT_FLOATS
+    # the first step starts the reductions (a part's zlo is +inf when it has no entry in the
+    # bracket: no arithmetic on loaded values before the min)
+    at = part_f_ptr + ci * 3  # 3 = SPLIT_FLOATS
+    zlo = tl.min(tl.load(at, mask=ci < C, other=POS_INF), 0)
+    zhi = tl.max(tl.load(at + 1, mask=ci < C, other=NEG_INF), 0)
+    f_above = tl.sum(tl.load(at + 2, mask=ci < C, other=0.0), 0)
+    for c0 in range(PART_BLOCK, C, PART_BLOCK):
+        at = part_f_ptr + (c0 + ci) * 3
         has = c0 + ci < C
         zlo = tl.minimum(zlo, tl.min(tl.load(at, mask=has, other=POS_INF), 0))
         zhi = tl.maximum(zhi, tl.max(tl.load(at + 1, mask=has, other=NEG_INF), 0))

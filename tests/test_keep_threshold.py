@@ -93,12 +93,12 @@ def test_top_p_cut_inside_a_tie_group() -> None:
 
 
 def test_kept_set_qwen_vocab() -> None:
-    """One program per row, and (the tie-heavy rows) split over 33 parts per row, as the
-    launcher splits 8 rows."""
+    """One program per row, and (the tie-heavy rows) split as the launcher splits 8 rows: 33
+    parts asked, 25 of 6,144 tokens (whole 2,048-token blocks)."""
     logits, temperature, top_k, top_p = rows_case(8, 151936, seed=9, ties=False)
     got, want = kept_sets(logits, temperature, top_k, top_p, vocab_parts=1)
     assert_same_sets(got, want)
-    assert vocab_chunks(8, 151936, torch.device("cpu"), None)[0] == 33
+    assert vocab_chunks(8, 151936, torch.device("cpu"), None) == (25, 6144)
     logits, temperature, top_k, top_p = rows_case(8, 151936, seed=10, ties=True)
     got, want = kept_sets(logits.half(), temperature, top_k, top_p)
     assert_same_sets(got, want)
@@ -294,3 +294,39 @@ def test_split_search_merges_every_part() -> None:
                                 top_p, parts=4)
     assert got.sum(1)[:4].tolist() == [1, 2, 3, 4]
     assert got.sum(1)[-1] == 50
+
+
+def test_split_search_merges_more_parts_than_one_step() -> None:
+    """34 parts (the merges take 32 parts per step; the last part is 1 token): the largest
+    tokens sit in parts 0, 31, 32 and 33, so a merge that missed the second step's parts, or
+    one part of either step, would cut elsewhere."""
+    vocab = 33 * 2048 + 1
+    g = torch.Generator().manual_seed(6)
+    row = torch.randn(vocab, generator=g)
+    row[[100, 31 * 2048 + 5, 32 * 2048 + 7, vocab - 1]] = torch.tensor([6.0, 6.1, 6.2, 6.3])
+    top_k = torch.tensor([3, -1], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 0.2])
+    got = split_and_one_program(row.expand(2, vocab).contiguous(), torch.ones(2), top_k, top_p,
+                                parts=34)
+    assert got[0].nonzero()[:, 0].tolist() == [31 * 2048 + 5, 32 * 2048 + 7, vocab - 1]
+    assert got[1, [100, 31 * 2048 + 5, 32 * 2048 + 7, vocab - 1]].all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ties", [False, True])
+def test_gpu_split_search_equals_one_program(dtype: torch.dtype, ties: bool) -> None:
+    """On the GPU at Qwen's vocabulary, 16 rows (split in 15 parts of 10,240 tokens): the
+    split cut is one program's bit for bit (the same device arithmetic, integer merges), and
+    the reference's up to one near-tie row (the GPU's exp differs from the CPU's in the last
+    ulp, which can move a fixed-point weight)."""
+    logits, temperature, top_k, top_p = rows_case(16, 151936, seed=13 + ties, ties=ties)
+    logits, temperature, top_k, top_p = (x.cuda() for x in (logits.to(dtype), temperature,
+                                                            top_k, top_p))
+    assert vocab_chunks(16, 151936, logits.device, None)[0] > 1
+    one = keep_threshold(logits, temperature, top_k, top_p, vocab_parts=1)
+    split = keep_threshold(logits, temperature, top_k, top_p)
+    assert torch.equal(one[0], split[0]) and torch.equal(one[2], split[2])
+    z = logits.float() * temperature.reciprocal()[:, None]
+    want = z >= ref.keep_threshold(z, top_k, top_p)[:, None]
+    assert ((z >= split[0][:, None]) != want).any(1).sum().item() <= 1
