@@ -104,14 +104,14 @@ def keep_threshold(
     # the search's candidate buffers, one per row (uninitialised: a search reads what it wrote)
     scratch = torch.empty(bsz, SEARCH_CAP_ENTRIES, dtype=torch.float32, device=dev)
     parts, chunk = vocab_chunks(bsz, vocab, dev, vocab_parts)
-    search_i, search_f = split_search_scratch(bsz, parts, dev)
     inv_t = temperature.reciprocal()
     log_min = log_min_p if log_min_p is not None else top_p  # dummy when off
-    part_f = torch.empty(max(bsz * parts * 5, 1) if parts > 1 else 1, dtype=torch.float32,
-                         device=dev)
-    part_i = torch.empty(max(bsz * parts * 2, 1) if parts > 1 else 1, dtype=torch.int32,
-                         device=dev)
+    # unsplit, the kernel reads none of the parts' partials: existing tensors stand in
+    part_f, part_i, search_i, search_f = scratch, top_k, top_k, scratch
     if parts > 1:
+        part_f = torch.empty(bsz * parts * 5, dtype=torch.float32, device=dev)
+        part_i = torch.empty(bsz * parts * 2, dtype=torch.int32, device=dev)
+        search_i, search_f = split_search_scratch(bsz, parts, dev)
         # Each row is a chain row with no drafts (nothing excluded from its races, which are
         # unused here); zero seeds and offsets.
         zeros = torch.zeros(bsz, dtype=torch.int64, device=dev)

@@ -419,11 +419,9 @@ SPLIT_SCRATCH_MAX_BYTES = 2 * 192 * SPLIT_BYTES_PER_PROGRAM
 
 def split_search_scratch(rows: int, parts: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """The split search's partials, uninitialised (each is written before it is read):
-    [rows, parts, SPLIT_INTS] int64 and [rows, parts, SPLIT_FLOATS] float32; one element
-    each when nothing is split (the row kernel's unused arguments)."""
-    n = rows * parts if parts > 1 else 0
-    return (torch.empty(max(n * SPLIT_INTS, 1), dtype=torch.int64, device=device),
-            torch.empty(max(n * SPLIT_FLOATS, 1), dtype=torch.float32, device=device))
+    [rows, parts, SPLIT_INTS] int64 and [rows, parts, SPLIT_FLOATS] float32."""
+    return (torch.empty(rows * parts * SPLIT_INTS, dtype=torch.int64, device=device),
+            torch.empty(rows * parts * SPLIT_FLOATS, dtype=torch.float32, device=device))
 
 
 def launch_search_parts(logits: Tensor, s_lb: int, s_ln: int, num_draft: Tensor,
@@ -507,11 +505,13 @@ def rejection_sample(
     scratch = torch.empty(bsz * n_rows, SEARCH_CAP_ENTRIES, dtype=torch.float32, device=dev)
     s_db = draft_token_ids.stride(0) if n_rows > 1 else 0
     parts, chunk = vocab_chunks(bsz * n_rows, vocab, dev, vocab_parts)
-    search_i, search_f = split_search_scratch(bsz * n_rows, parts, dev)
     part_f = torch.empty(bsz * n_rows * parts * 5 if parts > 1 else 1, dtype=torch.float32,
                          device=dev)
     part_i = torch.empty(bsz * n_rows * parts * 2 if parts > 1 else 1, dtype=torch.int32,
                          device=dev)
+    # (unsplit: the row kernel's unused search-partial arguments are part_i / part_f)
+    search_i, search_f = split_search_scratch(bsz * n_rows, parts, dev) if parts > 1 \
+        else (part_i, part_f)
     if parts > 1:
         _part_kernel[(bsz * n_rows, parts)](
             target_logits, target_logits.stride(0), target_logits.stride(1), draft_token_ids,
