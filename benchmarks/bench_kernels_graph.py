@@ -14,7 +14,9 @@ Groups (``--only``):
   (B x ctx <= 1M tokens: 4 GiB of K/V), then forced split counts at small batches;
 * ``sampling``: the fused rejection sampler, chains of k = 3 drafts (point-mass drafts, 4 rows
   per request), V = 151,936, temperature 1: top_p = 1, top_p = 0.9, top_k = 50, float32 and
-  bfloat16 logits, B = 1 / 64 / 256;
+  bfloat16 logits, B = 1 / 64 / 256; at B = 1, top_p = 0.9 also with every pass in one
+  program per row (``parts=1``), and the kept-set cut alone (``keep_threshold``, 4 rows)
+  split over the vocabulary and not;
 * ``moe``: Qwen3-30B-A3B and Qwen3-235B-A22B sparse layers, T = 1 / 4 / 16 / 64 tokens:
   the whole ``moe_forward``, routing (``topk_softmax``), alignment (``moe_align_block_size``)
   and the experts (``fused_moe``: both grouped GEMMs and the combine) apart; the whole layer's
@@ -288,11 +290,53 @@ def sampling_cases(dry: bool) -> list[Case]:
                                        dtype=dtype),
                                   _sampling_builder(batch, k, vocab, top_p, top_k, dtype),
                                   all_of(*targets) if targets else None))
+    # B = 1, top_p = 0.9 beside the split default above: the sampler with every pass in one
+    # program per row (vocab_parts=1), and the kept-set cut alone (keep_threshold on 4 rows,
+    # as B = 1, k = 3) split (pass 1 and the search's row passes over 38 parts) and in one
+    # program per row: what the split search saves. Dry runs cut 4,097 tokens (3 parts: the
+    # split path; the dry sampler's 1,000 never split).
+    cut_vocab = 4097 if dry else vocab
+    for dtype in ("bf16", "fp32"):
+        prio = 1 if dtype == "bf16" else 2
+        cases.append(Case("sampling", f"sampling top_p=0.9 {dtype} B=1 parts=1", prio,
+                          dict(batch=1, k=k, vocab=vocab, top_p=0.9, top_k=-1, dtype=dtype,
+                               vocab_parts=1),
+                          _sampling_builder(1, k, vocab, 0.9, -1, dtype, vocab_parts=1)))
+        for parts in (None, 1):
+            name = f"keep_threshold top_p=0.9 {dtype} rows={k + 1}" + \
+                (f" parts={parts}" if parts else "")
+            cases.append(Case("sampling", name, prio,
+                              dict(rows=k + 1, vocab=cut_vocab, top_p=0.9, dtype=dtype,
+                                   vocab_parts=parts),
+                              _cut_builder(k + 1, cut_vocab, 0.9, dtype, parts)))
     return cases
 
 
+def _cut_builder(rows: int, vocab: int, top_p: float, dtype: str,
+                 parts: int | None) -> Callable[[Env], Built]:
+    def build(env: Env) -> Built:
+        from specengine.kernels.keep_threshold import keep_threshold
+
+        dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+
+        def make(i: int) -> tuple:
+            g = torch.Generator(device=env.device).manual_seed(i)
+            logits = (torch.randn(rows, vocab, device=env.device, generator=g) * 3).to(dt)
+            return (logits, torch.ones(rows, device=env.device),
+                    torch.full((rows,), -1, dtype=torch.int32, device=env.device),
+                    torch.full((rows,), top_p, device=env.device))
+
+        def nbytes(x: tuple) -> int:
+            # the logits, temperature / top_k / top_p in, tau / mass / max out (per row)
+            return x[0].numel() * x[0].element_size() + rows * (3 * 4 + 3 * 4)
+
+        return Built(make, lambda x: keep_threshold(*x, vocab_parts=parts), nbytes,
+                     rows * vocab * dt.itemsize)
+    return build
+
+
 def _sampling_builder(batch: int, k: int, vocab: int, top_p: float, top_k: int,
-                      dtype: str) -> Callable[[Env], Built]:
+                      dtype: str, vocab_parts: int | None = None) -> Callable[[Env], Built]:
     def build(env: Env) -> Built:
         from bench_rejection_sampling import inputs
 
@@ -313,7 +357,8 @@ def _sampling_builder(batch: int, k: int, vocab: int, top_p: float, top_k: int,
                     + batch * (4 + 4 + 4 + 4 + 8 + 8) + n * (8 + 4 + 4) + batch * 4)
 
         copy_bytes = batch * (k + 1) * vocab * dt.itemsize
-        return Built(make, lambda x: rejection_sample(*x, check_values=False), nbytes,
+        return Built(make, lambda x: rejection_sample(*x, check_values=False,
+                                                      vocab_parts=vocab_parts), nbytes,
                      copy_bytes)
     return build
 

@@ -18,8 +18,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .rejection_sampling import (
+    _part_kernel,
+    launch_search_parts,
+    split_search_scratch,
+    vocab_chunks,
+)
 from .sampling_checks import MAX_VOCAB
-from .sampling_pass import SEARCH_CAP, SEARCH_CAP_ENTRIES, first_pass, keep_cut
+from .sampling_pass import (
+    SEARCH_CAP,
+    SEARCH_CAP_ENTRIES,
+    SEARCH_P,
+    first_pass,
+    keep_cut,
+    merge_parts,
+)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _SBLOCK = 1024 if _INTERPRET else 128  # = rejection_sampling._SBLOCK (chains)
@@ -27,18 +40,26 @@ _SBLOCK = 1024 if _INTERPRET else 128  # = rejection_sampling._SBLOCK (chains)
 
 @triton.jit
 def _keep_threshold_kernel(logits_ptr, s_lb, inv_t_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-                           buf_ptr, tau_ptr, mass_ptr, max_ptr, V, HAS_MIN_P: tl.constexpr,
-                           P: tl.constexpr, SBLOCK: tl.constexpr, GBLOCK: tl.constexpr):
+                           buf_ptr, tau_ptr, mass_ptr, max_ptr, part_f_ptr, part_i_ptr,
+                           search_i_ptr, search_f_ptr, C, V, HAS_MIN_P: tl.constexpr,
+                           SPLIT: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr,
+                           GBLOCK: tl.constexpr):
     b = tl.program_id(0)
-    row_ptr = logits_ptr + b.to(tl.int64) * s_lb
+    b64 = b.to(tl.int64)
+    row_ptr = logits_ptr + b64 * s_lb
     inv_t = tl.load(inv_t_ptr + b)
-    zero = (b * 0).to(tl.uint32)
-    # The row statistics exactly as the rejection sampler's pass 1 computes them (its races
-    # are unused here; a chain row with no draft reads no draft token).
-    m, s, zmin, _, _ = first_pass(row_ptr, top_k_ptr, top_k_ptr, zero, zero, b * 0, b * 0,
-                                  b * 0, 1, V, inv_t, False)
-    tau, s_tau = keep_cut(row_ptr, buf_ptr + b.to(tl.int64) * SEARCH_CAP, V, inv_t, m, s, zmin,
-                          top_k_ptr, top_p_ptr, min_p_ptr, b, HAS_MIN_P, P, SBLOCK, GBLOCK)
+    if SPLIT:  # pass 1 and the first search's first pass ran in C parts per row
+        m, s, zmin, _, _ = merge_parts(part_f_ptr + b64 * C * 5, part_i_ptr + b64 * C * 2, C,
+                                       False)
+    else:
+        zero = (b * 0).to(tl.uint32)
+        # The row statistics exactly as the rejection sampler's pass 1 computes them (its
+        # races are unused here; a chain row with no draft reads no draft token).
+        m, s, zmin, _, _ = first_pass(row_ptr, top_k_ptr, top_k_ptr, zero, zero, b * 0, b * 0,
+                                      b * 0, 1, V, inv_t, False)
+    tau, s_tau = keep_cut(row_ptr, buf_ptr + b64 * SEARCH_CAP, V, inv_t, m, s, zmin,
+                          top_k_ptr, top_p_ptr, min_p_ptr, b, search_i_ptr + b64 * C * (2 * P + 2),
+                          search_f_ptr + b64 * C * 3, C, HAS_MIN_P, P, SBLOCK, GBLOCK, SPLIT)
     tl.store(tau_ptr + b, tau)
     tl.store(mass_ptr + b, s_tau)
     tl.store(max_ptr + b, m)
@@ -50,10 +71,15 @@ def keep_threshold(
     top_k: Tensor,  # [B] int32, <= 0 = off
     top_p: Tensor,  # [B] float32 in (0, 1]
     log_min_p: Tensor | None = None,  # [B] float32 log(min_p), -inf = off; None: all off
+    *,
+    vocab_parts: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(tau [B], kept mass [B], max z [B]), all float32: row b keeps exactly the tokens with
     ``logits[b] / temperature[b] >= tau[b]``; its processed probabilities are
-    ``exp(z - max) / mass`` there (what ``rejection_sample`` samples from and reports)."""
+    ``exp(z - max) / mass`` there (what ``rejection_sample`` samples from and reports).
+
+    ``vocab_parts``: as ``rejection_sample``'s (None: split at small batch), here for pass 1
+    and the first pass of the first search; the kept set is the same for any value."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [B, V] with unit stride over V, got shape "
                          f"{tuple(logits.shape)} strides {logits.stride()}")
@@ -77,18 +103,38 @@ def keep_threshold(
     top = torch.empty_like(tau)
     # the search's candidate buffers, one per row (uninitialised: a search reads what it wrote)
     scratch = torch.empty(bsz, SEARCH_CAP_ENTRIES, dtype=torch.float32, device=dev)
+    parts, chunk = vocab_chunks(bsz, vocab, dev, vocab_parts)
+    inv_t = temperature.reciprocal()
+    log_min = log_min_p if log_min_p is not None else top_p  # dummy when off
+    # unsplit, the kernel reads none of the parts' partials: existing tensors stand in
+    part_f, part_i, search_i, search_f = scratch, top_k, top_k, scratch
+    if parts > 1:
+        part_f = torch.empty(bsz * parts * 5, dtype=torch.float32, device=dev)
+        part_i = torch.empty(bsz * parts * 2, dtype=torch.int32, device=dev)
+        search_i, search_f = split_search_scratch(bsz, parts, dev)
+        # Each row is a chain row with no drafts (nothing excluded from its races, which are
+        # unused here); zero seeds and offsets.
+        zeros = torch.zeros(bsz, dtype=torch.int64, device=dev)
+        num_draft = zeros.to(torch.int32)
+        _part_kernel[(bsz, parts)](
+            logits, logits.stride(0), 0, zeros, 0, num_draft, temperature, inv_t, zeros, zeros,
+            num_draft, part_f, part_i, parts, chunk, 1, vocab, IS_TREE=False, GBLOCK=2048,
+            num_warps=4)
+        launch_search_parts(logits, logits.stride(0), 0, num_draft, temperature, inv_t, top_k,
+                            top_p, log_min_p, part_f, search_i, search_f, scratch, bsz, parts,
+                            chunk, 1, vocab, False)
     _keep_threshold_kernel[(bsz,)](
-        logits, logits.stride(0), temperature.reciprocal(), top_k, top_p,
-        log_min_p if log_min_p is not None else top_p, scratch, tau, mass, top, vocab,
-        HAS_MIN_P=log_min_p is not None, P=16, SBLOCK=_SBLOCK, GBLOCK=2048, num_warps=4,
-        maxnreg=255)
+        logits, logits.stride(0), inv_t, top_k, top_p, log_min, scratch, tau, mass, top,
+        part_f, part_i, search_i, search_f, parts, vocab, HAS_MIN_P=log_min_p is not None,
+        SPLIT=parts > 1, P=SEARCH_P, SBLOCK=_SBLOCK, GBLOCK=2048, num_warps=4, maxnreg=255)
     return tau, mass, top
 
 
 def aot_configs() -> list[tuple[str, Callable[[], object]]]:
     """``scripts/compile_kernels.py``'s configurations: this launcher, and the rejection
     sampler's row kernel with min-p on (the engine always passes ``log_min_p``), at the Qwen3
-    vocabulary, bf16 and fp32 logits."""
+    vocabulary, bf16 and fp32 logits; B = 64 in one program per row (``vocab_parts=1``; by
+    default it would split in 4), B = 1 split as the launcher chooses (75 parts)."""
     from .rejection_sampling import rejection_sample
 
     vocab, bsz = 151_936, 64
@@ -96,10 +142,11 @@ def aot_configs() -> list[tuple[str, Callable[[], object]]]:
     def meta(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
         return torch.empty(*shape, dtype=dtype, device="meta")
 
-    def cut(dtype: torch.dtype, min_p: bool) -> Callable[[], object]:
-        return lambda: keep_threshold(meta(bsz, vocab, dtype=dtype), meta(bsz),
-                                      meta(bsz, dtype=torch.int32), meta(bsz),
-                                      meta(bsz) if min_p else None)
+    def cut(dtype: torch.dtype, min_p: bool, rows: int = bsz,
+            parts: int | None = 1) -> Callable[[], object]:
+        return lambda: keep_threshold(meta(rows, vocab, dtype=dtype), meta(rows),
+                                      meta(rows, dtype=torch.int32), meta(rows),
+                                      meta(rows) if min_p else None, vocab_parts=parts)
 
     def chain(dtype: torch.dtype, n_rows: int) -> Callable[[], object]:
         return lambda: rejection_sample(
@@ -112,5 +159,7 @@ def aot_configs() -> list[tuple[str, Callable[[], object]]]:
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         out += [(f"{name} keep_threshold B={bsz}", cut(dtype, False)),
                 (f"{name} keep_threshold+min-p B={bsz}", cut(dtype, True)),
-                (f"{name} rejection_sample+min-p chain k+1=4", chain(dtype, 4))]
+                (f"{name} rejection_sample+min-p chain k+1=4", chain(dtype, 4)),
+                # B = 1: pass 1 and the search's first pass split over the vocabulary
+                (f"{name} keep_threshold+min-p B=1 split-vocab", cut(dtype, True, 1, None))]
     return out

@@ -17,6 +17,13 @@ the same inputs and seeds. Two launches, no host sync (CUDA-graph capturable):
    It stores per row the token emitted if the walk ends there and, per child, p_row(x_child).
 2. ``_walk_kernel``, one program per request: chain = first rejected draft; tree = the
    child-by-child walk on residuals (tiny: O(N) scalar steps per accepted token).
+
+At small batch (rows fewer than about 2 per SM, ``default_vocab_parts``) three launches run
+before the row kernel, each over (row, vocabulary part) programs: ``_part_kernel`` (pass 1),
+``_search_pivot_kernel`` and ``_search_snap_kernel`` (the first pass of the row's first
+top-k / top-p search, its snap and the compaction into the row's buffer). Their partials merge
+exactly (maxima, minima, race keys, integer counts and masses), so the row kernel's search
+goes on from the state one program would have reached, and draws the same tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ from .sampling_pass import (
     NEG_INF,
     SEARCH_CAP,
     SEARCH_CAP_ENTRIES,
+    SEARCH_P,
+    SPLIT_FLOATS,
+    SPLIT_INTS,
     acceptance_uniform,
     final_pass,
     first_pass,
@@ -42,7 +52,11 @@ from .sampling_pass import (
     greedy_pass_part,
     keep_cut,
     merge_parts,
+    merged_max_min,
     seed_key,
+    split_first_search,
+    split_pivot_part,
+    split_snap_part,
 )
 
 # Search-pass tile [P, SBLOCK]: on GPUs one token per lane (32 * num_warps), so each lane
@@ -87,7 +101,8 @@ def _row_position(parents_ptr, offset_ptr, b, j, N, IS_TREE: tl.constexpr):
 def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s_qb, s_qn,
                 map_ptr, buf_ptr, temp_ptr, inv_t_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
                 offset_ptr, parents_ptr, tok_end_ptr, lp_end_ptr, p_child_ptr, lp_child_ptr,
-                acc_ptr, part_f_ptr, part_i_ptr, C, N, V, HAS_Q: tl.constexpr,
+                acc_ptr, part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, C, N, V,
+                HAS_Q: tl.constexpr,
                 HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr, HAS_MIN_P: tl.constexpr,
                 SPLIT: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr,
                 GBLOCK: tl.constexpr):
@@ -124,8 +139,10 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
                 m, s, zmin, i1, i2 = first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos,
                                                 j, n, N, V, inv_t, IS_TREE)
             tau, s_tau = keep_cut(row_ptr, buf_ptr + pid.to(tl.int64) * SEARCH_CAP, V, inv_t, m,
-                                  s, zmin, top_k_ptr, top_p_ptr, min_p_ptr, b, HAS_MIN_P, P,
-                                  SBLOCK, GBLOCK)
+                                  s, zmin, top_k_ptr, top_p_ptr, min_p_ptr, b,
+                                  search_i_ptr + pid.to(tl.int64) * C * (2 * P + 2),
+                                  search_f_ptr + pid.to(tl.int64) * C * 3, C, HAS_MIN_P, P,
+                                  SBLOCK, GBLOCK, SPLIT)
         log_s = tl.log(s_tau)
 
         # p_j(x_c) for each child c judged at this row; chains also decide acceptance here.
@@ -221,6 +238,78 @@ def _part_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, temp_pt
 
 
 @triton.jit
+def _search_part(logits_ptr, s_lb, s_ln, num_draft_ptr, temp_ptr, inv_t_ptr, top_k_ptr,
+                 top_p_ptr, min_p_ptr, part_f_ptr, search_i_ptr, search_f_ptr, buf_ptr, C,
+                 CHUNK, N, V, IS_TREE: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                 SNAP: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr):
+    """The first pass of a sampled row's first threshold search (``keep_cut``), program
+    (row, c) over its tokens [c * CHUNK, (c + 1) * CHUNK) as ``_part_kernel``: the pivot
+    pass's integer partials (``_search_pivot_kernel``), or (``SNAP``: ``_search_snap_kernel``,
+    the next launch) the snap after it and the copy of the bracket's entries into the row's
+    buffer. The row kernel merges them and runs the rest of the search (over the buffer) in
+    one program: at small batch a pass over the whole row in one program was most of the
+    search's time."""
+    pid = tl.program_id(0)
+    c = tl.program_id(1)
+    b = pid // N
+    j = pid % N
+    live, _ = _row_reached(num_draft_ptr, b, j, N, IS_TREE)
+    if live & (tl.load(temp_ptr + b) != 0):
+        top_k = tl.load(top_k_ptr + b).to(tl.int32)
+        top_p = tl.load(top_p_ptr + b)
+        log_min_p = top_p * 0.0
+        if HAS_MIN_P:
+            log_min_p = tl.load(min_p_ptr + b)
+        which = split_first_search(top_k, top_p, V, log_min_p, HAS_MIN_P)
+        pid64 = pid.to(tl.int64)
+        # the row's max and min, as the row kernel's merge of pass 1 has them
+        m, zmin = merged_max_min(part_f_ptr + pid64 * C * 5, C)
+        if (which != 0) & (zmin < m):  # zmin == m: every z equal, no search runs
+            row_ptr = logits_ptr + b.to(tl.int64) * s_lb + j.to(tl.int64) * s_ln
+            inv_t = tl.load(inv_t_ptr + b)
+            start = c * CHUNK
+            end = tl.minimum(start + CHUNK, V)
+            row_i = search_i_ptr + pid64 * C * (2 * P + 2)  # [C, 2P + 2] int64
+            if SNAP:
+                out_f = search_f_ptr + (pid64 * C + c) * 3
+                buf = buf_ptr + pid64 * SEARCH_CAP
+                if which == 1:
+                    split_snap_part(row_ptr, start, end, c, inv_t, m, zmin, m, top_p, top_k,
+                                    row_i, C, buf, out_f, False, P, SBLOCK)
+                else:
+                    split_snap_part(row_ptr, start, end, c, inv_t, m, zmin, m, top_p, top_k,
+                                    row_i, C, buf, out_f, True, P, SBLOCK)
+            else:
+                out_i = row_i + c * (2 * P + 2)
+                if which == 1:
+                    split_pivot_part(row_ptr, start, end, inv_t, m, zmin, m, out_i, False, P,
+                                     SBLOCK)
+                else:
+                    split_pivot_part(row_ptr, start, end, inv_t, m, zmin, m, out_i, True, P,
+                                     SBLOCK)
+
+
+@triton.jit
+def _search_pivot_kernel(logits_ptr, s_lb, s_ln, num_draft_ptr, temp_ptr, inv_t_ptr,
+                         top_k_ptr, top_p_ptr, min_p_ptr, part_f_ptr, search_i_ptr,
+                         search_f_ptr, buf_ptr, C, CHUNK, N, V, IS_TREE: tl.constexpr,
+                         HAS_MIN_P: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr):
+    _search_part(logits_ptr, s_lb, s_ln, num_draft_ptr, temp_ptr, inv_t_ptr, top_k_ptr,
+                 top_p_ptr, min_p_ptr, part_f_ptr, search_i_ptr, search_f_ptr, buf_ptr, C,
+                 CHUNK, N, V, IS_TREE, HAS_MIN_P, False, P, SBLOCK)
+
+
+@triton.jit
+def _search_snap_kernel(logits_ptr, s_lb, s_ln, num_draft_ptr, temp_ptr, inv_t_ptr,
+                        top_k_ptr, top_p_ptr, min_p_ptr, part_f_ptr, search_i_ptr,
+                        search_f_ptr, buf_ptr, C, CHUNK, N, V, IS_TREE: tl.constexpr,
+                        HAS_MIN_P: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr):
+    _search_part(logits_ptr, s_lb, s_ln, num_draft_ptr, temp_ptr, inv_t_ptr, top_k_ptr,
+                 top_p_ptr, min_p_ptr, part_f_ptr, search_i_ptr, search_f_ptr, buf_ptr, C,
+                 CHUNK, N, V, IS_TREE, HAS_MIN_P, True, P, SBLOCK)
+
+
+@triton.jit
 def _walk_kernel(draft_ptr, s_db, num_draft_ptr, temp_ptr, seed_ptr, offset_ptr, parents_ptr,
                  tok_end_ptr, lp_end_ptr, p_child_ptr, lp_child_ptr, acc_ptr,
                  out_ptr, num_acc_ptr, out_lp_ptr, row_ids_ptr, N,
@@ -299,11 +388,62 @@ _DEFAULT_SMS = 132  # H200 / H100 SXM: for meta tensors (compile_kernels) and th
 def default_vocab_parts(rows: int, vocab: int, device: torch.device) -> int:
     """Parts each row's first pass runs in: about two programs per SM when the rows alone are
     fewer (B = 1 ran 4 programs on 132 SMs), at least 2,048 tokens each; 1 at large batch."""
+    return max(1, min(-(-vocab // _PART_TOKENS), 2 * _sm_count(device) // max(rows, 1)))
+
+
+def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = _DEFAULT_SMS
-    return max(1, min(-(-vocab // _PART_TOKENS), 2 * sms // max(rows, 1)))
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _DEFAULT_SMS
+
+
+def vocab_chunks(rows: int, vocab: int, device: torch.device,
+                 vocab_parts: int | None) -> tuple[int, int]:
+    """(parts, tokens per part) of a row split over its vocabulary: ``vocab_parts`` (None:
+    ``default_vocab_parts``) rounded to whole 2,048-token blocks (the races' Philox layout)."""
+    if vocab_parts is not None and not (isinstance(vocab_parts, int) and vocab_parts >= 1):
+        raise ValueError(f"vocab_parts must be a positive int or None, got {vocab_parts!r}")
+    parts = vocab_parts or default_vocab_parts(rows, vocab, device)
+    per_part = -(-vocab // parts)
+    chunk = -(-per_part // _PART_TOKENS) * _PART_TOKENS
+    return -(-vocab // chunk), chunk
+
+
+# Scratch of one (row, part) program of a split call: pass 1's partials (5 float32, 2 int32)
+# and the search's (SPLIT_INTS int64, SPLIT_FLOATS float32): 312 B.
+SPLIT_BYTES_PER_PROGRAM = 5 * 4 + 2 * 4 + SPLIT_INTS * 8 + SPLIT_FLOATS * 4
+# A default split has rows x parts <= 2 x SMs programs (``default_vocab_parts``); 2 x 192 SMs
+# bounds today's GPUs (H100 / H200: 132, B200: 148): at most 117 KiB per call.
+SPLIT_SCRATCH_MAX_BYTES = 2 * 192 * SPLIT_BYTES_PER_PROGRAM
+
+
+def split_search_scratch(rows: int, parts: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The split search's partials, uninitialised (each is written before it is read):
+    [rows, parts, SPLIT_INTS] int64 and [rows, parts, SPLIT_FLOATS] float32."""
+    return (torch.empty(rows * parts * SPLIT_INTS, dtype=torch.int64, device=device),
+            torch.empty(rows * parts * SPLIT_FLOATS, dtype=torch.float32, device=device))
+
+
+def launch_search_parts(logits: Tensor, s_lb: int, s_ln: int, num_draft: Tensor,
+                        temperature: Tensor, inv_t: Tensor, top_k: Tensor, top_p: Tensor,
+                        log_min_p: Tensor | None, part_f: Tensor, search_i: Tensor,
+                        search_f: Tensor, scratch: Tensor, rows: int, parts: int, chunk: int,
+                        n_rows: int, vocab: int, is_tree: bool) -> None:
+    """The first pass of each sampled row's first threshold search over its ``parts``, after
+    ``_part_kernel`` and before the row kernel: two launches of rows x parts programs, the
+    pivot pass (``_search_pivot_kernel``), then its snap and compaction
+    (``_search_snap_kernel``: it merges every part's pivot partials first)."""
+    args = (logits, s_lb, s_ln, num_draft, temperature, inv_t, top_k, top_p,
+            log_min_p if log_min_p is not None else top_p, part_f, search_i, search_f, scratch,
+            parts, chunk, n_rows, vocab)
+    meta = dict(IS_TREE=is_tree, HAS_MIN_P=log_min_p is not None, P=SEARCH_P, SBLOCK=_SBLOCK,
+                num_warps=4)
+    # No FMA contraction in the pivot pass: fused, z - m became fma(logit, 1 / T, -m) there
+    # while the row kernel's passes (row and buffer) compute it from the rounded z (FADD in
+    # their SASS), and a token's fixed-point weight could differ by one unit between the split
+    # and the one-program search. (The snap pass only compares z and sums a float mass.)
+    _search_pivot_kernel[(rows, parts)](*args, **meta, enable_fp_fusion=False)
+    _search_snap_kernel[(rows, parts)](*args, **meta)
 
 
 def rejection_sample(
@@ -364,27 +504,30 @@ def rejection_sample(
     # a search reads only what it wrote)
     scratch = torch.empty(bsz * n_rows, SEARCH_CAP_ENTRIES, dtype=torch.float32, device=dev)
     s_db = draft_token_ids.stride(0) if n_rows > 1 else 0
-    if vocab_parts is not None and not (isinstance(vocab_parts, int) and vocab_parts >= 1):
-        raise ValueError(f"vocab_parts must be a positive int or None, got {vocab_parts!r}")
-    parts = vocab_parts or default_vocab_parts(bsz * n_rows, vocab, dev)
-    per_part = -(-vocab // parts)
-    chunk = -(-per_part // _PART_TOKENS) * _PART_TOKENS
-    parts = -(-vocab // chunk)
+    parts, chunk = vocab_chunks(bsz * n_rows, vocab, dev, vocab_parts)
     part_f = torch.empty(bsz * n_rows * parts * 5 if parts > 1 else 1, dtype=torch.float32,
                          device=dev)
     part_i = torch.empty(bsz * n_rows * parts * 2 if parts > 1 else 1, dtype=torch.int32,
                          device=dev)
+    # (unsplit: the row kernel's unused search-partial arguments are part_i / part_f)
+    search_i, search_f = split_search_scratch(bsz * n_rows, parts, dev) if parts > 1 \
+        else (part_i, part_f)
     if parts > 1:
         _part_kernel[(bsz * n_rows, parts)](
             target_logits, target_logits.stride(0), target_logits.stride(1), draft_token_ids,
             s_db, num_draft_tokens, temperature, inv_t, seeds, offsets, parents, part_f, part_i,
             parts, chunk, n_rows, vocab, IS_TREE=is_tree, GBLOCK=2048, num_warps=4)
+        # and the first pass of the rows' top-k / top-p search (two launches)
+        launch_search_parts(target_logits, target_logits.stride(0), target_logits.stride(1),
+                            num_draft_tokens, temperature, inv_t, top_k, top_p, log_min_p,
+                            part_f, search_i, search_f, scratch, bsz * n_rows, parts, chunk,
+                            n_rows, vocab, is_tree)
     _row_kernel[(bsz * n_rows,)](
         target_logits, target_logits.stride(0), target_logits.stride(1),
         draft_token_ids, s_db, num_draft_tokens, q, q.stride(0), q.stride(1), vocab_map, scratch,
         temperature, inv_t, top_k, top_p, log_min_p if log_min_p is not None else top_p,
-        seeds, offsets, parents, tok_end, lp_end, p_child, lp_child, acc, part_f, part_i, parts,
-        n_rows, vocab,
+        seeds, offsets, parents, tok_end, lp_end, p_child, lp_child, acc, part_f, part_i,
+        search_i, search_f, parts, n_rows, vocab,
         HAS_Q=draft_probs is not None, HAS_MAP=draft_index is not None, IS_TREE=is_tree,
         HAS_MIN_P=log_min_p is not None, SPLIT=parts > 1, P=16,
         SBLOCK=_SBLOCK_TREE if is_tree else _SBLOCK, GBLOCK=2048,

@@ -411,8 +411,239 @@ def _pick(vec, i, idx):
 
 
 @triton.jit
+def _search_pivots(lo, hi, it, P: tl.constexpr):
+    """The P sorted pivots in (lo, hi] of search pass ``it`` (``threshold_search``)."""
+    piv_i = tl.arange(0, P)
+    k_lo = _ordered_key(lo).to(tl.int64)
+    k_hi = _ordered_key(hi).to(tl.int64)
+    if it == 0:
+        d = tl.exp2((P - 1 - piv_i).to(tl.float32) * (5.0 / (P - 1))) - 1.0
+        k_piv = tl.minimum(tl.maximum(_ordered_key(hi - d).to(tl.int64), k_lo + 1), k_hi)
+        k_piv = tl.where(piv_i == P - 1, k_hi, k_piv)
+    else:
+        k_piv = k_lo + ((k_hi - k_lo) * (piv_i + 1) + P - 1) // P
+    return _key_to_float(k_piv.to(tl.int32))
+
+
+# Split search (small batches): per (row, part) partials of the first search pass, int64:
+# #{z >= pivot} [P], W(pivot) [P] (top-p), W(lo0), #{z >= lo0}; and float32 of its snap:
+# the smallest and largest z of the part in the bracket, the mass above it (top-k).
+SEARCH_P = 16  # pivots per search pass (the launchers' P)
+SPLIT_INTS = 2 * SEARCH_P + 2
+SPLIT_FLOATS = 3
+# Parts merged per step: one round of loads for up to 32 parts (a loop over the parts one by
+# one waits for each part's loads in turn: 38 dependent L2 round trips per merge at B = 1).
+PART_BLOCK: tl.constexpr = tl.constexpr(32)
+
+
+@triton.jit
+def merged_max_min(part_f_ptr, C):
+    """The row's max and min z from pass 1's C parts (``_part_kernel``), as ``merge_parts``
+    gives them (a max and a min are exact in any order), PART_BLOCK parts per step."""
+    ci = tl.arange(0, PART_BLOCK)
+    # the first step starts the reductions (merge_parts starts m at -FLT_MAX, which every
+    # part's max already is at least: first_pass_part starts there)
+    m = tl.max(tl.load(part_f_ptr + ci * 5, mask=ci < C, other=-3.4028234663852886e38), 0)
+    zmin = tl.min(tl.load(part_f_ptr + ci * 5 + 2, mask=ci < C, other=POS_INF), 0)
+    for c0 in range(PART_BLOCK, C, PART_BLOCK):
+        at = part_f_ptr + (c0 + ci) * 5
+        has = c0 + ci < C
+        m = tl.maximum(m, tl.max(tl.load(at, mask=has, other=-3.4028234663852886e38), 0))
+        zmin = tl.minimum(zmin, tl.min(tl.load(at + 2, mask=has, other=POS_INF), 0))
+    return m, zmin
+
+
+@triton.jit
+def _part_pivot_tile(z, valid, piv, m, lo0, cnt, imass, itot, ctot, BY_MASS: tl.constexpr):
+    """``_pivot_tile`` plus the counts the compaction's offsets need whatever the search
+    (#{z >= pivot} also for top-p, and #{z >= lo0} of the part's own tokens)."""
+    if BY_MASS:
+        cnt += (z[None, :] >= piv[:, None]).to(tl.int32)
+    cnt, imass, itot = _pivot_tile(z, piv, m, lo0, cnt, imass, itot, BY_MASS)
+    ctot += (valid & (z >= lo0)).to(tl.int32)
+    return cnt, imass, itot, ctot
+
+
+@triton.jit
+def split_pivot_part(row_ptr, start, end, inv_t, m, lo, hi, out_ptr, BY_MASS: tl.constexpr,
+                     P: tl.constexpr, SBLOCK: tl.constexpr):
+    """The first pass of ``threshold_search`` (pivots from (lo, hi]) over the row's tokens
+    [start, end): writes the part's SPLIT_INTS partials to ``out_ptr``. Every sum is an
+    integer one, so the merge (``_merged_first_pass``) is exact in any order."""
+    piv = _search_pivots(lo, hi, 0, P)
+    cnt = tl.zeros([P, SBLOCK], tl.int32)
+    imass = tl.zeros([P, SBLOCK], tl.int64)
+    itot = tl.zeros([SBLOCK], tl.int64)
+    ctot = tl.zeros([SBLOCK], tl.int32)
+    src_ptr = row_ptr + start
+    n = end - start
+    for base in range(0, n, 4 * SBLOCK):  # four loads in flight, as ``_pivot_pass``
+        at = base + tl.arange(0, SBLOCK)
+        z0 = _search_load(src_ptr, at, n, inv_t)
+        z1 = _search_load(src_ptr, at + SBLOCK, n, inv_t)
+        z2 = _search_load(src_ptr, at + 2 * SBLOCK, n, inv_t)
+        z3 = _search_load(src_ptr, at + 3 * SBLOCK, n, inv_t)
+        cnt, imass, itot, ctot = _part_pivot_tile(z0, at < n, piv, m, lo, cnt, imass, itot,
+                                                  ctot, BY_MASS)
+        cnt, imass, itot, ctot = _part_pivot_tile(z1, at + SBLOCK < n, piv, m, lo, cnt, imass,
+                                                  itot, ctot, BY_MASS)
+        cnt, imass, itot, ctot = _part_pivot_tile(z2, at + 2 * SBLOCK < n, piv, m, lo, cnt,
+                                                  imass, itot, ctot, BY_MASS)
+        cnt, imass, itot, ctot = _part_pivot_tile(z3, at + 3 * SBLOCK < n, piv, m, lo, cnt,
+                                                  imass, itot, ctot, BY_MASS)
+    piv_i = tl.arange(0, P)
+    tl.store(out_ptr + piv_i, tl.sum(cnt, 1).to(tl.int64))
+    tl.store(out_ptr + P + piv_i, tl.sum(imass, 1))
+    tl.store(out_ptr + 2 * P, tl.sum(itot, 0))
+    tl.store(out_ptr + 2 * P + 1, tl.sum(ctot, 0).to(tl.int64))
+
+
+@triton.jit
+def _bracket_offset(part_ptr, c, n_ok, P: tl.constexpr):
+    """Entries in the bracket [pivot n_ok - 1 (or lo0), pivot n_ok) of the parts before part
+    ``c`` (n_ok < P): where part c's entries start in the row's buffer."""
+    ci = tl.arange(0, PART_BLOCK)
+    off = (c * 0).to(tl.int64)
+    for c0 in range(0, c, PART_BLOCK):
+        at = part_ptr + (c0 + ci) * (2 * P + 2)
+        before = c0 + ci < c
+        above_lo = tl.load(at + tl.where(n_ok > 0, n_ok - 1, 2 * P + 1), mask=before, other=0)
+        above_hi = tl.load(at + tl.minimum(n_ok, P - 1), mask=before, other=0)
+        off += tl.sum(above_lo - above_hi, 0)
+    return off.to(tl.int32)
+
+
+@triton.jit
+def _merged_first_pass(part_ptr, C, lo, hi, top_p, need_count, BY_MASS: tl.constexpr,
+                       P: tl.constexpr):
+    """The first search pass of a row from its C parts' partials (integer sums: the same as
+    one pass over the row in any order): (pivots passing, top-p's float64 need, W of the new
+    lo, the bracket [lo_v, hi_v), entries in it, count and W of the entries above it)."""
+    piv_i = tl.arange(0, P)
+    ci = tl.arange(0, PART_BLOCK)
+    cnt = tl.zeros([P], tl.int64)
+    imass = tl.zeros([P], tl.int64)
+    itot = tl.load(part_ptr + 2 * P) * 0
+    ctot = itot
+    for c0 in range(0, C, PART_BLOCK):
+        at = part_ptr + (c0 + ci) * (2 * P + 2)  # [PART_BLOCK] parts' partials
+        has = c0 + ci < C
+        cnt += tl.sum(tl.load(at[:, None] + piv_i[None, :], mask=has[:, None], other=0), 0)
+        imass += tl.sum(tl.load(at[:, None] + P + piv_i[None, :], mask=has[:, None], other=0),
+                        0)
+        itot += tl.sum(tl.load(at + 2 * P, mask=has, other=0), 0)
+        ctot += tl.sum(tl.load(at + 2 * P + 1, mask=has, other=0), 0)
+    piv = _search_pivots(lo, hi, 0, P)
+    if BY_MASS:
+        need = top_p.to(tl.float64) * itot.to(tl.float64)
+        ok = imass.to(tl.float64) >= need
+    else:
+        need = itot.to(tl.float64) * 0.0  # unused by top-k
+        ok = cnt >= need_count
+    n_ok = tl.sum(ok.to(tl.int32), 0)
+    lo_imass = tl.where(n_ok > 0, _pick(imass, piv_i, n_ok - 1), itot)
+    lo_v = tl.where(n_ok > 0, _pick(piv, piv_i, n_ok - 1), lo)
+    hi_v = _pick(piv, piv_i, n_ok)
+    n_in = tl.where(n_ok > 0, _pick(cnt, piv_i, n_ok - 1), ctot) - _pick(cnt, piv_i, n_ok)
+    return (n_ok, need, lo_imass, lo_v, hi_v, n_in.to(tl.int32),
+            _pick(cnt, piv_i, n_ok).to(tl.int32), _pick(imass, piv_i, n_ok))
+
+
+@triton.jit
+def _part_snap_tile(z, valid, lo_v, hi_v, m, zlo, zhi, f_above, buf_ptr, pos, write,
+                    ABOVE: tl.constexpr):
+    """One tile of ``split_snap_part``: the bracket's entries are appended at ``pos`` in
+    token order (a scan gives each its place: no atomics, the same layout every run)."""
+    inside = valid & (z >= lo_v) & (z < hi_v)
+    zlo = tl.minimum(zlo, tl.where(inside, z, POS_INF))
+    zhi = tl.maximum(zhi, tl.where(inside, z, NEG_INF))
+    if ABOVE:
+        f_above += tl.where(z >= hi_v, tl.exp(z - m), 0.0)
+    ins = inside.to(tl.int32)
+    rank = tl.cumsum(ins, 0)  # inclusive: this entry's place among the tile's
+    tl.store(buf_ptr + pos + rank - 1, z, mask=(ins * write) != 0)
+    return zlo, zhi, f_above, pos + tl.sum(ins, 0)
+
+
+@triton.jit
+def split_snap_part(row_ptr, start, end, c, inv_t, m, lo, hi, top_p, need_count, part_ptr,
+                    C, buf_ptr, out_ptr, BY_MASS: tl.constexpr, P: tl.constexpr,
+                    SBLOCK: tl.constexpr):
+    """The snap after the first pass, over part ``c`` = the row's tokens [start, end): with
+    the merged pass (every part merges the same partials the same way) it writes the part's
+    smallest / largest z in the bracket and (top-k) the mass above it to ``out_ptr``, and
+    copies its bracket entries into the row's buffer at the part's exact offset (the counts
+    of the parts before it), contiguous in token order, when all of the row's fit
+    (SEARCH_CAP); else the search goes on over the row (``threshold_search``)."""
+    n_ok, _, _, lo_v, hi_v, n_in, _, _ = _merged_first_pass(part_ptr, C, lo, hi, top_p,
+                                                            need_count, BY_MASS, P)
+    if n_ok < P:
+        off = _bracket_offset(part_ptr, c, n_ok, P)
+        write = (n_in <= SEARCH_CAP).to(tl.int32)  # 0: the bracket overflows the buffer
+        lane = tl.arange(0, SBLOCK)
+        zlo = tl.full([SBLOCK], POS_INF, tl.float32)
+        zhi = tl.full([SBLOCK], NEG_INF, tl.float32)
+        f_above = tl.zeros([SBLOCK], tl.float32)
+        pos = off
+        src_ptr = row_ptr + start
+        n = end - start
+        for base in range(0, n, 4 * SBLOCK):
+            at = base + lane
+            z0 = _search_load(src_ptr, at, n, inv_t)
+            z1 = _search_load(src_ptr, at + SBLOCK, n, inv_t)
+            z2 = _search_load(src_ptr, at + 2 * SBLOCK, n, inv_t)
+            z3 = _search_load(src_ptr, at + 3 * SBLOCK, n, inv_t)
+            zlo, zhi, f_above, pos = _part_snap_tile(z0, at < n, lo_v, hi_v, m, zlo, zhi,
+                                                     f_above, buf_ptr, pos, write, not BY_MASS)
+            zlo, zhi, f_above, pos = _part_snap_tile(z1, at + SBLOCK < n, lo_v, hi_v, m, zlo,
+                                                     zhi, f_above, buf_ptr, pos, write,
+                                                     not BY_MASS)
+            zlo, zhi, f_above, pos = _part_snap_tile(z2, at + 2 * SBLOCK < n, lo_v, hi_v, m,
+                                                     zlo, zhi, f_above, buf_ptr, pos, write,
+                                                     not BY_MASS)
+            zlo, zhi, f_above, pos = _part_snap_tile(z3, at + 3 * SBLOCK < n, lo_v, hi_v, m,
+                                                     zlo, zhi, f_above, buf_ptr, pos, write,
+                                                     not BY_MASS)
+        tl.store(out_ptr, tl.min(zlo, 0))
+        tl.store(out_ptr + 1, tl.max(zhi, 0))
+        tl.store(out_ptr + 2, tl.sum(f_above, 0))
+
+
+@triton.jit
+def _merged_snap(part_f_ptr, C):
+    """(smallest, largest z in the bracket, float32 mass above it) from the C parts' snaps,
+    PART_BLOCK parts per step (the mass's order is fixed: the same every run, rounded unlike
+    one pass's lanes)."""
+    ci = tl.arange(0, PART_BLOCK)
+    # the first step starts the reductions (a part's zlo is +inf when it has no entry in the
+    # bracket: no arithmetic on loaded values before the min)
+    at = part_f_ptr + ci * 3  # 3 = SPLIT_FLOATS
+    zlo = tl.min(tl.load(at, mask=ci < C, other=POS_INF), 0)
+    zhi = tl.max(tl.load(at + 1, mask=ci < C, other=NEG_INF), 0)
+    f_above = tl.sum(tl.load(at + 2, mask=ci < C, other=0.0), 0)
+    for c0 in range(PART_BLOCK, C, PART_BLOCK):
+        at = part_f_ptr + (c0 + ci) * 3
+        has = c0 + ci < C
+        zlo = tl.minimum(zlo, tl.min(tl.load(at, mask=has, other=POS_INF), 0))
+        zhi = tl.maximum(zhi, tl.max(tl.load(at + 1, mask=has, other=NEG_INF), 0))
+        f_above += tl.sum(tl.load(at + 2, mask=has, other=0.0), 0)
+    return zlo, zhi, f_above
+
+
+@triton.jit
+def split_first_search(top_k, top_p, V, log_min_p, HAS_MIN_P: tl.constexpr):
+    """Which search of ``keep_cut`` the parts run first: (1 = top-k, 2 = top-p, 0 = none:
+    neither is on, or min-p is, whose cut needs its own pass over the row first)."""
+    which = tl.where((top_k > 0) & (top_k < V), 1, tl.where(top_p < 1, 2, 0))
+    if HAS_MIN_P:
+        which = tl.where(log_min_p > NEG_INF, 0, which)
+    return which
+
+
+@triton.jit
 def threshold_search(row_ptr, buf_ptr, V, inv_t, m, lo, hi, lo_mass, need_count, top_p,
-                     BY_MASS: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr):
+                     part_ptr, part_f_ptr, C, from_parts, BY_MASS: tl.constexpr,
+                     P: tl.constexpr, SBLOCK: tl.constexpr, FROM_PARTS: tl.constexpr):
     """Largest value tau of z with crit(tau); returns (tau, sum_{z >= tau} exp(z - m)).
 
     crit(v): #{z >= v} >= need_count (top-k), or (top-p) W(v) >= top_p * W(lo) in float64,
@@ -436,6 +667,11 @@ def threshold_search(row_ptr, buf_ptr, V, inv_t, m, lo, hi, lo_mass, need_count,
     its upper end), the ones below it adding nothing (below every later pivot). If more than
     SEARCH_CAP entries are in the bracket, the search stays on the row and tries again after
     the next pass. Only the pass count and length depend on data; no sort of the vocabulary.
+
+    ``FROM_PARTS`` (small batches) with ``from_parts``: that first row pass, its snap and the
+    compaction ran in C programs per row (``split_pivot_part``, ``split_snap_part``); their
+    partials (``part_ptr``: per-pivot integer sums, ``part_f_ptr``: bracket ends and mass
+    above) give the same state after it, and the search goes on from there.
     """
     piv_i = tl.arange(0, P)
     lo0 = lo
@@ -446,16 +682,24 @@ def threshold_search(row_ptr, buf_ptr, V, inv_t, m, lo, hi, lo_mass, need_count,
     need = (inv_t * 0.0).to(tl.float64)  # top-p: top_p * W(lo0) in float64
     lo_imass = a_imass  # W(lo) once the first pass has counted it
     it = 0
+    if FROM_PARTS:
+        # The first pass (and its snap and compaction) ran in C programs per row
+        # (``split_pivot_part``, ``split_snap_part``): pick up the search after it.
+        if from_parts & (lo < hi):
+            n_ok, need, lo_imass, _, _, n_in, p_cnt, p_imass = _merged_first_pass(
+                part_ptr, C, lo, hi, top_p, need_count, BY_MASS, P)
+            if n_ok == P:
+                lo = hi
+            else:
+                lo, hi, f_above = _merged_snap(part_f_ptr, C)
+                if n_in <= SEARCH_CAP:
+                    n_buf = n_in
+                    a_cnt = p_cnt
+                    a_imass = p_imass
+                    a_f = f_above
+            it = 1
     while (lo < hi) & (it < 40):
-        k_lo = _ordered_key(lo).to(tl.int64)
-        k_hi = _ordered_key(hi).to(tl.int64)
-        if it == 0:
-            d = tl.exp2((P - 1 - piv_i).to(tl.float32) * (5.0 / (P - 1))) - 1.0
-            k_piv = tl.minimum(tl.maximum(_ordered_key(hi - d).to(tl.int64), k_lo + 1), k_hi)
-            k_piv = tl.where(piv_i == P - 1, k_hi, k_piv)
-        else:
-            k_piv = k_lo + ((k_hi - k_lo) * (piv_i + 1) + P - 1) // P
-        piv = _key_to_float(k_piv.to(tl.int32))
+        piv = _search_pivots(lo, hi, it, P)
         if n_buf < 0:
             cnt, imass, itot = _pivot_pass(row_ptr, V, inv_t, m, piv, lo0, BY_MASS, P, SBLOCK)
             if BY_MASS:
@@ -504,30 +748,38 @@ def threshold_search(row_ptr, buf_ptr, V, inv_t, m, lo, hi, lo_mass, need_count,
 
 @triton.jit
 def keep_cut(row_ptr, buf_ptr, V, inv_t, m, s, zmin, top_k_ptr, top_p_ptr, min_p_ptr, b,
-             HAS_MIN_P: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr,
-             GBLOCK: tl.constexpr):
+             part_ptr, part_f_ptr, C, HAS_MIN_P: tl.constexpr, P: tl.constexpr,
+             SBLOCK: tl.constexpr, GBLOCK: tl.constexpr, SPLIT: tl.constexpr):
     """(tau, sum of exp(z - m) over z >= tau) of row ``b``: the processed law keeps exactly
     {z >= tau} (``reference.keep_threshold``: min-p, then top-k, then top-p; tau = -inf keeps
     all). ``m``, ``s``, ``zmin``: the row's max, sum of exp(z - m) and min (``first_pass``).
-    ``buf_ptr``: SEARCH_CAP float32 of scratch for the search's candidates."""
+    ``buf_ptr``: SEARCH_CAP float32 of scratch for the search's candidates. ``SPLIT``: the
+    first search's first pass ran in the row's C parts (``split_first_search`` says which;
+    ``part_ptr`` / ``part_f_ptr``: the row's partials), the rest runs here."""
     tau = NEG_INF + inv_t * 0.0
     s_tau = s
     top_k = tl.load(top_k_ptr + b).to(tl.int32)
     top_p = tl.load(top_p_ptr + b)
     n_kept = V  # tokens min-p keeps
+    log_min_p = top_p * 0.0
     if HAS_MIN_P:
         log_min_p = tl.load(min_p_ptr + b)
         if log_min_p > NEG_INF:
             tau, s_tau, n_kept = min_p_pass(row_ptr, V, inv_t, m, m + log_min_p, GBLOCK)
+    which = 0
+    if SPLIT:
+        which = split_first_search(top_k, top_p, V, log_min_p, HAS_MIN_P)
     # top-k after min-p: if min-p keeps more than k tokens, the k-th largest z overall
     # is among them (so >= the min-p cut) and is the threshold; else min-p's cut is.
     if (top_k > 0) & (top_k < V) & (n_kept > top_k):
         tau, s_tau = threshold_search(row_ptr, buf_ptr, V, inv_t, m, zmin, m, s, top_k, 0.0,
-                                      False, P, SBLOCK)
+                                      part_ptr, part_f_ptr, C, which == 1, False, P, SBLOCK,
+                                      SPLIT)
     if top_p < 1:
         lo = tl.where(tau == NEG_INF, zmin, tau)
         tau, s_tau = threshold_search(row_ptr, buf_ptr, V, inv_t, m, lo, m, s_tau, 0, top_p,
-                                      True, P, SBLOCK)
+                                      part_ptr, part_f_ptr, C, which == 2, True, P, SBLOCK,
+                                      SPLIT)
     return tau, s_tau
 
 

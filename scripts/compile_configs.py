@@ -4,8 +4,9 @@ Qwen3-8B: 32 query / 8 KV heads, head_dim 128, block_size 16, vocabulary 151,936
 decode, chain verification (k+1 = 2, 4, 8), trees of 1-16 nodes, prefill tiles, each with and
 without split-KV (which adds the combine kernel). Rejection sampling: chains of k+1 = 1, 2, 4, 8
 with point-mass drafts, with probability drafts and with probability drafts over an EAGLE-3
-head's 32,000-id draft vocabulary, trees of 1-16 nodes, and at B = 1 (the first pass split
-over the vocabulary); greedy and sampled rows share
+head's 32,000-id draft vocabulary, trees of 1-16 nodes, and at B = 1 (pass 1 and the first
+pass of the top-k / top-p search split over the vocabulary: ``_part_kernel``,
+``_search_pivot_kernel``, ``_search_snap_kernel``); greedy and sampled rows share
 one compiled kernel (the temperature is a runtime value). The fused layer kernels (RMSNorm,
 SiLU·mul, rope + KV write) at 64 and 512 tokens. bf16 and fp32 throughout.
 """
@@ -97,7 +98,8 @@ def sampling_configs() -> list[Config]:
                             sampling_call(dtype, n, "vocab")))
         for n in (1, 2, 5, 8, 16):
             out.append((f"{name} tree {n} nodes", sampling_call(dtype, n, "tree")))
-        # B = 1: pass 1 split over the vocabulary (_part_kernel, the row kernel's merge)
+        # B = 1: pass 1 and the search's first pass split over the vocabulary (_part_kernel,
+        # _search_pivot_kernel, _search_snap_kernel, the row kernel's merges)
         out.append((f"{name} chain k+1=4 B=1 split-vocab",
                     sampling_call(dtype, 4, "chain", batch=1)))
     for n, mode in ((4, "probs"), (5, "tree")):

@@ -187,3 +187,22 @@ def test_a_later_command_skips_what_was_measured_and_compares_with_it(dry, tmp_p
     tree = later["attention tree8 B=2 ctx=40"]
     assert f"({1.3 * decode['time_us']:.1f} us)" in tree["target"]
     assert tree["verdict"] == ("PASS" if tree["time_us"] <= 1.3 * decode["time_us"] else "MISS")
+
+
+def test_split_search_cases_run_split_and_in_one_program(tmp_path):
+    """The B = 1 top_p = 0.9 comparison cases (issue 35's split search): the cut alone over
+    4,097 tokens (3 parts in dry runs, so the split path runs) and in one program per row,
+    and the sampler with vocab_parts=1; every row measured, the cut's bytes counted."""
+    proc = _run(tmp_path, "--match", "keep_threshold top_p=0.9 bf16,top_p=0.9 bf16 B=1 parts=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["case"]: r for r in map(json.loads, (tmp_path / "kernels_graph.jsonl")
+                                      .read_text().splitlines()) if r["kind"] == "row"}
+    assert set(rows) == {"keep_threshold top_p=0.9 bf16 rows=4",
+                         "keep_threshold top_p=0.9 bf16 rows=4 parts=1",
+                         "sampling top_p=0.9 bf16 B=1 parts=1"}
+    for name, r in rows.items():
+        assert "error" not in r, (name, r.get("error"))
+    for name in ("keep_threshold top_p=0.9 bf16 rows=4",
+                 "keep_threshold top_p=0.9 bf16 rows=4 parts=1"):
+        # bf16 logits in, temperature / top_k / top_p in and tau / mass / max out per row
+        assert rows[name]["bytes"] == 4 * 4097 * 2 + 4 * 24

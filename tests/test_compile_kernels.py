@@ -158,3 +158,25 @@ def test_top_p_search_computes_each_token_once(tmp_path: Path) -> None:
     for x in passes:
         assert x.counts["load"] == x.counts["exp"] == x.counts["cvt64"] == tokens, x
         assert x.length <= 100 * tokens, x
+
+
+@pytest.mark.skipif(_ptxas_path() is None, reason="Triton's bundled ptxas is unavailable")
+def test_split_search_pivot_pass_computes_each_token_once(tmp_path: Path) -> None:
+    """Issue 35 at small batch: the split search's pivot pass over one part of a row
+    (``_search_pivot_kernel``) also loads, exponentiates and converts each token once in its
+    top-p loop; with the per-pivot counts the compaction's offsets need it stays under 125
+    instructions per token (one program's pass: under 100)."""
+    asm = tmp_path / "asm"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--only", "fp32 keep_threshold+min-p B=1 split-vocab",
+         "--targets", "90", "--jobs", "1", "--json", str(tmp_path / "table.json"), "--asm",
+         str(asm)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (sass,) = asm.glob("_search_pivot_kernel.sm_90a.*.sass")
+    loops = _sass_loops_module().loops(sass.read_text())
+    (top_p,) = [x for x in loops if x.counts["cvt64"] and x.counts["load"]]
+    tokens = 4  # 4 tiles of 128 tokens per step on 128 threads
+    assert top_p.counts["load"] == top_p.counts["exp"] == top_p.counts["cvt64"] == tokens
+    assert top_p.length <= 125 * tokens, top_p

@@ -217,6 +217,29 @@ def test_vocab_parts_keep_the_lowest_index_of_tied_maxima() -> None:
         kernel(*args, vocab_parts=0)
 
 
+@pytest.mark.parametrize("mode", ["chain_q", "tree"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_search_draws_what_one_program_draws(mode: str, dtype: torch.dtype) -> None:
+    """At small batch the first pass of each sampled row's top-k / top-p search runs over the
+    row's parts too (``_search_part_kernel``): over 3 parts of 4,097 tokens (the last of one
+    token) the tokens drawn, acceptances and rows are the reference's, as with one program
+    per row; top-p, top-k, both, min-p (which keeps its search in the row's program) and
+    greedy rows."""
+    args = list(random_case(6, 3, 4097, seed=40 + len(mode), tree=mode == "tree",
+                            with_q=mode == "chain_q"))
+    args[0] = args[0].to(dtype)
+    args[4] = torch.tensor([1.0, 0.7, 1.0, 1.3, 0.0, 1.0])  # temperature (one greedy row)
+    args[5] = torch.tensor([-1, 5, 40, -1, -1, 3], dtype=torch.int32)  # top_k
+    args[6] = torch.tensor([0.9, 1.0, 0.5, 0.99, 0.9, 0.8])  # top_p
+    log_min_p = torch.log(torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1e-3]))
+    want = ref.rejection_sample(*args, log_min_p)
+    for parts in (1, 3):
+        got = kernel(*args, log_min_p, vocab_parts=parts)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), parts
+        assert torch.equal(want[3], got[3])
+        torch.testing.assert_close(want[2], got[2], atol=1e-4, rtol=1e-4)
+
+
 def test_default_vocab_parts() -> None:
     """About two programs per SM (132 assumed off-GPU) when rows are few; whole 2,048-token
     blocks at least; no split once the rows fill the GPU."""
