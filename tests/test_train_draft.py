@@ -303,17 +303,22 @@ def test_head_starts_its_output_side_from_the_target() -> None:
                                                  target["norm.weight"].float())
 
 
-def test_loss_skips_the_prompt_rows_exactly() -> None:
-    """Entries before the first anchor are keys and values only: their queries, MLP and
-    logits are not computed, and the anchors' logits are those of the full unroll."""
+def fresh_head_math(seed: int) -> tuple[object, dict, dict]:
+    """A fresh float32 head of the bundled target (20-token draft vocabulary): its maths,
+    its parameters and its config."""
     from specengine.drafters.adapt_math import HeadMath
 
     embed = read_embedding(DEFAULT_TARGET)
     cfg = fresh_config(read_config(DEFAULT_TARGET), 20, "float32")
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     head = build_head(cfg, embed, torch.device("cpu"))
-    hm = HeadMath(head, embed)
-    params = {n: p.detach() for n, p in head.named_parameters()}
+    return HeadMath(head, embed), {n: p.detach() for n, p in head.named_parameters()}, cfg
+
+
+def test_loss_skips_the_prompt_rows_exactly() -> None:
+    """Entries before the first anchor are keys and values only: their queries, MLP and
+    logits are not computed, and the anchors' logits are those of the full unroll."""
+    hm, params, cfg = fresh_head_math(3)
     b, t, depth = 2, 11, 3
     feats = torch.randn(b, t, 3 * cfg["hidden_size"])
     ids = torch.randint(2, 20, (b, t + depth))
@@ -442,14 +447,9 @@ def test_soft_loss_is_the_expected_hard_loss_and_a_point_mass_is_the_hard_loss()
     """The soft cross-entropy of an entry is ``-sum_v p_v log q_v``: a point mass on the hard
     target gives exactly the hard loss, and a distribution gives the hard losses of its
     tokens weighted by their probabilities."""
-    from specengine.drafters.adapt_math import HeadMath, ttt_sums
+    from specengine.drafters.adapt_math import ttt_sums
 
-    embed = read_embedding(DEFAULT_TARGET)
-    cfg = fresh_config(read_config(DEFAULT_TARGET), 20, "float32")
-    torch.manual_seed(5)
-    head = build_head(cfg, embed, torch.device("cpu"))
-    hm = HeadMath(head, embed)
-    params = {n: p.detach() for n, p in head.named_parameters()}
+    hm, params, cfg = fresh_head_math(5)
     b, t, depth = 2, 9, 2
     feats = torch.randn(b, t, 3 * cfg["hidden_size"])
     ids = torch.randint(2, 20, (b, t + depth))

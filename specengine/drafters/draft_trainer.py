@@ -86,6 +86,13 @@ class DraftTrainer:
             rows[b, : len(s.rows)] = s.rows
         return rows, lens, first
 
+    @staticmethod
+    def _has_target(t: int, lens: np.ndarray, first: np.ndarray, d: int) -> np.ndarray:
+        """``[B, T]``: anchor ``i`` has a depth-``d`` target: chains start at ``i >=
+        prompt_len - 1`` and the target ``x_{i+d+2}`` (row ``i + d + 1``) must exist."""
+        j = np.arange(t)
+        return (j[None, :] >= first[:, None]) & (j[None, :] + d + 1 < lens[:, None])
+
     def soft_targets(self, source: FeatureSource, seqs: list[BufferedSeq]
                      ) -> list[tuple[Tensor, Tensor]] | None:
         """Per depth ``d``, the policy's recorded distribution of each anchor's target
@@ -111,11 +118,9 @@ class DraftTrainer:
         pad_i = ids.new_full((b, depth, ids.shape[-1]), -1)
         pad_p = probs.new_zeros((b, depth, ids.shape[-1]))
         ids, probs = torch.cat([ids, pad_i], 1), torch.cat([probs, pad_p], 1)
-        j = np.arange(t)
         out = []
         for d in range(depth):
-            ok = (j[None, :] >= first[:, None]) & (j[None, :] + d + 1 < lens[:, None])
-            okt = torch.from_numpy(ok).to(dev)[..., None]
+            okt = torch.from_numpy(self._has_target(t, lens, first, d)).to(dev)[..., None]
             out.append((ids[:, d + 1: d + 1 + t],
                         torch.where(okt, probs[:, d + 1: d + 1 + t], 0.0)))
         return out
@@ -140,7 +145,7 @@ class DraftTrainer:
         for d in range(depth):
             # anchor i's depth-d target is x_{i+d+2} = ids[:, i+d+1]; chains start at
             # i >= prompt_len - 1 and the target must exist
-            ok = (j[None, :] >= first[:, None]) & (j[None, :] + d + 1 < lens[:, None])
+            ok = self._has_target(t, lens, first, d)
             tg = ids[:, d + 1: d + 1 + t]
             tg = tg if to_draft is None else to_draft[tg]
             targets.append(torch.where(torch.from_numpy(ok).to(dev), tg, -100))
