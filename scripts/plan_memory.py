@@ -46,7 +46,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--k-max", type=int, default=None,
                    help=f"longest chain requests ask for, 1..{MAX_K} (default: the engine's, "
                         "the largest captured k)")
-    p.add_argument("--sample", action="store_true", help="sampled drafts (their distributions)")
+    p.add_argument("--sample", action=argparse.BooleanOptionalAction, default=None,
+                   help="drafts carry their distributions (--no-sample: point masses; default: "
+                        "the drafter's own, sampled for an EAGLE-3 head)")
     p.add_argument("--measure", action="store_true",
                    help="CUDA only: measure the largest shape's peak in a dry run")
     return p
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
         kernel_backend="triton", cuda_graphs=not args.no_cuda_graphs,
         graph_buckets=args.graph_buckets, gpu_memory_utilization=args.gpu_memory_utilization,
-        draft_options=(("sample", True),) if args.sample else ())
+        draft_options=() if args.sample is None else (("sample", args.sample),))
     e = cfg.torch_dtype.itemsize
     drafter = DrafterFacts.from_draft(cfg.draft, target, e)
     plan = plan_memory(target, cfg, int(args.gpu_memory_gb * GIB), drafter, k_max=args.k_max)

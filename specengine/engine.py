@@ -97,8 +97,10 @@ class SpecEngine:
         max_num_batched_tokens: most prompt tokens in one prefill batch.
         load_format: ``auto`` or ``dummy`` (random weights at the checkpoint's shapes).
         draft_options: keywords for the drafter, e.g. ``{"sample": True}``: a small-LM or MTP
-            drafter samples its chain drafts with each request's temperature / top-k / top-p
-            (and returns their distributions) instead of proposing its greedy choice.
+            drafter samples the chain drafts of sampled requests with each request's
+            temperature / top-k / top-p (and returns their distributions) instead of
+            proposing its greedy choice; an EAGLE-3 head does so by default
+            (``{"sample": False}``: argmax point masses).
         num_threads: torch CPU threads (process-wide); None: ``specengine.threads``' rule.
         cuda_graphs: run each decode step's verify pass + rejection sampling on static
             buffers padded to a batch-size bucket, replayed as a CUDA graph per bucket on CUDA

@@ -252,8 +252,8 @@ def test_a_planted_python_dependency_in_a_captured_pass_fails(
 
     loop = StaticFeatureChain._loop
 
-    def planted(self: StaticFeatureChain, rows: int, k: int) -> Any:
-        ids, probs = loop(self, rows, k)
+    def planted(self: StaticFeatureChain, rows: int, k: int, sample: bool) -> Any:
+        ids, probs = loop(self, rows, k, sample)
         ids.clamp_(max=2**20 + self.state.num_rows)  # a no-op on the ids; the launch differs
         return ids, probs
 

@@ -103,25 +103,35 @@ def test_sampled_drafts_carry_their_distributions(target_dir: Path, draft_dir: P
     assert isinstance(drafter, DraftModelDrafter) and not drafter.point_mass
     from specengine.core.sequence import Sequence
 
-    def propose(seed: int, params: SamplingParams) -> tuple[list[int], torch.Tensor]:
+    def propose(seed: int, params: SamplingParams) -> tuple[list[int], torch.Tensor | None]:
         seq = Sequence(10**6 + seed, [5, 9, 2, 7], params, seed, ())
         try:
             out = drafter.propose((seq,), [4], None)
         finally:
             drafter.release(seq)
-        assert out.probs is not None
-        return out.token_ids[0].tolist(), out.probs[0]
+        return out.token_ids[0].tolist(), None if out.probs is None else out.probs[0]
 
     sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
     tokens, probs = propose(1, sp)
-    assert probs.shape == (4, 128) and probs.dtype == torch.float32
+    assert probs is not None and probs.shape == (4, 128) and probs.dtype == torch.float32
     assert torch.allclose(probs.sum(-1), torch.ones(4))
     assert all(probs[j, t] > 0 for j, t in enumerate(tokens))
     assert int((probs > 0).sum(-1).max()) <= 20  # top-k applied
     assert propose(1, sp)[0] == tokens  # own seeded stream: reproducible
     assert len({tuple(propose(s, sp)[0]) for s in range(2, 8)}) > 1
-    greedy_tokens, greedy_probs = propose(1, SamplingParams(temperature=0.0))
-    assert torch.equal(greedy_probs.max(-1).values, torch.ones(4))  # one-hot point masses
+    # A greedy request's chain is the argmax chain and carries no distribution (point masses:
+    # the verify pass reads none, drafting.samples_drafts).
+    assert propose(1, SamplingParams(temperature=0.0))[1] is None
+    # Next to a sampled request, a greedy one's drafts are one-hot point masses.
+    seqs = (Sequence(7, [5, 9, 2, 7], sp, 1, ()),
+            Sequence(8, [5, 9, 2, 7], SamplingParams(temperature=0.0), 1, ()))
+    try:
+        out = drafter.propose(seqs, [4, 4], None)
+    finally:
+        for seq in seqs:
+            drafter.release(seq)
+    assert out.probs is not None and out.token_ids[0].tolist() == tokens
+    assert torch.equal(out.probs[1].max(-1).values, torch.ones(4))
 
 
 def test_sampled_draft_equal_to_target_is_accepted(target_dir: Path) -> None:

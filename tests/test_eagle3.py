@@ -141,6 +141,25 @@ def test_sampled_drafts_carry_their_distributions(engine: SpecEngine, head_dir: 
     assert drafts_of(drafter, engine, [4, 8, 15, 16, 23, 42], 3, params)[0] == ids  # by seed
 
 
+def test_a_head_samples_only_a_sampled_requests_drafts_by_default(engine: SpecEngine,
+                                                                 head_dir: Path) -> None:
+    """The default: a sampled request's chain is drawn from the head and carries its
+    distribution; a greedy request's chain is the argmax chain with none (no one-hot buffer
+    for the verify pass to read); ``sample=False`` proposes point masses at every temperature
+    (and the same argmax chain)."""
+    tokens, sampled = [4, 8, 15, 16, 23, 42], SamplingParams(temperature=1.0, seed=3)
+    default = Eagle3Drafter(head_dir, engine.draft_context)
+    assert default.sample and not default.point_mass
+    ids, probs = drafts_of(default, engine, tokens, 3, sampled)
+    assert probs is not None and probs.shape == (1, 3, default.draft_vocab.size)
+    greedy_ids, greedy_probs = drafts_of(default, engine, tokens, 3)
+    assert greedy_probs is None
+    point = Eagle3Drafter(head_dir, engine.draft_context, sample=False)
+    assert point.point_mass
+    assert drafts_of(point, engine, tokens, 3, sampled) == (greedy_ids, None)
+    assert drafts_of(point, engine, tokens, 3)[0] == greedy_ids
+
+
 def test_tree_ranks_past_the_draft_vocabulary_repeat_the_best_child(
         engine: SpecEngine, target_dir: Path, tmp_path: Path) -> None:
     """A head with 3 draft ids under a tree asking for ranks 3, 4 and 200 (past the target

@@ -177,8 +177,10 @@ def test_sharing_is_what_keeps_static_buffers_small(pair: tuple[Path, Path]) -> 
     # 2 x sum(b) x sum(k) x V x 4 bytes: ~22 GB, more than the whole plan's static part.
     per_shape = 2 * sum(BUCKETS) * sum(range(1, 9)) * V * 4
     assert per_shape > 5 * plan_8b(*pair).static_bytes
-    greedy = plan_8b(*pair, draft_options=())
+    greedy = plan_8b(*pair, draft_options=(("sample", False),))
     assert greedy.draft_probs_bytes == 0
+    # An EAGLE-3 head samples unless told not to (Eagle3Drafter's default): so does its plan.
+    assert plan_8b(*pair, draft_options=()) == plan_8b(*pair)
     assert greedy.kv_tokens > plan_8b(*pair).kv_tokens
     eager = plan_8b(*pair, cuda_graphs=False)
     assert eager.num_graphs == eager.graph_output_bytes == eager.shared_output_bytes == 0

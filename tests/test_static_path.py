@@ -90,6 +90,28 @@ def test_eagle3_sampled_drafts() -> None:
                static_passes=("verify", "draft", "observe"))
 
 
+def test_a_greedy_batch_drafts_without_distributions() -> None:
+    """An EAGLE-3 head samples the drafts of sampled requests by default; a batch of greedy
+    requests runs the argmax chain (its own captured pass) and a verify pass without draft
+    distributions, as a point-mass drafter's would."""
+    engine = SpecEngine(DEFAULT_TARGET, DEFAULT_DRAFT, device="cpu", dtype="float32",
+                        cuda_graphs=True, graph_buckets=BUCKETS, max_batch_size=4)
+    engine.graphs.graph_factory, engine.graphs.capture = ReplayingGraph, True
+    prompts = arith_prompts(4)
+
+    def captured(kind: str, sampled_at: int) -> set[bool]:
+        """Whether the captured passes of ``kind`` sample / read draft distributions."""
+        return {r.key[sampled_at] for r in engine.graphs.graph_stats.captures
+                if r.key[0] == kind and (kind == "draft" or r.key[2] > 1)}
+
+    engine.generate(prompts, k=3, sampling=SamplingParams(temperature=0.0, max_tokens=8))
+    assert captured("draft", -1) == captured("verify", 4) == {False}
+    engine.generate(prompts, k=3, sampling=SamplingParams(temperature=1.0, max_tokens=8,
+                                                          seed=5))
+    assert captured("draft", -1) == captured("verify", 4) == {False, True}
+    assert engine.graphs.verifier.state.num_sampled_rows == 0  # every row left the batch
+
+
 @pytest.mark.parametrize("tree", [None, TREE])
 def test_ngram_drafts_of_uneven_length(tree: list | None) -> None:
     # n-gram chains are often shorter than k: rows feed k + 1 tokens with padding.

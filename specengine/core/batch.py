@@ -85,6 +85,7 @@ class BatchState:
         self.mask = torch.zeros(capacity, MAX_MASKED_IDS + 1, dtype=torch.int64, device=device)
         self.num_min_tokens_rows = 0  # rows with min_tokens > 0
         self.num_logprobs_rows = 0  # rows asking for top-N logprobs (SamplingParams.logprobs)
+        self.num_sampled_rows = 0  # rows with temperature > 0 (a sampling drafter samples)
         self._mask_dirty = False
         self._send_views: dict[int, tuple[Tensor, Tensor]] = {}
         self.blocks = BlockRows(capacity, max_blocks, host_table)
@@ -173,6 +174,8 @@ class BatchState:
         self.host_limits[:, r] = (p.max_tokens, seq.num_prompt_tokens)
         if p.logprobs is not None:
             self.num_logprobs_rows += 1
+        if p.temperature > 0:
+            self.num_sampled_rows += 1
         if p.min_tokens > 0 and seq.stop_token_ids:
             ids = sorted(seq.stop_token_ids)
             self.host_mask[r, 0] = seq.num_prompt_tokens + p.min_tokens
@@ -186,6 +189,8 @@ class BatchState:
         last = len(self.seqs) - 1
         if self.seqs[r].params.logprobs is not None:
             self.num_logprobs_rows -= 1
+        if self.seqs[r].params.temperature > 0:
+            self.num_sampled_rows -= 1
         if self.host_mask[r, 0]:
             self.num_min_tokens_rows -= 1
             self._mask_dirty = True

@@ -144,6 +144,13 @@ class DrafterFacts:
     def has_model(self) -> bool:
         return self.kind != "host"
 
+    @property
+    def samples_by_default(self) -> bool:
+        """Its chains carry their distributions unless ``draft_options`` say ``sample``
+        False: an EAGLE-3 head samples by default (``Eagle3Drafter``), an LM or MTP drafter
+        proposes point masses unless asked to sample."""
+        return self.kind == "eagle3"
+
     @classmethod
     def eagle3(cls, head: ModelConfig, draft_vocab_size: int, dtype_bytes: int,
                num_aux: int = 3) -> DrafterFacts:
@@ -323,7 +330,8 @@ def plan_memory(target: ModelConfig, cfg: EngineConfig, total_bytes: int,
     ``total_bytes`` (see the module docstring). ``k_max``: the longest chain requests ask for
     (the captured shapes are k = 0 .. k_max per bucket, the draft-probability buffer is k_max
     wide); None: the engine's own, :func:`verify_k_max`. ``sampled``: drafts carry their
-    distributions (default: the ``sample`` draft option). Without a drafter every step
+    distributions (default: the ``sample`` draft option, else the drafter's own default:
+    :attr:`DrafterFacts.samples_by_default`). Without a drafter every step
     feeds one token per row. Trees are not planned (a tree shape adds its own graphs)."""
     if k_max is None:
         k_max = verify_k_max(cfg)
@@ -333,7 +341,7 @@ def plan_memory(target: ModelConfig, cfg: EngineConfig, total_bytes: int,
     n_max = 1 if drafter is None else k_max + 1
     drafter = drafter or DrafterFacts.host()
     if sampled is None:
-        sampled = bool(dict(cfg.draft_options).get("sample", False))
+        sampled = bool(dict(cfg.draft_options).get("sample", drafter.samples_by_default))
     sampled = sampled and drafter.has_model  # n-gram / suffix drafts are point masses
     e = _dtype_bytes(cfg.torch_dtype)
     h, v = target.hidden_size, target.vocab_size

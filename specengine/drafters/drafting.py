@@ -57,6 +57,15 @@ def processed_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
     return w / w.sum(1, keepdim=True)
 
 
+def samples_drafts(sample: bool, seqs: list[Sequence]) -> bool:
+    """Whether a chain over ``seqs`` draws its drafts: the drafter's ``sample`` option is on and
+    at least one request samples. A batch of greedy requests takes argmaxes and carries no
+    distributions, so it costs what a point-mass drafter's chain costs (no ``[B, k, V]``
+    one-hots for the verify pass to read). Decided once per chain, never per depth: a row's
+    drafts are all sampled or all point masses."""
+    return sample and max([s.params.temperature for s in seqs], default=0.0) > 0
+
+
 def choose_tokens(logits: Tensor, seqs: list[Sequence], positions: list[int],
                   sample: bool, vocab_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Draft tokens from ``logits [B, V]``: the argmax (``sample`` False, or greedy requests),
@@ -143,6 +152,7 @@ def run_chain(seqs: tuple[Sequence, ...], num_drafts: list[int], logits: Tensor,
     ids = torch.zeros(len(seqs), width, dtype=torch.int64, device=device)
     probs = None
     rows = [b for b, n in enumerate(num_drafts) if n > 0]
+    sample = samples_drafts(sample, [seqs[b] for b in rows])
     tokens = ids[:0, 0]
     for j in range(width):
         if j > 0:

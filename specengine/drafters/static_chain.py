@@ -114,7 +114,7 @@ class StaticFeatureChain(StaticDrafts):
         ``max(num_drafts)`` tokens, ``num_draft_tokens`` says how many count."""
         k = max(num_drafts)
         rows = self.graphs.padded_rows(len(seqs))
-        key, fn = self._draft_pass(rows, k)
+        key, fn = self._draft_pass(rows, k, self.samples_now)
         ids, probs = self.graphs.run_graph(key, rows, fn)
         b = len(seqs)
         if b < rows:  # a batch padded to its bucket: its own rows
@@ -124,8 +124,8 @@ class StaticFeatureChain(StaticDrafts):
         return DraftProposal(ids, np.asarray(num_drafts, dtype=np.int64), probs,
                              as_asked=True, in_place=probs is None)
 
-    def _draft_pass(self, rows: int, k: int) -> Pass:
-        return ("draft", rows, k, self.drafter.sample), lambda: self._loop(rows, k)
+    def _draft_pass(self, rows: int, k: int, sample: bool) -> Pass:
+        return ("draft", rows, k, sample), lambda: self._loop(rows, k, sample)
 
     def _observe_pass(self, shape: VerifyShape, out: VerifyOutput) -> Pass:
         return shape.graph_keys["observe"], lambda: self._observe(shape, out)
@@ -133,7 +133,7 @@ class StaticFeatureChain(StaticDrafts):
     # ---- capture at start (GraphRunner.capture_startup) -------------------------------------
     def startup_draft(self, rows: int, k: int) -> list[Pass]:
         self._ensure_root(*self._root_layout())  # the passes read it: made before capture
-        return [self._draft_pass(rows, k)]
+        return [self._draft_pass(rows, k, self.samples)]
 
     def startup_observe(self, shape: VerifyShape, out: VerifyOutput) -> list[Pass]:
         self._ensure_root(*self._root_layout())
@@ -145,7 +145,7 @@ class StaticFeatureChain(StaticDrafts):
         return self.graphs.verifier.runner.model.config.hidden_size, param.dtype
 
     @torch.inference_mode()
-    def _loop(self, rows: int, k: int) -> tuple[Tensor, Tensor | None]:
+    def _loop(self, rows: int, k: int, sample: bool) -> tuple[Tensor, Tensor | None]:
         d, st = self.drafter, self.state
         ints = st.ints[:, :rows]
         base = ints[CTX] - 1  # the root entry's position: len - 2
@@ -170,7 +170,7 @@ class StaticFeatureChain(StaticDrafts):
                                          qo_indptr=indptr, max_q_len=1)
                 hidden, _ = d.module(tokens, hidden, pos, d.kv_cache.kv, meta,
                                      d.runner.backend)
-            tokens, probs = self.choose(d.chain_logits(hidden), d.sample, j, ids, probs,
+            tokens, probs = self.choose(d.chain_logits(hidden), sample, j, ids, probs,
                                         None if d.draft_vocab is None else d.draft_vocab.to_target)
         return ids, probs
 

@@ -33,6 +33,12 @@ class StaticDrafts:
         """Chain drafts carry their distributions (the verify pass then reads probs)."""
         return bool(self.drafter.sample)  # type: ignore[attr-defined]
 
+    @property
+    def samples_now(self) -> bool:
+        """This step's chains draw their drafts: the drafter samples and a row of the batch
+        samples (``drafting.samples_drafts``: a greedy batch drafts argmaxes, no ``q``)."""
+        return self.samples and self.state.num_sampled_rows > 0
+
     def startup_draft(self, rows: int, k: int) -> list[Pass]:
         """The draft passes a step of ``rows`` x ``k`` (k >= 1) runs, for
         ``GraphRunner.capture_startup``: the same keys and functions ``propose`` runs."""

@@ -80,18 +80,17 @@ class StaticLMChain(StaticDrafts):
         rows = self.graphs.padded_rows(b)
         self._host_in[b:rows] = 0  # padded rows: count 0, no KV write
         self.inputs[:rows].copy_(self._host_in_t[:rows], non_blocking=d.device.type == "cuda")
-        key, fn = self._draft_pass(rows, width, k)
+        key, fn = self._draft_pass(rows, width, k, self.samples_now)
         ids, probs = self.graphs.run_graph(key, rows, fn)
         return DraftProposal(ids[:b], num_drafts, None if probs is None else probs[:b])
 
-    def _draft_pass(self, rows: int, width: int, k: int) -> Pass:
-        return (("lm-draft", rows, width, k, self.drafter.sample),
-                lambda: self._loop(rows, width, k))
+    def _draft_pass(self, rows: int, width: int, k: int, sample: bool) -> Pass:
+        return (("lm-draft", rows, width, k, sample), lambda: self._loop(rows, width, k, sample))
 
     def startup_draft(self, rows: int, k: int) -> list[Pass]:
         """Every :data:`STARTUP_WIDTHS` catch-up width (``GraphRunner.capture_startup``; the
         neutral rows' inputs say count 0: no KV write)."""
-        return [self._draft_pass(rows, w, k) for w in STARTUP_WIDTHS]
+        return [self._draft_pass(rows, w, k, self.samples) for w in STARTUP_WIDTHS]
 
     def observe(self, num_rows: int, num_accepted: np.ndarray) -> bool:
         """``LMSlots.observe`` for batch rows ``0 .. num_rows-1``; False when a row's
@@ -129,7 +128,8 @@ class StaticLMChain(StaticDrafts):
         return hidden.view(rows, n, -1)
 
     @torch.inference_mode()
-    def _loop(self, rows: int, width: int, k: int) -> tuple[Tensor, Tensor | None]:
+    def _loop(self, rows: int, width: int, k: int, sample: bool
+              ) -> tuple[Tensor, Tensor | None]:
         d = self.drafter
         slot = self.state.ints[SLOT, :rows]
         table = self.table[torch.where(slot < 0, self.table.shape[0] - 1, slot)]
@@ -148,5 +148,5 @@ class StaticLMChain(StaticDrafts):
                 pos = length - 1 + i
                 h = self._pass(tokens[:, None], pos[:, None], active, pos, table)
                 logits = d.module.compute_logits(h[:, 0])
-            tokens, probs = self.choose(logits, d.sample, i, ids, probs)
+            tokens, probs = self.choose(logits, sample, i, ids, probs)
         return ids, probs
