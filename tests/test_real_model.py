@@ -15,6 +15,7 @@ Skipped, with the command to run, when the checkpoint is not built (.ci/run buil
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -238,3 +239,28 @@ def test_every_drafter_gives_k0s_output(name: str, ckpt: Path, draft_base,
             assert again.num_accepted_tokens >= 0.5 * again.num_draft_tokens > 0
             assert again.mean_accepted_length >= 1.5
         assert eng.kv_cache.num_free_blocks == eng.kv_cache.num_blocks
+
+
+def test_eval_draft_head_compares_sampled_and_argmax_drafts(ckpt: Path, tmp_path: Path) -> None:
+    """``benchmarks/eval_draft_head.py``: the two prompt sets share no problem; greedy rows
+    are identical to k=0 and the same whether the head samples its drafts or not (sampling
+    them only changes what sampled requests are proposed)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import eval_draft_head as edh
+
+    sets = list(edh.prompt_sets(16).values())
+    assert len(sets[0]) == len(sets[1]) == 16 and not {str(p) for p in sets[0]} & {
+        str(p) for p in sets[1]}
+    head = Path(_draft_arg("eagle3", ckpt, tmp_path))
+    runs = {}
+    for point_mass in (False, True):
+        out = tmp_path / f"{point_mass}.json"
+        argv = ["--model", str(ckpt), "--head", str(head), "--num-prompts", "1",
+                "--max-tokens", "4", "--threads", "1", "--json", str(out)]
+        assert edh.main(argv + (["--point-mass"] if point_mass else [])) == 0
+        runs[point_mass] = json.loads(out.read_text())["sets"]
+    for name, ev in runs[False].items():
+        greedy, other = ev["by_temperature"]["0"], runs[True][name]["by_temperature"]["0"]
+        assert [r["identical_to_k0"] for r in greedy.values()] == [1] * 5
+        assert greedy == other
+        assert ev["by_temperature"]["1"].keys() == greedy.keys()

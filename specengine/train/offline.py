@@ -597,15 +597,18 @@ def generate_set(cfg: TrainDraftConfig, prompts: list[list[int]], gen_head: Path
     return data, held
 
 
-def evaluate(cfg: TrainDraftConfig, prompts: list[list[int]]) -> dict[str, Any]:
+def evaluate(cfg: TrainDraftConfig, prompts: list[list[int]],
+             draft_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Rollouts of ``prompts`` with the head in ``cfg.out`` at k = 0 and 1..5, at each of
     ``cfg.eval_temperatures`` (greedy: whether each k reproduced k = 0; sampling: seeded,
-    the policy's distribution whatever k, so only the acceptance is compared)."""
+    the policy's distribution whatever k, so only the acceptance is compared).
+    ``draft_options``: the drafter's (e.g. ``{"sample": False}``); None: its defaults."""
     from specengine.sampling import SamplingParams
 
     batch = max(1, min(len(prompts), GEN_BATCH))
-    engine = (_engine(cfg, "mtp", cfg.out, max_batch_size=batch) if cfg.arch == "mtp"
-              else _engine(cfg, cfg.out, max_batch_size=batch))
+    engine = (_engine(cfg, "mtp", cfg.out, max_batch_size=batch, draft_options=draft_options)
+              if cfg.arch == "mtp"
+              else _engine(cfg, cfg.out, max_batch_size=batch, draft_options=draft_options))
     max_tokens = cfg.eval_max_tokens or cfg.max_tokens
     by_temp: dict[str, Any] = {}
     try:
