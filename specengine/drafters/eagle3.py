@@ -191,7 +191,7 @@ class Eagle3Drafter(OnlineAdaptation, FeatureDrafter):
     (``sample=True``, the default); greedy requests take the head's argmax. ``sample=False``
     proposes the argmax as a point mass at every temperature. Sampling is the default because
     a draft is then accepted with probability ``sum min(p, q)`` instead of ``p(argmax q)``:
-    on SmolLM2-135M at T=1 with a trained head, 1.96 tokens per step at k=3 against 1.55
+    on SmolLM2-135M at T=1 with a trained head, 1.99 tokens per step at k=3 against 1.66
     (benchmarks/RESULTS.md, "Sampled drafts at T=1"). Trees take each node's rank-r children.
 
     Online adaptation (``drafters/adapt.py``; engine ``draft_options``): ``adapt_buffer_tokens``
