@@ -69,7 +69,9 @@ class DraftModelDrafter(Drafter):
 
     ``sample=False`` (default): greedy point-mass drafts (``probs`` None). ``sample=True``:
     chain drafts are drawn from the request's temperature / top-k / top-p distribution on the
-    drafter's own seeded stream and ``probs`` holds those distributions. Trees always take each
+    drafter's own seeded stream and ``probs`` holds those distributions (a chain of greedy
+    requests only is the argmax chain, ``probs`` None: ``drafting.samples_drafts``; a greedy
+    row next to sampled ones gets one-hot rows). Trees always take each
     node's rank-r most likely child (point masses). ``module`` is the draft ``CausalLM``
     (checkpoint names); :meth:`load_weights` updates it in place.
     """
