@@ -33,26 +33,27 @@ DEFAULT_MODEL = Path.home() / ".cache/specengine/smollm2-135m-instruct"
 FRESH_SEED = 4242  # the seed of problems no setting was chosen on
 
 
-def prompt_sets(num: int) -> dict[str, list[Any]]:
+def prompt_sets(num: int, fresh_seed: int = FRESH_SEED) -> dict[str, list[Any]]:
     """The evaluation problems and as many never used before (none shared with the first)."""
     held = math_task.heldout_prompts(num)
     seen = {str(p) for p in held}
-    fresh = [p for p in math_task.heldout_prompts(3 * num + 8, seed=FRESH_SEED)
+    fresh = [p for p in math_task.heldout_prompts(3 * num + 8, seed=fresh_seed)
              if str(p) not in seen][:num]
     if len(fresh) < num:
         raise ValueError(f"only {len(fresh)} new problems for {num} asked")
-    return {"evaluation set": held, f"never used (seed {FRESH_SEED})": fresh}
+    return {"evaluation set": held, f"never used (seed {fresh_seed})": fresh}
 
 
 def run(model: Path, head: Path, point_mass: bool, num: int, max_tokens: int,
-        threads: int | None, device: str) -> dict[str, Any]:
+        threads: int | None, device: str, fresh_seed: int = FRESH_SEED,
+        temperatures: tuple[float, ...] = (0.0, 1.0)) -> dict[str, Any]:
     # (evaluate reads the head from ``out`` and no prompt file: ``prompts`` is a placeholder)
     cfg = TrainDraftConfig(model=model, prompts=head / "config.json", out=head,
                            eval_max_tokens=max_tokens, device=device, num_threads=threads,
-                           eval_temperatures=(0.0, 1.0))
+                           eval_temperatures=temperatures)
     options = {"sample": False} if point_mass else None
     out = {}
-    for name, prompts in prompt_sets(num).items():
+    for name, prompts in prompt_sets(num, fresh_seed).items():
         out[name] = evaluate(cfg, tokenize_prompts(model, prompts), draft_options=options)
         logging.getLogger(__name__).info("%s done", name)
     return out
@@ -69,10 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=80)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--fresh-seed", type=int, default=FRESH_SEED,
+                    help="seed of the second set (another seed: problems never looked at)")
+    ap.add_argument("--temperatures", default="0,1", help="comma-separated (0 = greedy)")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = ap.parse_args(argv)
     res = run(args.model, args.head, args.point_mass, args.num_prompts, args.max_tokens,
-              args.threads, args.device)
+              args.threads, args.device, args.fresh_seed,
+              tuple(float(t) for t in args.temperatures.split(",")))
     drafts = "argmax point masses" if args.point_mass else "sampled for sampled requests"
     for name, ev in res.items():
         print(f"== {name}; drafts: {drafts}\n{format_table(ev)}")

@@ -606,9 +606,9 @@ def evaluate(cfg: TrainDraftConfig, prompts: list[list[int]],
     from specengine.sampling import SamplingParams
 
     batch = max(1, min(len(prompts), GEN_BATCH))
-    engine = (_engine(cfg, "mtp", cfg.out, max_batch_size=batch, draft_options=draft_options)
-              if cfg.arch == "mtp"
-              else _engine(cfg, cfg.out, max_batch_size=batch, draft_options=draft_options))
+    mtp = cfg.arch == "mtp"  # the output is then the target with its MTP layers
+    engine = _engine(cfg, "mtp" if mtp else cfg.out, cfg.out if mtp else None,
+                     max_batch_size=batch, draft_options=draft_options)
     max_tokens = cfg.eval_max_tokens or cfg.max_tokens
     by_temp: dict[str, Any] = {}
     try:
