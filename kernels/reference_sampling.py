@@ -155,7 +155,8 @@ def rejection_sample(
 
     The processed law of a sampled row is temperature → min-p → top-k → top-p
     (:func:`keep_threshold`); logits may hold -inf (tokens masked out, e.g. by ``min_tokens``:
-    never kept, never emitted).
+    never kept, never emitted), never +inf or NaN, and a row the walk reads has a finite logit
+    (the launcher's value checks refuse the rest).
 
     With ``draft_index`` the drafts were drawn from ``draft_probs [B, N-1, Vd]`` over the
     drafter's own vocabulary: the distribution judged is exactly that one in target ids

@@ -96,8 +96,21 @@ def validate_inputs(logits: Tensor, drafts: Tensor, num_draft: Tensor, q: Tensor
     n = num_draft.long()
     c = torch.arange(n_rows - 1, device=dev)
     used = (n[:, None] > 0) if parents is not None else (c[None] < n[:, None])
+    # The rows the walk can read: a chain's rows up to its drafts, a tree's all or its root.
+    # Their logits must be below +inf and not NaN (-inf masks a token), with one finite logit
+    # per row: an overflowed model's +inf would make the softmax's z - max NaN and the draw
+    # meaningless, and an all -inf row has no token to emit.
+    reach = ((n[:, None] > 0) | (torch.arange(n_rows, device=dev)[None] == 0)
+             if parents is not None else torch.arange(n_rows, device=dev)[None] <= n[:, None])
+    bad = torch.isnan(logits) | torch.isposinf(logits)
     conds = [
         (((n >= 0) & (n <= n_rows - 1)).all(), f"num_draft_tokens must be in [0, {n_rows - 1}]"),
+        ((~reach | ~bad.any(-1)).all(),
+         "target_logits must hold no NaN or +inf in the rows the walk reads (the model "
+         "overflowed?); -inf masks a token"),
+        ((~reach | torch.isfinite(logits).any(-1)).all(),
+         "every row of target_logits the walk reads needs a finite logit (a row all -inf has "
+         "no token to emit)"),
         ((~used | ((drafts >= 0) & (drafts < vocab))).all(),
          f"draft_token_ids of used drafts must be in [0, {vocab})"),
         (((temperature >= 0) & torch.isfinite(temperature)).all(),

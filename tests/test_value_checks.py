@@ -142,6 +142,36 @@ def test_bad_values_raise_when_checks_on() -> None:
                                                               mask, scale), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_nan_or_plus_inf_logits_in_a_row_the_walk_reads_raise(mode: str) -> None:
+    """+inf / NaN (an overflowed model) or a row all -inf is refused by name when checks are
+    on, but only in rows the walk reads: a chain's rows past its drafts are never read."""
+    logits, drafts, nd, *rest = _sampling_args(mode)
+    n_rows = logits.shape[1]
+    nd = torch.full_like(nd, 0 if mode == "chain" else n_rows - 1)
+    nd[0] = 1 if mode == "chain" else 0  # sequence 0 reads rows 0-1 (chain) or only its root
+    for value, match in ((float("inf"), "no NaN or \\+inf"), (float("nan"), "no NaN or"),
+                         (float("-inf"), "needs a finite logit")):
+        bad = logits.clone()
+        if value == float("-inf"):
+            bad[1, 0] = value  # a whole row
+        else:
+            bad[1, 0, 7] = value
+        with value_checks(True), pytest.raises(ValueError, match=match):
+            rejection_sample(bad, drafts, nd, *rest)
+        unread = logits.clone()
+        if value == float("-inf"):
+            unread[0, n_rows - 1] = value
+        else:
+            unread[0, n_rows - 1, 7] = value  # sequence 0 never reads its last row
+        with value_checks(True):
+            rejection_sample(unread, drafts, nd, *rest)
+    masked = logits.clone()
+    masked[1, 0, :-1] = float("-inf")  # one finite logit left: valid
+    with value_checks(True):
+        rejection_sample(masked, drafts, nd, *rest)
+
+
 def test_switch_restores_and_reads_env(monkeypatch: pytest.MonkeyPatch) -> None:
     before = value_checks_enabled()
     with value_checks(not before):
