@@ -40,6 +40,25 @@ from specengine.kernels.reference_layer import split_qkv_rope
 DEPTH_WEIGHT = 0.8
 
 
+def chain_attention(q: Tensor, k: Tensor, v: Tensor, causal: Tensor, own_k: list[Tensor],
+                    own_v: list[Tensor], scale: float) -> Tensor:
+    """Attention of the anchors' queries ``q [B, T', Hq, D]`` over the target-feature entries
+    ``k / v [B, T, Hq, D]`` (``causal [B, 1, T', T]``) and over each anchor's own entries of
+    the earlier depths (``own_k / own_v``, one ``[B, T', Hq, D]`` per depth: the diagonal
+    keys its draft chain wrote)."""
+    t = k.shape[1]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    scores = scores.masked_fill(~causal, float("-inf"))
+    if own_k:
+        diag = torch.stack([(q * kk).sum(-1) for kk in own_k], -1) * scale
+        scores = torch.cat([scores, diag.permute(0, 2, 1, 3)], -1)  # [B, Hq, T', T+d]
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs[..., :t], v)
+    for e, vv in enumerate(own_v):
+        out = out + probs[..., t + e].permute(0, 2, 1)[..., None] * vv
+    return out
+
+
 class HeadMath:
     """The head's forward as differentiable tensor maths over a dict of parameters."""
 
@@ -135,15 +154,7 @@ class HeadMath:
                 q, k, v, res = self.qkv(p, ids[:, start + d: d + t], g, pos[start:] + d)
                 own_k.append(k.repeat_interleave(group, dim=2))
                 own_v.append(v.repeat_interleave(group, dim=2))
-            scores = torch.einsum("bqhd,bkhd->bhqk", q, k0) * self.scale
-            scores = scores.masked_fill(~causal, float("-inf"))
-            if own_k:
-                diag = torch.stack([(q * kk).sum(-1) for kk in own_k], -1) * self.scale
-                scores = torch.cat([scores, diag.permute(0, 2, 1, 3)], -1)  # [B, Hq, T', T+d]
-            probs = torch.softmax(scores, dim=-1)
-            attn = torch.einsum("bhqk,bkhd->bqhd", probs[..., :t], v0)
-            for e, vv in enumerate(own_v):
-                attn = attn + probs[..., t + e].permute(0, 2, 1)[..., None] * vv
+            attn = chain_attention(q, k0, v0, causal, own_k, own_v, self.scale)
             g = self.finish(p, attn, res)
             out.append(self.logits(p, g))
         return out

@@ -1,0 +1,307 @@
+"""A/B of fresh EAGLE-3 head shapes on one saved set of rollouts (issue 34 item 3: which
+choices matter once data and steps are fixed).
+
+``rollouts`` runs ``train-draft``'s generation once (``offline.generate_set``: the policy at
+``--temperature`` with its top-20 distribution recorded per token, then greedy rollouts of the
+held-out prompts) and saves both sets. ``train`` then trains one head variant on it with
+``train-draft``'s loop (``DraftTrainer``, ``HeadOptimizer``, its step schedule and learning
+rate) and reports at ``--points`` points:
+
+- the greedy mean accepted length of the held-out greedy rollouts replayed with the head's
+  unrolled maths (``offline.offline_acceptance``, k = 1..5), as train-draft's curve;
+- a T=1 proxy on the last ``--proxy-rollouts`` sampled rollouts, never trained on: per depth,
+  the mean of ``sum_x min(p(x), q(x))`` with ``p`` the policy's recorded top-20 distribution
+  over draft ids (renormalised there) and ``q`` the head's (teacher forced). That is the
+  probability that a draft drawn from ``q`` is accepted at that depth, given the earlier ones
+  were (EAGLE-3 heads draw the drafts of sampled requests).
+
+Variants: ``--mlp-width`` (the head's MLP, default the target's), ``--draft-vocab-size``,
+``--feature-rms-norm`` (each aux layer's feature divided by its RMS per token before ``fc``),
+``--layers 2`` (a second decoder layer after the EAGLE-3 layer, :class:`TwoLayerMath`), ``--lr``,
+``--steps``, ``--batch-tokens``. The last two shapes are trials of the maths only: the engine
+loads one-layer heads with raw features (the published EAGLE-3 layout).
+
+Usage::
+
+    python benchmarks/ab_draft_head.py rollouts --model DIR --prompts train.jsonl \\
+        --eval-prompts held.jsonl --out SET.safetensors [--rollout-tokens 200000] [--threads 2]
+    python benchmarks/ab_draft_head.py train --model DIR --data SET.safetensors --name base \\
+        [--mlp-width 3072] [--draft-vocab-size 8192] [--feature-rms-norm] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from specengine.drafters.adapt_math import HeadMath, chain_attention
+from specengine.drafters.draft_trainer import DraftTrainer, HeadOptimizer
+from specengine.kernels.reference import rms_norm
+from specengine.model.config import ModelConfig
+from specengine.model.llama import MLP, Attention, RMSNorm
+from specengine.train.data import read_prompts, tokenize_prompts
+from specengine.train.head_init import (
+    build_head,
+    fresh_config,
+    most_frequent,
+    read_config,
+    write_head,
+)
+from specengine.train.offline import (
+    GeneratedSet,
+    TrainDraftConfig,
+    generate_set,
+    learning_rate,
+    offline_acceptance,
+    read_embedding,
+    training_schedule,
+)
+
+logger = logging.getLogger("ab_draft_head")
+GROUP = 16  # sequences per padded forward of the proxy
+
+
+def held_path(data: Path) -> Path:
+    return data.with_name(data.stem + ".held.safetensors")
+
+
+def save_rollouts(args: argparse.Namespace) -> dict[str, Any]:
+    """Generate and save the training set (``--out``) and the held-out greedy set beside it."""
+    cfg = TrainDraftConfig(
+        model=args.model, prompts=args.prompts, eval_prompts=args.eval_prompts,
+        out=args.out.parent, holdout=args.holdout, eval_max_tokens=args.eval_max_tokens,
+        temperature=args.temperature, max_tokens=args.max_tokens,
+        rollout_tokens=args.rollout_tokens, device=args.device, num_threads=args.threads,
+        progress=False)
+    target_cfg, embed = read_config(args.model), read_embedding(args.model)
+    prompts = tokenize_prompts(args.model, read_prompts(args.prompts))
+    held_prompts = tokenize_prompts(args.model, read_prompts(args.eval_prompts))[: args.holdout]
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:  # a random head only drives the capture
+        torch.manual_seed(cfg.seed)
+        gen_cfg = fresh_config(target_cfg, min(embed.num_embeddings, 4096), "float32")
+        write_head(build_head(gen_cfg, embed, torch.device("cpu")), gen_cfg, tmp, torch.float32)
+        data, held = generate_set(cfg, prompts, Path(tmp), embed.num_embeddings, None,
+                                  held_prompts)
+    assert held is not None
+    data.holdout = held_prompts
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    data.save(args.out)
+    held.save(held_path(args.out))
+    return {"num_tokens": data.num_tokens, "num_seqs": len(data.seqs),
+            "num_held": len(held.seqs), "seconds": time.perf_counter() - t0}
+
+
+def rms_normalise_features(data: GeneratedSet, num_aux: int = 3, chunk: int = 65536) -> None:
+    """Each aux layer's feature divided by its RMS, per token, in place (``--feature-rms-norm``)."""
+    assert data.feats is not None
+    h = data.feats.shape[1] // num_aux
+    for i in range(0, data.feats.shape[0], chunk):
+        f = data.feats[i: i + chunk].view(-1, num_aux, h)
+        f.mul_(torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class SecondLayer(nn.Module):
+    """A Llama decoder layer of the head's shape (input H wide), parameter names as the
+    EAGLE-3 layer's: what ``--layers 2`` stacks after it (``head.layer2``)."""
+
+    def __init__(self, cfg: ModelConfig, rope: nn.Module) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rope, in_features=h)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class TwoLayerMath(HeadMath):
+    """``HeadMath.unroll`` with a second decoder layer (``layer2.*``) after the EAGLE-3 layer:
+    at every depth the layer-1 output of an entry goes through layer 2, whose attention reads
+    layer 2's own keys and values of the context entries and of the anchor's chain (as a
+    paged cache would hold them); the next depth reads layer 2's output. With layer 2's
+    ``o_proj`` and ``down_proj`` zero it is the identity and this is ``HeadMath.unroll``."""
+
+    def _layer(self, p: dict[str, Tensor], name: str, x: Tensor, positions: Tensor
+               ) -> tuple[Tensor, Tensor, Tensor]:
+        normed = rms_norm(x, p[name + "input_layernorm.weight"], self.eps)
+        return self.attn_qkv(p, name + "self_attn.", normed, positions, self.head.rotary_emb)
+
+    def unroll(self, p: dict[str, Tensor], feats: Tensor, ids: Tensor, valid: Tensor,
+               depth: int, start: int = 0) -> list[Tensor]:
+        b, t = valid.shape
+        group = self.num_heads // self.num_kv_heads
+        rep = lambda x: x.repeat_interleave(group, dim=2)  # noqa: E731
+        pos = torch.arange(t, device=feats.device)
+        full = (pos[:, None] >= pos[None, :])[None, None] & valid[:, None, None, :]
+        causal = full[:, :, start:]
+        # layer 1 over every entry: layer 2 reads the context's layer-1 outputs
+        q, k1, v1, res = self.qkv(p, ids[:, :t], feats, pos)
+        k1, v1 = rep(k1), rep(v1)
+        h1 = self.finish(p, chain_attention(q, k1, v1, full, [], [], self.scale), res)
+        q2, k2, v2 = self._layer(p, "layer2.", h1, pos)
+        k2, v2 = rep(k2), rep(v2)
+        g = self.layer_out(p, "layer2.", "layer2.mlp.",
+                           chain_attention(q2[:, start:], k2, v2, causal, [], [], self.scale),
+                           h1[:, start:])
+        out = [self.logits(p, g)]
+        own1_k: list[Tensor] = []
+        own1_v: list[Tensor] = []
+        own2_k: list[Tensor] = []
+        own2_v: list[Tensor] = []
+        for d in range(1, depth):
+            q, k, v, res = self.qkv(p, ids[:, start + d: d + t], g, pos[start:] + d)
+            own1_k.append(rep(k))
+            own1_v.append(rep(v))
+            h1 = self.finish(p, chain_attention(q, k1, v1, causal, own1_k, own1_v, self.scale), res)
+            q2, k, v = self._layer(p, "layer2.", h1, pos[start:] + d)
+            own2_k.append(rep(k))
+            own2_v.append(rep(v))
+            g = self.layer_out(p, "layer2.", "layer2.mlp.",
+                               chain_attention(q2, k2, v2, causal, own2_k, own2_v, self.scale), h1)
+            out.append(self.logits(p, g))
+        return out
+
+
+def t1_proxy(trainer: DraftTrainer, params: dict[str, torch.Tensor], data: GeneratedSet,
+             seqs: list[Any], depth: int) -> list[float]:
+    """Per depth, the mean over anchors of ``sum_x min(p(x), q(x))`` (module docstring)."""
+    num, den = torch.zeros(depth), torch.zeros(depth)
+    with torch.no_grad():
+        for i in range(0, len(seqs), GROUP):
+            group = sorted(seqs[i: i + GROUP], key=lambda s: len(s.rows))
+            feats, ids, valid, _ = trainer.batch(data, group)
+            soft = trainer.soft_targets(data, group)
+            assert soft is not None, "the set records no distributions (soft labels)"
+            logits = trainer.math.unroll(params, feats, ids, valid, depth)
+            for d in range(depth):
+                sid, sp = soft[d]  # [B, T, K] draft ids (-1: none), probabilities
+                q = torch.softmax(logits[d].float(), -1)
+                qx = q.gather(-1, sid.clamp_min(0)) * (sid >= 0)
+                kept = torch.minimum(sp, qx).sum(-1)
+                has = sp.sum(-1) > 0
+                num[d] += kept[has].sum()
+                den[d] += has.sum()
+    return (num / den.clamp_min(1)).tolist()
+
+
+def train_variant(args: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(0)
+    data = GeneratedSet.load(args.data)
+    held = GeneratedSet.load(held_path(args.data))
+    if args.feature_rms_norm:
+        rms_normalise_features(data)
+        rms_normalise_features(held)
+    target_cfg, embed = read_config(args.model), read_embedding(args.model)
+    vocab = min(embed.num_embeddings, args.draft_vocab_size)
+    head_cfg = fresh_config(target_cfg, vocab, "bfloat16")
+    if args.mlp_width:
+        head_cfg["intermediate_size"] = args.mlp_width
+    if not 0 < args.proxy_rollouts < len(data.seqs):
+        raise ValueError(f"--proxy-rollouts must be in [1, {len(data.seqs) - 1}]")
+    head = build_head(head_cfg, embed, torch.device("cpu"),
+                      draft_to_target=most_frequent(data.counts, vocab))
+    math = None
+    if args.layers == 2:
+        mc = ModelConfig.from_dict({**head_cfg, "architectures": ["LlamaForCausalLM"],
+                                    "model_type": "llama"})
+        head.layer2 = SecondLayer(mc, head.rotary_emb).float()
+        math = TwoLayerMath(head, embed)
+    elif args.layers != 1:
+        raise ValueError(f"--layers must be 1 or 2, got {args.layers}")
+    opt = HeadOptimizer(head)
+    trainer = DraftTrainer(head, embed, torch.device("cpu"), depth=args.ttt_steps,
+                           batch_tokens=args.batch_tokens, seed=0, math=math)
+    train_seqs = data.seqs[: -args.proxy_rollouts]
+    proxy_seqs = data.seqs[-args.proxy_rollouts:]
+    cfg = TrainDraftConfig(model=args.model, prompts=args.data, out=args.data.parent,
+                           steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr)
+    schedule = training_schedule(train_seqs, cfg)
+    points = {max(1, round(len(schedule) * (i + 1) / args.points)) for i in range(args.points)}
+    out: dict[str, Any] = {"name": args.name, "params": sum(p.numel() for p in head.parameters()),
+                           "head_config": head_cfg, "curve": []}
+    t0 = time.perf_counter()
+    for step, batch_ids in enumerate(schedule):
+        batch = [train_seqs[i] for i in batch_ids]
+        with torch.enable_grad():
+            loss = trainer.objective(data, batch, opt.masters)
+        opt.step(loss, learning_rate(step, len(schedule), args.lr))
+        if step + 1 in points:
+            acc = offline_acceptance(trainer, opt.masters, held)
+            row = {"step": step + 1, "loss": float(loss.detach()),
+                   "seconds": time.perf_counter() - t0,
+                   "greedy_mean_accepted_length": {
+                       k: v["mean_accepted_length"] for k, v in acc.items()},
+                   "greedy_acceptance_per_position_k3": acc["3"]["acceptance_per_position"],
+                   "t1_proxy_per_depth": t1_proxy(trainer, opt.masters, data, proxy_seqs,
+                                                  args.ttt_steps)}
+            out["curve"].append(row)
+            logger.info("%s", row)
+    return out
+
+
+def format_rows(result: dict[str, Any]) -> str:
+    lines = [f"{result['name']} ({result['params'] / 1e6:.1f} M parameters)"]
+    for r in result["curve"]:
+        g = r["greedy_mean_accepted_length"]
+        lines.append(f"  step {r['step']}: greedy k=1..5 " + " / ".join(
+            f"{g[k]:.2f}" for k in sorted(g, key=int)) + "; T=1 proxy per depth " + " / ".join(
+            f"{x:.3f}" for x in r["t1_proxy_per_depth"]) + f"; {r['seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("rollouts", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    r.add_argument("--model", type=Path, required=True)
+    r.add_argument("--prompts", type=Path, required=True)
+    r.add_argument("--eval-prompts", type=Path, required=True)
+    r.add_argument("--out", type=Path, required=True, help="the set's .safetensors file")
+    r.add_argument("--holdout", type=int, default=16)
+    r.add_argument("--rollout-tokens", type=int, default=200_000)
+    r.add_argument("--temperature", type=float, default=1.0)
+    r.add_argument("--max-tokens", type=int, default=96)
+    r.add_argument("--eval-max-tokens", type=int, default=80)
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--threads", type=int, default=None)
+    t = sub.add_parser("train", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t.add_argument("--model", type=Path, required=True)
+    t.add_argument("--data", type=Path, required=True, help="a set written by 'rollouts'")
+    t.add_argument("--name", default="variant")
+    t.add_argument("--mlp-width", type=int, default=0, help="0: the target's")
+    t.add_argument("--draft-vocab-size", type=int, default=4096)
+    t.add_argument("--feature-rms-norm", action="store_true")
+    t.add_argument("--layers", type=int, default=1, help="2: a second decoder layer (offline)")
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--steps", type=int, default=250)
+    t.add_argument("--batch-tokens", type=int, default=4096)
+    t.add_argument("--ttt-steps", type=int, default=3)
+    t.add_argument("--points", type=int, default=2)
+    t.add_argument("--proxy-rollouts", type=int, default=64)
+    t.add_argument("--threads", type=int, default=None)
+    t.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cmd == "rollouts":
+        print(json.dumps(save_rollouts(args)))
+        return 0
+    result = train_variant(args)
+    print(format_rows(result))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
