@@ -100,8 +100,9 @@ def validate_inputs(logits: Tensor, drafts: Tensor, num_draft: Tensor, q: Tensor
     # Their logits must be below +inf and not NaN (-inf masks a token), with one finite logit
     # per row: an overflowed model's +inf would make the softmax's z - max NaN and the draw
     # meaningless, and an all -inf row has no token to emit.
-    reach = ((n[:, None] > 0) | (torch.arange(n_rows, device=dev)[None] == 0)
-             if parents is not None else torch.arange(n_rows, device=dev)[None] <= n[:, None])
+    # Row 0 always; row c + 1 where draft c is used.
+    reach = torch.cat([torch.ones_like(n[:, None], dtype=torch.bool),
+                       used.expand(bsz, n_rows - 1)], 1)
     # one pass: a row's max is NaN or +inf iff it holds one (amax propagates NaN), and -inf
     # iff the row is all -inf
     row_max = logits.amax(-1)  # [B, N]
