@@ -119,14 +119,15 @@ def keep_threshold(
         _part_kernel[(bsz, parts)](
             logits, logits.stride(0), 0, zeros, 0, num_draft, temperature, inv_t, zeros, zeros,
             num_draft, part_f, part_i, parts, chunk, 1, vocab, IS_TREE=False, GBLOCK=2048,
-            num_warps=4)
+            num_warps=4, enable_fp_fusion=False)  # as rejection_sampling launches it
         launch_search_parts(logits, logits.stride(0), 0, num_draft, temperature, inv_t, top_k,
                             top_p, log_min_p, part_f, search_i, search_f, scratch, bsz, parts,
                             chunk, 1, vocab, False)
     _keep_threshold_kernel[(bsz,)](
         logits, logits.stride(0), inv_t, top_k, top_p, log_min, scratch, tau, mass, top,
         part_f, part_i, search_i, search_f, parts, vocab, HAS_MIN_P=log_min_p is not None,
-        SPLIT=parts > 1, P=SEARCH_P, SBLOCK=_SBLOCK, GBLOCK=2048, num_warps=4, maxnreg=255)
+        SPLIT=parts > 1, P=SEARCH_P, SBLOCK=_SBLOCK, GBLOCK=2048, num_warps=4, maxnreg=255,
+        enable_fp_fusion=False)  # pass 1 as the rejection sampler's row kernel runs it
     return tau, mass, top
 
 

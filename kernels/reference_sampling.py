@@ -7,10 +7,18 @@ Randomness: Philox4x32-10 keyed by the request seed (k0, k1 = its low, high 32 b
 (c0, c1, c2, c3) = (position, node, purpose, lane):
 
 * acceptance uniform of child node c: (offset + depth(parent(c)), c, 0, 0), word 0;
-* sampling race of row / node j: (offset + depth(j), j, 1, lane(i)), word(i) for token i,
+* tile race of row / node j: (offset + depth(j), j, 2, t), word 0 for tile t;
+* token race of row / node j: (offset + depth(j), j, 1, lane(i)), word(i) for token i,
 
 with G = RNG_GROUP: lane(i) = i // 4G * G + i % G and word(i) = i // G % 4, so one Philox call
 feeds four runs of G tokens (a quarter of the calls of one per token).
+
+A draw from a row's law is two-level (:func:`draw_tile`): the vocabulary is cut into tiles of
+TILE = 4G tokens (one Philox block of the token race); an exponential race over the tiles'
+exact integer masses picks a tile, and the token race, run over that tile's tokens only,
+picks the token. A pass over the row then needs per token one exp and one conversion to
+int64 (the tile's mass), not random numbers and two logarithms; the random numbers of the
+token race are drawn for TILE tokens, whatever the vocabulary.
 """
 
 from __future__ import annotations
@@ -79,6 +87,86 @@ def race_exponentials(seeds: Tensor, positions: Tensor, node: int | Tensor,
     words = philox4x32(seeds[:, None], positions[:, None], node, 1, lane)  # 4 x [B, lanes]
     bits = torch.stack([w.view(bsz, blocks, group) for w in words], 2)  # [B, blocks, 4, G]
     return exponential_from_bits(bits.view(bsz, -1)[:, :vocab])
+
+
+TILE = 4 * RNG_GROUP  # tokens per tile of the two-level draw
+TILE_PURPOSE = 2  # the tile race's counter word c2
+
+
+def tile_max(z: Tensor) -> Tensor:
+    """a [B, T]: the largest z of each tile of TILE tokens of z [B, V] (the last tile may be
+    short; -inf for a tile whose tokens are all -inf)."""
+    bsz, vocab = z.shape
+    tiles = -(-vocab // TILE)
+    padded = torch.full((bsz, tiles * TILE), float("-inf"), device=z.device)
+    padded[:, :vocab] = z
+    return padded.view(bsz, tiles, TILE).amax(-1)
+
+
+def tile_sums(mass: Tensor) -> Tensor:
+    """S [B, T] int64: the sums of integer masses [B, V] over each tile (exact, any order)."""
+    bsz, vocab = mass.shape
+    tiles = -(-vocab // TILE)
+    padded = torch.zeros(bsz, tiles * TILE, dtype=torch.long, device=mass.device)
+    padded[:, :vocab] = mass
+    return padded.view(bsz, tiles, TILE).sum(-1)
+
+
+def fixed_point(x: Tensor) -> Tensor:
+    """floor(x * 2**44) in int64 for float32 x in [0, 1]: exact (x * 2**44 is a float32)."""
+    return (x * MASS_SCALE).floor().long()
+
+
+def tile_masses(z: Tensor, live: Tensor) -> tuple[Tensor, Tensor]:
+    """(W [B, V] int64, a [B, T]): a token's mass relative to its tile's largest z,
+    W = floor(exp(z - a_tile) * 2**44) where ``live`` (and z > -inf), else 0. a is the tile's
+    largest z over all its tokens, live or not, so that W <= 2**44 and a tile's sum S < 2**55."""
+    a = tile_max(z)
+    a_tok = a.repeat_interleave(TILE, 1)[:, : z.shape[1]]
+    d = torch.where(live & (z > float("-inf")), z - a_tok, float("-inf"))
+    return fixed_point(torch.exp(d)), a
+
+
+def draw_tile(seeds: Tensor, positions: Tensor, node: int | Tensor, sums: Tensor,
+              bias: Tensor | None) -> Tensor:
+    """The tile race: t [B] int64 with P(t) = S_t e^{b_t} / sum_u S_u e^{b_u}, or -1 where
+    every S_t is 0. ``sums`` S [B, T] int64; ``bias`` b [B, T] float32 (the tiles' anchors a
+    of :func:`tile_masses`) or None (0: masses already on one scale, the residual's).
+
+    argmax_t (b_t + log S_t - log E_t), E_t ~ Exp(1) from counter (pos, node, 2, t) word 0, in
+    float32 in that order; S_t = 0 never wins. With the token race inside the winning tile
+    (weights e^{z_i}), a token's probability is e^{z_i} / sum e^z up to the masses' floor:
+    under TILE * 2**-44 of the tile's largest weight (~1e-10)."""
+    tiles = sums.shape[1]
+    if isinstance(node, Tensor):
+        node = node[:, None]
+    lane = torch.arange(tiles, device=sums.device)
+    e = exponential_from_bits(philox4x32(seeds[:, None], positions[:, None], node,
+                                         TILE_PURPOSE, lane)[0])
+    key = torch.log(sums.float()) - torch.log(e)  # (0 + x is x: no bias, the same bits)
+    if bias is not None:
+        key = bias + torch.log(sums.float()) - torch.log(e)
+    key = torch.where(sums > 0, key, float("-inf"))
+    return _argmax_or(key, float("-inf"), torch.full_like(sums[:, 0], -1))
+
+
+def in_tile(keys: Tensor, tile: Tensor, fill: float) -> Tensor:
+    """keys [B, V] with every token outside tile ``tile[b]`` (-1: all of them) set to fill."""
+    owner = torch.arange(keys.shape[1], device=keys.device) // TILE
+    return torch.where(owner[None] == tile[:, None], keys, fill)
+
+
+def tile_exponentials(seeds: Tensor, positions: Tensor, node: int | Tensor,
+                      tile: Tensor) -> Tensor:
+    """E [B, TILE] of the token race of row ``node`` for the tokens of tile ``tile[b]``
+    (``race_exponentials``'s values at tokens tile * TILE + i: the tile's G lanes, each
+    called once, its four words laid out as the four runs of G tokens they feed)."""
+    group = RNG_GROUP
+    if isinstance(node, Tensor):
+        node = node[:, None]
+    lane = tile.clamp(min=0)[:, None] * group + torch.arange(group, device=seeds.device)
+    words = philox4x32(seeds[:, None], positions[:, None], node, 1, lane)  # 4 x [B, G]
+    return exponential_from_bits(torch.stack(words, 1).view(len(seeds), TILE))
 
 
 def keep_threshold(z: Tensor, top_k: Tensor, top_p: Tensor,
@@ -195,16 +283,21 @@ def rejection_sample(
         logp = torch.where(kept, z - m - torch.log(s), float("-inf"))
         argmax = z.argmax(1)
         pos = offsets.long() + depth[j]
-        # Exponential race: argmax_i p_i / E_i = argmax_i z_i - log E_i is an exact draw of p.
+        # Two-level draw (draw_tile): a tile by the race over the kept tiles' masses, then in
+        # it the exponential race argmax_i p_i / E_i = argmax_i z_i - log E_i, an exact draw.
         e = race_exponentials(seeds, pos, j, vocab)
         g = torch.where(kept, z - torch.log(e), float("-inf"))
-        plain = torch.where(greedy, argmax, g.argmax(1))
+        mass, anchor = tile_masses(z, kept)
+        t_plain = draw_tile(seeds, pos, j, tile_sums(mass), anchor)
+        plain = torch.where(greedy, argmax, in_tile(g, t_plain, float("-inf")).argmax(1))
         kids = [c for c in range(1, n_rows) if parents[c] == j]
         excl = torch.zeros_like(kept)
         for c in kids:
             excl[rows, drafts[:, c]] |= used[:, c]
         # All point-mass children rejected: sample p_j with their tokens removed.
-        end = _argmax_or(g.masked_fill(excl, float("-inf")), float("-inf"), plain)
+        t_rest = draw_tile(seeds, pos, j, tile_sums(mass.masked_fill(excl, 0)), anchor)
+        end = _argmax_or(in_tile(g.masked_fill(excl, float("-inf")), t_rest, float("-inf")),
+                         float("-inf"), plain)
         for c in kids:
             x = drafts[:, c : c + 1]
             p_x = (w.gather(1, x) / s)[:, 0]
@@ -224,7 +317,8 @@ def rejection_sample(
                 qx = q.gather(1, x)[:, 0]
                 ok = (qx > 0) & (u * qx <= p_child[:, c])
                 r = (w / s - q).clamp(min=0)
-                key = torch.where(r > 0, r / e, -1.0)
+                t_r = draw_tile(seeds, pos, j, tile_sums(fixed_point(r)), None)
+                key = in_tile(torch.where(r > 0, r / e, -1.0), t_r, -1.0)
                 end = torch.where(ok | ~used[:, c], end, _argmax_or(key, 0.0, plain))
             acc[:, c] = torch.where(greedy, x[:, 0] == argmax, ok)
         tok_end[:, j] = torch.where(greedy, argmax, end)

@@ -5,15 +5,18 @@ the same inputs and seeds. Two launches, no host sync (CUDA-graph capturable):
 
 1. ``_row_kernel``, one program per (request, row / tree node) that the step can reach:
    * greedy row: 1 pass over V (argmax, max, sum of exp) — logprobs are raw log-softmax;
-   * sampled row: pass 1 (online softmax stats + min + two exponential races over all tokens:
-     plain and without the row's children's tokens); with min-p, one pass for its cut (the
+   * sampled row: pass 1 (per tile of 2,048 tokens: its largest z and exact integer mass,
+     which give the row's max and sum of exp, and two tile races (``reference.draw_tile``):
+     plain and without the row's children's tokens; the min); with min-p, one pass for its
+     cut (the
      smallest z >= max(z) + log(min_p), its mass and count); with top-k / top-p (applied after
      min-p, vLLM's order), a threshold search each (``threshold_search``: one counting pass
      over the row, then over only the candidates it leaves, compacted into a per-row scratch
      buffer; bisection over value space, never a sort);
-     then one last race pass only if a pass-1 winner fell outside the kept set or the row's
-     sampled draft (``draft_probs``) was rejected (residual max(p - q, 0), reads q too; q
-     over a drafter's own vocabulary is read through ``draft_index``, 0 off it).
+     then the tile races again over the kept set (``tile_pass``) only if the cut removed a
+     token or the row's sampled draft (``draft_probs``) was rejected (residual max(p - q, 0),
+     reads q too; q over a drafter's own vocabulary is read through ``draft_index``, 0 off
+     it); last, the token race inside the winning tile (``race_in_tile``: 2,048 tokens).
    It stores per row the token emitted if the walk ends there and, per child, p_row(x_child).
 2. ``_walk_kernel``, one program per request: chain = first rejected draft; tree = the
    child-by-child walk on residuals (tiny: O(N) scalar steps per accepted token).
@@ -45,7 +48,6 @@ from .sampling_pass import (
     SPLIT_FLOATS,
     SPLIT_INTS,
     acceptance_uniform,
-    final_pass,
     first_pass,
     first_pass_part,
     greedy_pass,
@@ -53,10 +55,12 @@ from .sampling_pass import (
     keep_cut,
     merge_parts,
     merged_max_min,
+    race_in_tile,
     seed_key,
     split_first_search,
     split_pivot_part,
     split_snap_part,
+    tile_pass,
 )
 
 # Search-pass tile [P, SBLOCK]: on GPUs one token per lane (32 * num_warps), so each lane
@@ -131,6 +135,7 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
                 m, s, i1 = greedy_pass(row_ptr, V, GBLOCK)
                 i2 = i1
             s_tau = s
+            zmin = m
         else:
             if SPLIT:
                 m, s, zmin, i1, i2 = merge_parts(part_f_ptr + pid.to(tl.int64) * C * 5,
@@ -183,16 +188,26 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
                 tl.store(lp_child_ptr + at + c, tl.where(z >= tau, z - m - log_s, NEG_INF))
                 tl.store(acc_ptr + at + c, ok.to(tl.int32))
 
-        # Pass-1 winners are the kept-set winners whenever they are kept (the kept set contains
-        # them); otherwise, or for a q-residual, race again over the kept set.
-        z1 = tl.load(row_ptr + tl.maximum(i1, 0)).to(tl.float32) * inv_t
-        z2 = tl.load(row_ptr + tl.maximum(i2, 0)).to(tl.float32) * inv_t
-        need = (z1 < tau) | ((i2 >= 0) & (z2 < tau)) | rejected_q
-        if need & sampled:
-            i1, i2 = final_pass(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0, k1,
-                                pos, j, n, N, V, inv_t, tau, m, s_tau, rejected_q.to(tl.int32),
-                                HAS_MAP, IS_TREE)
-        tok = tl.where(i2 >= 0, i2, i1)
+        # The draw (``reference.draw_tile``): pass 1's tile races hold unless the cut removed
+        # a token (they were over every token) or the residual is max(p - q, 0); then the
+        # races run again over the kept set. The token race runs in the winning tile only.
+        tok = i1  # greedy: the argmax
+        if sampled:
+            t1 = i1
+            t2 = i2
+            if (tau > zmin) | rejected_q:
+                t1, t2 = tile_pass(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0,
+                                   k1, pos, j, n, N, V, inv_t, tau, m, s_tau,
+                                   rejected_q.to(tl.int32), HAS_MAP, IS_TREE)
+            tok = -1
+            if t2 >= 0:  # the residual (p itself for a row without children)
+                _, tok = race_in_tile(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr,
+                                      k0, k1, pos, j, n, N, V, inv_t, tau, m, s_tau,
+                                      rejected_q.to(tl.int32), t2, HAS_MAP, IS_TREE)
+            if tok < 0:  # no residual mass: p itself
+                tok, _ = race_in_tile(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr,
+                                      k0, k1, pos, j, n, N, V, inv_t, tau, m, s_tau, 0, t1,
+                                      HAS_MAP, IS_TREE)
         z_t = tl.load(row_ptr + tok).to(tl.float32) * inv_t
         tl.store(tok_end_ptr + at + j, tok)
         tl.store(lp_end_ptr + at + j, z_t - m - log_s)
@@ -516,7 +531,8 @@ def rejection_sample(
         _part_kernel[(bsz * n_rows, parts)](
             target_logits, target_logits.stride(0), target_logits.stride(1), draft_token_ids,
             s_db, num_draft_tokens, temperature, inv_t, seeds, offsets, parents, part_f, part_i,
-            parts, chunk, n_rows, vocab, IS_TREE=is_tree, GBLOCK=2048, num_warps=4)
+            parts, chunk, n_rows, vocab, IS_TREE=is_tree, GBLOCK=2048, num_warps=4,
+            enable_fp_fusion=False)  # z = logit / T, then z - a: rounded as the reference
         # and the first pass of the rows' top-k / top-p search (two launches)
         launch_search_parts(target_logits, target_logits.stride(0), target_logits.stride(1),
                             num_draft_tokens, temperature, inv_t, top_k, top_p, log_min_p,
@@ -534,6 +550,10 @@ def rejection_sample(
         # ptxas otherwise caps this kernel near 128 registers and spills a few bytes on sm_100a
         # (scripts/compile_kernels.py); 255 lets it keep every pass's per-lane state.
         num_warps=4, maxnreg=255,
+        # no FMA contraction: a tile mass floor(exp(z - a) * 2**44) from the rounded
+        # z = logit / T, in pass 1, the tile pass and the split's parts alike (the reference's
+        # float32 operations; fused, z - a could differ by one unit of the mass)
+        enable_fp_fusion=False,
     )
     _walk_kernel[(bsz,)](
         draft_token_ids, s_db, num_draft_tokens, temperature, seeds, offsets, parents,

@@ -10,6 +10,9 @@ import triton
 import triton.language as tl
 
 RNG_GROUP: tl.constexpr = tl.constexpr(512)  # = reference.RNG_GROUP
+TILE_PURPOSE: tl.constexpr = tl.constexpr(2)  # = reference.TILE_PURPOSE (tiles: 4 * RNG_GROUP)
+MASS_SCALE: tl.constexpr = tl.constexpr(17592186044416.0)  # = reference.MASS_SCALE (2**44)
+INV_MASS_SCALE: tl.constexpr = tl.constexpr(5.684341886080802e-14)  # 2**-44
 NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
 POS_INF: tl.constexpr = tl.constexpr(float("inf"))
 
@@ -105,13 +108,64 @@ def _chain_child_token(draft_row_ptr, j, n, IS_TREE: tl.constexpr):
 
 
 @triton.jit
+def _children(at, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, IS_TREE: tl.constexpr):
+    """Lanes ``at`` holding a token of row j's (used) children: the point-mass residual's
+    exclusions (``x_ex``: a chain's one child token, -1 if none)."""
+    if IS_TREE:
+        out = excluded(at, draft_row_ptr, parents_ptr, j, n, N, V, True)
+    else:
+        out = at == x_ex
+    return out
+
+
+@triton.jit
 def _drop_children(g, at, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, IS_TREE: tl.constexpr):
     """``g`` with the lanes of row j's children's tokens set to -inf (point-mass residual)."""
-    if IS_TREE:
-        g = tl.where(excluded(at, draft_row_ptr, parents_ptr, j, n, N, V, True), NEG_INF, g)
-    else:
-        g = tl.where(at == x_ex, NEG_INF, g)
-    return g
+    return tl.where(_children(at, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, IS_TREE),
+                    NEG_INF, g)
+
+
+@triton.jit
+def _tile_exponential(k0, k1, pos, j, t):
+    """E_t of row j's tile race: counter (pos, j, 2, t), word 0 (``reference.draw_tile``)."""
+    c0 = pos.to(tl.uint32)
+    zero = c0 * 0
+    r0, _, _, _ = philox(k0, k1, c0, (pos * 0 + j).to(tl.uint32), zero + TILE_PURPOSE,
+                         (pos * 0 + t).to(tl.uint32))
+    return exponential_from_bits(r0)
+
+
+@triton.jit
+def tile_key(e, bias, mass):
+    """A tile's key in the tile race, bias + log(float32 mass) - log(E) in that order (the
+    reference's float32 operations), -inf for a tile without mass."""
+    key = bias + tl.log(tl.where(mass > 0, mass, 1).to(tl.float32)) - tl.log(e)
+    return tl.where(mass > 0, key, NEG_INF)
+
+
+@triton.jit
+def tile_mass(z, a, live):
+    """floor(exp(z - a) * 2**44) in int64 where ``live`` and z > -inf, else 0
+    (``reference.tile_masses``; a: the tile's largest z, so the mass is at most 2**44)."""
+    d = tl.where(live & (z > NEG_INF), z - a, NEG_INF)
+    return tl.floor(tl.exp(d) * MASS_SCALE).to(tl.int64)
+
+
+@triton.jit
+def _load_tile(row_ptr, base, end, inv_t):
+    """Token indices and z of the tile's four runs of RNG_GROUP tokens [base, base + 4G) (-inf
+    past ``end``), and the tile's largest z."""
+    G: tl.constexpr = RNG_GROUP
+    at0 = base + tl.arange(0, G)
+    at1 = at0 + G
+    at2 = at0 + 2 * G
+    at3 = at0 + 3 * G
+    z0 = tl.load(row_ptr + at0, mask=at0 < end, other=NEG_INF).to(tl.float32) * inv_t
+    z1 = tl.load(row_ptr + at1, mask=at1 < end, other=NEG_INF).to(tl.float32) * inv_t
+    z2 = tl.load(row_ptr + at2, mask=at2 < end, other=NEG_INF).to(tl.float32) * inv_t
+    z3 = tl.load(row_ptr + at3, mask=at3 < end, other=NEG_INF).to(tl.float32) * inv_t
+    a = tl.max(tl.maximum(tl.maximum(z0, z1), tl.maximum(z2, z3)), 0)
+    return at0, at1, at2, at3, z0, z1, z2, z3, a
 
 
 @triton.jit
@@ -125,66 +179,89 @@ def _lowest_argmax(g, i):
 @triton.jit
 def first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t,
                IS_TREE: tl.constexpr):
-    """Pass 1 over a sampled row: max, sum exp(z - max), min, and two unfiltered races — over
-    all tokens and over all but row j's children's tokens (its point-mass residual)."""
-    m, s, zmin, _, i1, _, i2 = first_pass_part(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos,
+    """Pass 1 over a sampled row: max, sum exp(z - max), min, and the winners of two tile
+    races (``reference.draw_tile``) — over all tokens and over all but row j's children's
+    tokens (its point-mass residual)."""
+    m, s, zmin, _, t1, _, t2 = first_pass_part(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos,
                                                j, n, N, V, inv_t, 0, V, IS_TREE)
-    return m, s, zmin, i1, i2
+    return m, s, zmin, t1, t2
 
 
 @triton.jit
 def first_pass_part(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t, start,
                     end, IS_TREE: tl.constexpr):
-    """``first_pass`` over tokens [start, end) (start a multiple of 4 * RNG_GROUP, end <= V):
-    (max, sum exp(z - max), min, top key and winner of the plain race, the same of the
-    residual race). Parts merge exactly (``merge_parts``): the races' keys are per token.
+    """``first_pass`` over tokens [start, end) (start a multiple of the tile, 4 * RNG_GROUP;
+    end <= V): (max, sum exp(z - max), min, top key and winning tile of the plain tile race,
+    the same of the residual's). Parts merge exactly (``merge_parts``): the keys are per tile.
 
-    State is kept per lane and reduced once at the end (no cross-lane reduction per step)."""
+    One step per tile: its largest z a, then per token one exp and one conversion, the
+    integer mass floor(exp(z - a) * 2**44), summed exactly; random numbers and logarithms
+    per tile only. The row's sum of exp(z - max) comes from the tiles' masses:
+    sum_t S_t * 2**-44 * exp(a_t - max), within TILE * 2**-44 of each tile's top weight."""
     G: tl.constexpr = RNG_GROUP
-    lane = tl.arange(0, G)
-    c0, c1, c2 = _race_counter(pos, j)
-    m = tl.full([G], -3.4028234663852886e38, tl.float32)
-    s = tl.zeros([G], tl.float32)
+    m = -3.4028234663852886e38 + inv_t * 0.0
+    s = inv_t * 0.0
     zmin = tl.full([G], POS_INF, tl.float32)
-    g1 = tl.full([G], NEG_INF, tl.float32)
-    g2 = g1
-    i1 = tl.full([G], -1, tl.int32)
-    i2 = i1
+    top1 = NEG_INF + inv_t * 0.0
+    top2 = top1
+    t1 = start * 0 - 1
+    t2 = t1
     x_ex = _chain_child_token(draft_row_ptr, j, n, IS_TREE)
+    # its z (-inf if none: mass 0), taken out of its tile's mass below
+    z_x = tl.load(row_ptr + tl.minimum(tl.maximum(x_ex, 0), V - 1),
+                  mask=(x_ex >= 0) & (x_ex < V), other=NEG_INF).to(tl.float32) * inv_t
     for base in range(start, end, 4 * G):
-        # One Philox call gives 4 words: word w drives tokens base + w*G + lane.
-        r0, r1, r2, r3 = philox(k0, k1, c0, c1, c2, (base // 4 + lane).to(tl.uint32))
-        for w in tl.static_range(4):
-            at = base + w * G + lane
-            valid = at < end
-            z = tl.load(row_ptr + at, mask=valid, other=NEG_INF).to(tl.float32) * inv_t
-            # Online softmax per lane with one exp: e = exp(-|z - m|) rescales whichever side.
-            e = tl.exp(-tl.abs(z - m))
-            s = tl.where(z > m, s * e + 1.0, s + e)
-            m = tl.maximum(m, z)
-            zmin = tl.minimum(zmin, tl.where(valid, z, POS_INF))
-            # Gumbel form of the race argmax p_i / E_i: no normalisation, so one pass suffices.
-            g = z - tl.log(exponential_from_bits(_word(r0, r1, r2, r3, w)))
-            i1 = tl.where(g > g1, at, i1)  # strict: the earliest (lowest) index wins ties
-            g1 = tl.maximum(g1, g)
-            g = _drop_children(g, at, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, IS_TREE)
-            i2 = tl.where(g > g2, at, i2)
-            g2 = tl.maximum(g2, g)
-    m_row = tl.max(m, 0)
-    s_row = tl.sum(s * tl.exp(m - m_row), 0)
-    top1, i1 = _lowest_argmax(g1, i1)
-    top2, i2 = _lowest_argmax(g2, i2)
-    return m_row, s_row, tl.min(zmin, 0), top1, i1, top2, i2
+        at0, at1, at2, at3, z0, z1, z2, z3, a = _load_tile(row_ptr, base, end, inv_t)
+        # every token is live here: z - max(a, -FLT_MAX) is z - a, or -inf for z = -inf
+        # (also when a = -inf: a tile of -inf only), so no select per token
+        a_fin = tl.maximum(a, -3.4028234663852886e38)
+        w0 = tl.floor(tl.exp(z0 - a_fin) * MASS_SCALE).to(tl.int64)
+        w1 = tl.floor(tl.exp(z1 - a_fin) * MASS_SCALE).to(tl.int64)
+        w2 = tl.floor(tl.exp(z2 - a_fin) * MASS_SCALE).to(tl.int64)
+        w3 = tl.floor(tl.exp(z3 - a_fin) * MASS_SCALE).to(tl.int64)
+        mass = tl.sum(w0 + w1 + w2 + w3, 0)
+        # the point-mass residual's tile: the children's tokens' masses taken out
+        if IS_TREE:
+            out = tl.where(_children(at0, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, True),
+                           w0, 0)
+            out += tl.where(_children(at1, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, True),
+                            w1, 0)
+            out += tl.where(_children(at2, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, True),
+                            w2, 0)
+            out += tl.where(_children(at3, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, True),
+                            w3, 0)
+            rest = mass - tl.sum(out, 0)
+        else:
+            # a chain's one child token: its mass as a scalar, not a select per token
+            w_x = tl.floor(tl.exp(z_x - a_fin) * MASS_SCALE).to(tl.int64)
+            rest = mass - tl.where(x_ex // (4 * G) == base // (4 * G), w_x, 0)
+        zmin = tl.minimum(zmin, tl.where(at0 < end, z0, POS_INF))
+        zmin = tl.minimum(zmin, tl.where(at1 < end, z1, POS_INF))
+        zmin = tl.minimum(zmin, tl.where(at2 < end, z2, POS_INF))
+        zmin = tl.minimum(zmin, tl.where(at3 < end, z3, POS_INF))
+        t = base // (4 * G)
+        e = _tile_exponential(k0, k1, pos, j, t)
+        key1 = tile_key(e, a, mass)
+        key2 = tile_key(e, a, rest)
+        t1 = tl.where(key1 > top1, t, t1)  # strict: the earliest (lowest) tile wins ties
+        top1 = tl.maximum(top1, key1)
+        t2 = tl.where(key2 > top2, t, t2)
+        top2 = tl.maximum(top2, key2)
+        # a = -inf (a tile of -inf only) adds 0: exp(-inf - m_new) with m_new >= -FLT_MAX
+        m_new = tl.maximum(m, a)
+        s = s * tl.exp(m - m_new) + mass.to(tl.float32) * INV_MASS_SCALE * tl.exp(a - m_new)
+        m = m_new
+    return m, s, tl.min(zmin, 0), top1, t1, top2, t2
 
 
 @triton.jit
 def merge_parts(part_f_ptr, part_i_ptr, C, GREEDY: tl.constexpr):
     """One row's ``first_pass`` (or ``greedy_pass`` with GREEDY) from the C parts written by
     ``_part_kernel`` over consecutive token ranges, in order: (max, sum exp(z - max), min,
-    i1, i2). The races merge exactly: the largest key wins, ties going to the earlier part
-    (strict >), whose winner has the lower index, as in one pass; likewise the greedy argmax
-    (first part holding the max). Only the sum's rounding differs from one pass (as the
-    per-lane partials of one pass do from a sorted sum)."""
+    t1, t2: the tile races' winners; the argmax for GREEDY). The races merge exactly: the
+    largest key wins, ties going to the earlier part (strict >), whose winner has the lower
+    index, as in one pass; likewise the greedy argmax (first part holding the max). Only the
+    sum's rounding differs from one pass (it is summed part by part)."""
     m = -3.4028234663852886e38 + tl.load(part_f_ptr) * 0.0
     zmin = m * 0.0 + POS_INF
     g1 = m * 0.0 + NEG_INF
@@ -274,8 +351,6 @@ def _search_load(src_ptr, at, n, scale):
     return tl.load(src_ptr + at, mask=at < n, other=NEG_INF).to(tl.float32) * scale
 
 
-MASS_SCALE: tl.constexpr = tl.constexpr(17592186044416.0)  # = reference.MASS_SCALE (2**44)
-INV_MASS_SCALE: tl.constexpr = tl.constexpr(5.684341886080802e-14)  # 2**-44
 SEARCH_CAP_ENTRIES = 16384  # float32 entries of scratch per searched row (launchers allocate)
 SEARCH_CAP: tl.constexpr = tl.constexpr(SEARCH_CAP_ENTRIES)
 
@@ -784,12 +859,74 @@ def keep_cut(row_ptr, buf_ptr, V, inv_t, m, s, zmin, top_k_ptr, top_p_ptr, min_p
 
 
 @triton.jit
-def final_pass(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N,
-               V, inv_t, tau, m, s, use_q, HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr):
-    """Races restricted to the kept set {z >= tau}: p itself, and the residual — p without row
-    j's children's tokens (point mass) or norm(max(p - q, 0)) (use_q). Same E as pass 1.
-    ``HAS_MAP``: q is over the drafter's vocabulary, token ``t`` at column ``map[t]`` (q = 0
-    where that is -1), so the residual still covers every target token."""
+def _residual_mass(z, at, kept, m, s, q_row_ptr, map_ptr, use_q, V, HAS_MAP: tl.constexpr):
+    """(r, its fixed-point mass floor(r * 2**44)): r = max(p - q, 0), p = exp(z - m) / s on
+    the kept set (``reference.rejection_sample``'s residual); q is read only when ``use_q``
+    (0 / 1: lanes < V * use_q are the valid lanes exactly when q is needed). ``HAS_MAP``: q is
+    over the drafter's vocabulary, token ``t`` at column ``map[t]`` (q = 0 where that is -1),
+    so the residual still covers every target token."""
+    if HAS_MAP:
+        col = tl.load(map_ptr + at, mask=at < V * use_q, other=-1).to(tl.int64)
+        q = tl.load(q_row_ptr + col, mask=col >= 0, other=0.0).to(tl.float32)
+    else:
+        q = tl.load(q_row_ptr + at, mask=at < V * use_q, other=0.0).to(tl.float32)
+    r = tl.maximum(tl.where(kept, tl.exp(z - m) / s, 0.0) - q, 0.0)
+    return r, tl.floor(r * MASS_SCALE).to(tl.int64)
+
+
+@triton.jit
+def _kept_tile(z, at, a, tau, m, s, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, x_ex, j, n,
+               N, V, use_q, HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr):
+    """One run of a tile in ``tile_pass``: (its kept mass, its residual's mass) summed."""
+    kept = (at < V) & (z >= tau)
+    w = tile_mass(z, a, kept)
+    _, r = _residual_mass(z, at, kept, m, s, q_row_ptr, map_ptr, use_q, V, HAS_MAP)
+    drop = _children(at, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, IS_TREE)
+    rest = tl.where(use_q != 0, r, tl.where(drop, 0, w))
+    return tl.sum(w, 0), tl.sum(rest, 0)
+
+
+@triton.jit
+def tile_pass(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N,
+              V, inv_t, tau, m, s, use_q, HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr):
+    """The tile races over the kept set {z >= tau} (``reference.draw_tile``), when pass 1's
+    (over every token) do not hold: (t1: p's, t2: the residual's — p without row j's
+    children's tokens, or, ``use_q``, max(p - q, 0) — -1 where no tile has mass). Same E_t
+    and the same anchors a_t (each tile's largest z over all its tokens) as pass 1."""
+    G: tl.constexpr = RNG_GROUP
+    top1 = NEG_INF + inv_t * 0.0
+    top2 = top1
+    t1 = V * 0 - 1
+    t2 = t1
+    x_ex = _chain_child_token(draft_row_ptr, j, n, IS_TREE)
+    for base in range(0, V, 4 * G):
+        at0, at1, at2, at3, z0, z1, z2, z3, a = _load_tile(row_ptr, base, V, inv_t)
+        w0, r0 = _kept_tile(z0, at0, a, tau, m, s, q_row_ptr, map_ptr, draft_row_ptr,
+                            parents_ptr, x_ex, j, n, N, V, use_q, HAS_MAP, IS_TREE)
+        w1, r1 = _kept_tile(z1, at1, a, tau, m, s, q_row_ptr, map_ptr, draft_row_ptr,
+                            parents_ptr, x_ex, j, n, N, V, use_q, HAS_MAP, IS_TREE)
+        w2, r2 = _kept_tile(z2, at2, a, tau, m, s, q_row_ptr, map_ptr, draft_row_ptr,
+                            parents_ptr, x_ex, j, n, N, V, use_q, HAS_MAP, IS_TREE)
+        w3, r3 = _kept_tile(z3, at3, a, tau, m, s, q_row_ptr, map_ptr, draft_row_ptr,
+                            parents_ptr, x_ex, j, n, N, V, use_q, HAS_MAP, IS_TREE)
+        t = base // (4 * G)
+        e = _tile_exponential(k0, k1, pos, j, t)
+        key1 = tile_key(e, a, w0 + w1 + w2 + w3)
+        key2 = tile_key(e, tl.where(use_q != 0, 0.0, a), r0 + r1 + r2 + r3)
+        t1 = tl.where(key1 > top1, t, t1)
+        top1 = tl.maximum(top1, key1)
+        t2 = tl.where(key2 > top2, t, t2)
+        top2 = tl.maximum(top2, key2)
+    return t1, t2
+
+
+@triton.jit
+def race_in_tile(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N,
+                 V, inv_t, tau, m, s, use_q, t, HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr):
+    """The token races inside tile ``t`` (``reference.in_tile``), over the kept set: (p's
+    winner, the residual's winner — p without row j's children's tokens, or norm(max(p - q,
+    0)) with ``use_q`` — or -1 where it has no candidate). Exponential races: argmax of
+    z - log E (p) or r / E (the residual), E from the token race's counters."""
     G: tl.constexpr = RNG_GROUP
     lane = tl.arange(0, G)
     c0, c1, c2 = _race_counter(pos, j)
@@ -798,29 +935,23 @@ def final_pass(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0, k1, 
     i1 = tl.full([G], -1, tl.int32)
     i2 = i1
     x_ex = _chain_child_token(draft_row_ptr, j, n, IS_TREE)
-    for base in range(0, V, 4 * G):
-        r0, r1, r2, r3 = philox(k0, k1, c0, c1, c2, (base // 4 + lane).to(tl.uint32))
-        for w in tl.static_range(4):
-            at = base + w * G + lane
-            valid = at < V
-            z = tl.load(row_ptr + at, mask=valid, other=NEG_INF).to(tl.float32) * inv_t
-            kept = valid & (z >= tau)
-            e = exponential_from_bits(_word(r0, r1, r2, r3, w))
-            g = tl.where(kept, z - tl.log(e), NEG_INF)
-            i1 = tl.where(g > g1, at, i1)
-            g1 = tl.maximum(g1, g)
-            g = _drop_children(g, at, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, IS_TREE)
-            # use_q is 0/1: lanes < V * use_q are the valid lanes exactly when q is needed.
-            if HAS_MAP:
-                col = tl.load(map_ptr + at, mask=at < V * use_q, other=-1).to(tl.int64)
-                q = tl.load(q_row_ptr + col, mask=col >= 0, other=0.0).to(tl.float32)
-            else:
-                q = tl.load(q_row_ptr + at, mask=at < V * use_q, other=0.0).to(tl.float32)
-            r = tl.maximum(tl.where(kept, tl.exp(z - m) / s, 0.0) - q, 0.0)  # max(p - q, 0)
-            key = tl.where(use_q != 0, tl.where(r > 0, r / e, -1.0), g)
-            i2 = tl.where(key > g2, at, i2)
-            g2 = tl.maximum(g2, key)
+    base = tl.maximum(t, 0) * (4 * G)  # (t = -1 only for a row of -inf: out of contract)
+    r0, r1, r2, r3 = philox(k0, k1, c0, c1, c2, (base // 4 + lane).to(tl.uint32))
+    for w in tl.static_range(4):
+        at = base + w * G + lane
+        valid = at < V
+        z = tl.load(row_ptr + at, mask=valid, other=NEG_INF).to(tl.float32) * inv_t
+        kept = valid & (z >= tau)
+        e = exponential_from_bits(_word(r0, r1, r2, r3, w))
+        g = tl.where(kept, z - tl.log(e), NEG_INF)
+        i1 = tl.where(g > g1, at, i1)
+        g1 = tl.maximum(g1, g)
+        g = _drop_children(g, at, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, IS_TREE)
+        r, _ = _residual_mass(z, at, kept, m, s, q_row_ptr, map_ptr, use_q, V, HAS_MAP)
+        key = tl.where(use_q != 0, tl.where(r > 0, r / e, -1.0), g)
+        i2 = tl.where(key > g2, at, i2)
+        g2 = tl.maximum(g2, key)
     _, i1 = _lowest_argmax(g1, i1)
     top2, i2 = _lowest_argmax(g2, i2)
     found = tl.where(use_q != 0, top2 > 0, i2 >= 0)
-    return i1, tl.where(found, i2, i1)
+    return i1, tl.where(found, i2, -1)

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from specengine.core.chain_sampler import sampled_chain_sample
 from specengine.core.sampler import Sampler, SamplingTensors
+from specengine.kernels import reference as ref
 from specengine.kernels.reference import rejection_sample
 
 MODES = ["point", "probs", "draft_vocab"]
@@ -88,12 +89,17 @@ def test_equals_the_reference_over_several_random_blocks() -> None:
         _check(_case(6, 6, 3, 5000, mode, filters=False))
 
 
+_PHILOX_MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
+
+
 class _Ops(TorchDispatchMode):
-    """Records each operator called and the elements of its first output."""
+    """Records each operator called and the elements of its first output (and whether it is
+    a product by a Philox round multiplier: the random-number work)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[str, int, torch.dtype]] = []
+        self.philox = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -101,6 +107,9 @@ class _Ops(TorchDispatchMode):
         name = str(func.overloadpacket.__name__)
         if isinstance(first, torch.Tensor):
             self.calls.append((name, first.numel(), first.dtype))
+            if name == "mul" and any(a in _PHILOX_MULTIPLIERS for a in args
+                                     if isinstance(a, int)):
+                self.philox += first.numel()
         return out
 
     def elements(self, name: str, dtype: torch.dtype) -> int:
@@ -111,28 +120,32 @@ class _Ops(TorchDispatchMode):
 
 
 def _philox_work(args) -> tuple[int, set[str]]:
-    """Elements the Philox rounds multiplied (its only int64 products: the race's and the
-    uniforms' lanes) and the operator names of one call, every row sampled."""
+    """Elements the Philox rounds multiplied (by its round multipliers: the tile and token
+    races' and the uniforms' lanes) and the operator names of one call, every row sampled."""
     *head, log_min_p, index = args
     head[4] = torch.ones_like(head[4])
     with _Ops() as ops:
         sampled_chain_sample(*head, log_min_p, index)
-    return ops.elements("mul", torch.int64), ops.names()
+    return ops.philox, ops.names()
 
 
-def test_one_race_per_row_and_no_sort_without_filters() -> None:
-    """Random numbers only where they are read: the Philox work is one race per sampled batch
-    row whatever the number of drafts (the reference races at every node), and a step without
-    top-k / top-p / min-p sorts nothing."""
-    bsz, vocab = 8, 4096  # two random blocks of 4 x 512 tokens: 1024 lanes per race
+@pytest.mark.parametrize("vocab", [4096, 20_000])
+def test_one_draw_per_row_and_no_sort_without_filters(vocab: int) -> None:
+    """Random numbers only where they are read: the Philox work is one two-level draw per
+    sampled batch row whatever the number of drafts (the reference draws at every node): one
+    lane per tile for the tile race, then the G lanes of one tile for the token race,
+    whatever the vocabulary (the token race over every token took V / 4 lanes). A step
+    without top-k / top-p / min-p sorts nothing."""
+    bsz = 8
+    tiles = -(-vocab // ref.TILE)  # 2 or 10 tiles of 2,048 tokens
     base = _case(0, bsz, 1, vocab, "point", filters=False)
     elements, ops = _philox_work(base)
     assert "sort" not in ops and "topk" not in ops
-    lanes = bsz * vocab // 4
-    assert elements == 20 * lanes  # 2 products per round, 10 rounds, per lane: each lane once
+    # 2 products per round, 10 rounds, per lane: each lane once
+    assert elements == 20 * bsz * (tiles + ref.RNG_GROUP)
     more, ops = _philox_work(_case(0, bsz, 4, vocab, "probs", filters=False))
     assert "sort" not in ops
-    # the same one race per row (not 4), plus the uniforms: 20 products per draft, 3 per row
+    # the same one draw per row (not 4), plus the uniforms: 20 products per draft, 3 per row
     assert more - elements == 20 * bsz * 3
     # top-p on one row: that row's node is sorted, and only it
     filt = list(base)

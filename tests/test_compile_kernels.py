@@ -180,3 +180,30 @@ def test_split_search_pivot_pass_computes_each_token_once(tmp_path: Path) -> Non
     tokens = 4  # 4 tiles of 128 tokens per step on 128 threads
     assert top_p.counts["load"] == top_p.counts["exp"] == top_p.counts["cvt64"] == tokens
     assert top_p.length <= 125 * tokens, top_p
+
+
+@pytest.mark.skipif(_ptxas_path() is None, reason="Triton's bundled ptxas is unavailable")
+def test_sampler_first_pass_costs_one_exp_and_one_conversion_per_token(tmp_path: Path) -> None:
+    """Issue 35, the rejection sampler at top_p = 1: pass 1 over a sampled row (here the split
+    pass of ``_part_kernel``, the same device code as one program's) computes per token one
+    exp and one 64-bit conversion (its tile mass) and no random numbers or logarithms (the
+    two-level draw races over tiles, then inside one tile). The token races it replaced cost
+    about 100 instructions per token (Philox and two precise logarithms, 1,605 per loop);
+    now under 40. A loop is one tile of 2,048 tokens on 128 threads: 16 per thread."""
+    asm = tmp_path / "asm"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--only", "_part_kernel bf16 chain k+1=4 B=1 split-vocab",
+         "--targets", "90", "--jobs", "1", "--json", str(tmp_path / "table.json"), "--asm",
+         str(asm)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (sass,) = asm.glob("_part_kernel.sm_90a.*.sass")
+    loops = _sass_loops_module().loops(sass.read_text())
+    (sampled,) = [x for x in loops if x.counts["cvt64"] and x.counts["load"]]  # the tile loop
+    tokens = 16
+    # per tile, not per token: the row's sum from the tile's mass (2 exps), the chain child's
+    # mass (1 exp, 1 conversion), the mass's float conversions
+    assert tokens <= sampled.counts["exp"] <= tokens + 4, sampled
+    assert tokens <= sampled.counts["cvt64"] <= tokens + 4, sampled
+    assert sampled.length <= 40 * tokens, sampled

@@ -22,6 +22,7 @@ except ImportError:  # scipy is optional: the chi-square tests skip without it, 
     def chisquare(*args, **kwargs):
         return pytest.importorskip("scipy.stats").chisquare(*args, **kwargs)
 
+from specengine.core.chain_sampler import sampled_chain_sample
 from specengine.kernels import reference as ref
 from specengine.kernels.rejection_sampling import default_vocab_parts
 from specengine.kernels.rejection_sampling import rejection_sample as kernel
@@ -399,6 +400,67 @@ def test_tree_distribution(children: list[int], temp: float, top_k: int, top_p: 
         sel = rows[:, 1] == node
         if sel.sum() > 500:
             chi2(out[sel, 1], processed(logits[0, node], temp, top_k, top_p))
+
+
+TILE_PEAKS = {0: 2.0, 2047: 1.0, 2048: 2.6, 3001: 0.5, 4096: 3.0, 6144: 1.5, 6148: 2.2}
+
+
+def tile_row(vocab: int = 3 * ref.TILE + 5) -> torch.Tensor:
+    """One row over four tiles (the last of 5 tokens) whose mass sits in every tile at
+    different heights: a peak or two per tile, a tail of -2 (a third of the mass), every 7th
+    token -inf (masked)."""
+    row = torch.full((vocab,), -2.0)
+    row[::7] = float("-inf")
+    for t, v in TILE_PEAKS.items():
+        row[t] = v
+    return row
+
+
+def chi2_binned(samples: torch.Tensor, law: np.ndarray) -> None:
+    """chi2 over the peaks one by one and the rest lumped per tile (the tail's tokens are too
+    many and too light for one bin each)."""
+    bins = np.arange(len(law)) // ref.TILE + len(TILE_PEAKS)
+    for i, t in enumerate(TILE_PEAKS):
+        bins[t] = i
+    counts = np.bincount(bins[samples.numpy()], minlength=bins.max() + 1)
+    expected = np.bincount(bins, weights=law, minlength=bins.max() + 1)
+    assert counts[expected == 0].sum() == 0, "a token outside the kept set was emitted"
+    keep = expected > 0
+    assert chisquare(counts[keep], expected[keep] / expected[keep].sum() * counts.sum()
+                     ).pvalue > P_MIN, (counts, expected)
+
+
+@pytest.mark.parametrize("mode", ["point", "probs"])
+@pytest.mark.parametrize(("temp", "top_k", "top_p"), [(1.0, -1, 1.0), (0.9, 5, 0.95)])
+def test_draws_across_tiles_distribution(mode: str, temp: float, top_k: int,
+                                         top_p: float) -> None:
+    """The two-level draw over a row of four tiles: the tile race weighs each tile by its
+    mass on its own scale (its largest z), the token race runs inside the winner. The first
+    token emitted follows the processed law whether the draft (a peak in tile 1, or drawn
+    from q) is accepted or its residual drawn, with and without filters (whose draws race
+    again over the kept set). Drawn by the CPU engine's chain sampler, which equals the
+    reference bit for bit (``test_chain_sampler.py``) and draws only where the walk ends."""
+    draws, chunk = 12_000, 4_000
+    row = tile_row()
+    vocab = len(row)
+    law = processed(row, temp, top_k, top_p)
+    g = torch.Generator().manual_seed(16)
+    q_row = torch.softmax(torch.where(row > -3, row + torch.randn(vocab, generator=g), -9.0), 0)
+    outs = []
+    for c in range(draws // chunk):
+        logits = row.expand(chunk, 2, -1)
+        q = None
+        if mode == "point":
+            drafts = torch.full((chunk, 1), 2048)
+        else:
+            q = q_row.expand(chunk, 1, -1)
+            drafts = torch.multinomial(q_row, chunk, replacement=True, generator=g)[:, None]
+        t, k, p, s, o = params(chunk, temp, top_k, top_p, seed0=c * chunk)
+        out, acc, _, _ = sampled_chain_sample(logits, drafts, torch.ones(chunk, dtype=torch.int32),
+                                              q, t, k, p, s, o)
+        assert 0 < (acc == 1).float().mean() < 1  # both branches taken
+        outs.append(out[:, 0])
+    chi2_binned(torch.cat(outs), law)
 
 
 def test_kernel_distribution() -> None:

@@ -3,15 +3,17 @@ those outputs read.
 
 The reference rejection sampler (``kernels/reference_sampling.py``, the kernels'
 specification) runs its whole machinery at every logits row of every batch row: the top-k /
-top-p threshold (a sort of the vocabulary) and a Philox sampling race over the vocabulary,
-then keeps one race per batch row. On the CPU those are most of a sampled step (at batch 32
-over a 49k vocabulary the race and the sort cost more than the model's forward). For chains,
-what each batch row reads is:
+top-p threshold (a sort of the vocabulary) and a two-level draw (a race over the tiles'
+masses, then a Philox race over the winning tile's tokens; the reference draws that race's
+random numbers for the whole vocabulary), then keeps one draw per batch row. On the CPU
+those were most of a sampled step (at batch 32 over a 49k vocabulary a race over every token
+and the sort cost more than the model's forward). For chains, what each batch row reads is:
 
 * at every node ``j``: the row's log-sum-exp, its argmax (greedy rows) and the draft's
   probability ``p_j(x)``; the draft's acceptance uniform;
-* the race only at the node where the walk ends (``num_accepted``): one race per batch row,
-  whichever node that is. Every other node's race is drawn by the reference and discarded;
+* the draw only at the node where the walk ends (``num_accepted``): one per batch row,
+  whichever node that is, its token race's random numbers for the winning tile's 2,048
+  tokens only. Every other node's draw is made by the reference and discarded;
 * the threshold (a sort) only for rows whose request turned top-k, top-p or min-p on: for
   the others it keeps the whole vocabulary.
 
@@ -23,13 +25,20 @@ Host reads (which rows filter, where walks end) are memory reads here: CPU only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from specengine.kernels.reference import (
+    TILE,
+    draw_tile,
+    fixed_point,
     keep_threshold,
     philox4x32,
-    race_exponentials,
+    tile_exponentials,
+    tile_masses,
+    tile_sums,
     uniform_from_bits,
 )
 
@@ -129,36 +138,59 @@ def sampled_chain_sample(
     fail = used & ~acc
     num_acc = torch.where(fail.any(1), fail.float().argmax(1) - 1, n)  # first rejected - 1
 
-    # The walk ends at node num_acc: the one race each sampled row needs.
+    # The walk ends at node num_acc: the one draw each sampled row needs there, two-level
+    # (reference.draw_tile): a tile race over the row's tile masses, then the token race in
+    # the winning tile only (random numbers for TILE tokens, not the vocabulary).
     end = num_acc
     tok_end = argmax[rows, end]
     b = torch.nonzero(~greedy)[:, 0]
     if len(b):
         j = end[b]
+        pos = offsets[b] + j
         ze = z[b, j]  # [S, V]
-        e = race_exponentials(seeds[b], offsets[b] + j, j, vocab)
-        g = ze - torch.log(e)
-        if tau is not None:
-            g = torch.where(ze >= tau[b, j][:, None], g, float("-inf"))
-        tok = g.argmax(1)  # a draw of p_j (no draft refused there: j = num_draft)
-        # x_{j+1} was refused (j < num_draft): a draw of p_j given that refusal instead.
+        live = torch.ones_like(ze, dtype=torch.bool) if tau is None else ze >= tau[b, j][:, None]
+        mass, anchor = tile_masses(ze, live)
+        tok = torch.full_like(j, -1)
+        p_keys = _p_keys(ze, live)
+        # x_{j+1} was refused (j < num_draft): a draw of p_j given that refusal instead (p_j
+        # itself only where that has no mass).
         ref = torch.nonzero(j < n[b])[:, 0]
         if len(ref):
-            bj, jr, plain = b[ref], j[ref], tok[ref]
+            bj, jr = b[ref], j[ref]
+            none = torch.full_like(jr, -1)
             if draft_probs is None:
                 # Its point-mass drafts refused: p_j with their tokens removed.
-                key = g[ref].index_put((torch.arange(len(ref), device=dev), drafts[bj, jr + 1]),
-                                       torch.tensor(float("-inf"), device=dev))
-                tok[ref] = _argmax_or(key, float("-inf"), plain)
+                x = drafts[bj, jr + 1]
+                rest = mass[ref].index_put((torch.arange(len(ref), device=dev), x),
+                                           torch.zeros((), dtype=torch.long, device=dev))
+                t_rest = draw_tile(seeds[bj], pos[ref], jr, tile_sums(rest), anchor[ref])
+
+                def rest_keys(sel: Tensor, cols: Tensor, valid: Tensor, e: Tensor) -> Tensor:
+                    return torch.where(cols == x[:, None], float("-inf"),
+                                       p_keys(sel, cols, valid, e))
+
+                tok[ref] = _token_race(ref, t_rest, rest_keys, float("-inf"), none, seeds[b],
+                                      pos, j, vocab)
             else:
-                # norm(max(p - q, 0)): the reference's residual race, same exponentials.
+                # norm(max(p - q, 0)): the reference's residual draw, same exponentials.
                 q = draft_probs[bj, jr].float()
                 if draft_index is not None:
                     idx = draft_index.long()
                     q = torch.where(idx >= 0, q[:, idx.clamp(min=0)], 0.0)
                 r = (w[bj, jr] / s[bj, jr] - q).clamp(min=0)
-                key = torch.where(r > 0, r / e[ref], -1.0)
-                tok[ref] = _argmax_or(key, 0.0, plain)
+                t_r = draw_tile(seeds[bj], pos[ref], jr, tile_sums(fixed_point(r)), None)
+
+                def q_keys(sel: Tensor, cols: Tensor, valid: Tensor, e: Tensor) -> Tensor:
+                    rc = r.gather(1, cols)
+                    return torch.where(valid & (rc > 0), rc / e, -1.0)
+
+                tok[ref] = _token_race(ref, t_r, q_keys, 0.0, none, seeds[b], pos, j, vocab)
+        plain = torch.nonzero(tok < 0)[:, 0]  # p_j: no draft refused there, or no residual
+        if len(plain):
+            t_plain = draw_tile(seeds[b[plain]], pos[plain], j[plain], tile_sums(mass[plain]),
+                                anchor[plain])
+            tok[plain] = _token_race(plain, t_plain, p_keys, float("-inf"), tok_end[b[plain]],
+                                    seeds[b], pos, j, vocab)
         tok_end[b] = tok
     lp_end = logp_at(tok_end, end)
 
@@ -171,6 +203,34 @@ def sampled_chain_sample(
     out_lp[rows, num_acc] = lp_end
     row_ids = torch.where(i <= num_acc[:, None], i.int(), -1).int()
     return out, num_acc.int(), out_lp, row_ids
+
+
+Keys = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def _p_keys(z: Tensor, live: Tensor) -> Keys:
+    """The token race's keys of p: z - log E on the kept tokens, -inf elsewhere."""
+
+    def keys(sel: Tensor, cols: Tensor, valid: Tensor, e: Tensor) -> Tensor:
+        return torch.where(valid & live[sel].gather(1, cols), z[sel].gather(1, cols) - torch.log(e),
+                           float("-inf"))
+
+    return keys
+
+
+def _token_race(sel: Tensor, tile: Tensor, keys: Keys, floor: float, fallback: Tensor,
+               seeds: Tensor, pos: Tensor, node: Tensor, vocab: int) -> Tensor:
+    """The token race inside ``tile`` [R] (-1: none) for rows ``sel`` of the sampled rows:
+    ``keys(sel, columns, valid, E)`` over the tile's TILE tokens give the winner (the lowest
+    column of the largest key, as the reference's argmax over the row), or ``fallback`` where
+    no key exceeds ``floor``. Random numbers for those TILE tokens only."""
+    cols = tile.clamp(min=0)[:, None] * TILE + torch.arange(TILE, device=tile.device)
+    valid = (cols < vocab) & (tile[:, None] >= 0)
+    e = tile_exponentials(seeds[sel], pos[sel], node[sel], tile)
+    key = keys(sel, cols.clamp(max=vocab - 1), valid, e)
+    best = key.max(1)
+    won = cols.gather(1, best.indices[:, None])[:, 0]
+    return torch.where(best.values > floor, won, fallback)
 
 
 def _q_at(draft_probs: Tensor, x: Tensor, draft_index: Tensor | None) -> Tensor:
