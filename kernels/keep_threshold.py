@@ -22,16 +22,19 @@ from .rejection_sampling import (
     _part_kernel,
     launch_search_parts,
     split_search_scratch,
+    tile_scratch,
     vocab_chunks,
 )
 from .sampling_checks import MAX_VOCAB
 from .sampling_pass import (
+    RNG_GROUP,
     SEARCH_CAP,
     SEARCH_CAP_ENTRIES,
     SEARCH_P,
     first_pass,
     keep_cut,
-    merge_parts,
+    merged_max_min,
+    tile_races,
 )
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -41,22 +44,26 @@ _SBLOCK = 1024 if _INTERPRET else 128  # = rejection_sampling._SBLOCK (chains)
 @triton.jit
 def _keep_threshold_kernel(logits_ptr, s_lb, inv_t_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                            buf_ptr, tau_ptr, mass_ptr, max_ptr, part_f_ptr, part_i_ptr,
-                           search_i_ptr, search_f_ptr, C, V, HAS_MIN_P: tl.constexpr,
+                           search_i_ptr, search_f_ptr, tile_f_ptr, tile_i_ptr, C, V,
+                           HAS_MIN_P: tl.constexpr,
                            SPLIT: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr,
                            GBLOCK: tl.constexpr):
     b = tl.program_id(0)
     b64 = b.to(tl.int64)
     row_ptr = logits_ptr + b64 * s_lb
     inv_t = tl.load(inv_t_ptr + b)
+    tiles = (V + 4 * RNG_GROUP - 1) // (4 * RNG_GROUP)
+    tile_f = tile_f_ptr + b64 * tiles
+    tile_i = tile_i_ptr + b64 * tiles * 2
+    zero = (b * 0).to(tl.uint32)
+    # The row statistics exactly as the rejection sampler's pass 1 computes them (its tile
+    # races are unused here; a chain row with no draft reads no draft token).
     if SPLIT:  # pass 1 and the first search's first pass ran in C parts per row
-        m, s, zmin, _, _ = merge_parts(part_f_ptr + b64 * C * 5, part_i_ptr + b64 * C * 2, C,
-                                       False)
+        _, zmin = merged_max_min(part_f_ptr + b64 * C * 5, C)
+        m, s, _, _ = tile_races(tile_f, tile_i, V, zero, zero, b * 0, b * 0, b * 0 + 1)
     else:
-        zero = (b * 0).to(tl.uint32)
-        # The row statistics exactly as the rejection sampler's pass 1 computes them (its
-        # races are unused here; a chain row with no draft reads no draft token).
         m, s, zmin, _, _ = first_pass(row_ptr, top_k_ptr, top_k_ptr, zero, zero, b * 0, b * 0,
-                                      b * 0, 1, V, inv_t, False)
+                                      b * 0, 1, V, inv_t, tile_f, tile_i, False)
     tau, s_tau = keep_cut(row_ptr, buf_ptr + b64 * SEARCH_CAP, V, inv_t, m, s, zmin,
                           top_k_ptr, top_p_ptr, min_p_ptr, b, search_i_ptr + b64 * C * (2 * P + 2),
                           search_f_ptr + b64 * C * 3, C, HAS_MIN_P, P, SBLOCK, GBLOCK, SPLIT)
@@ -104,6 +111,7 @@ def keep_threshold(
     # the search's candidate buffers, one per row (uninitialised: a search reads what it wrote)
     scratch = torch.empty(bsz, SEARCH_CAP_ENTRIES, dtype=torch.float32, device=dev)
     parts, chunk = vocab_chunks(bsz, vocab, dev, vocab_parts)
+    tile_f, tile_i = tile_scratch(bsz, vocab, dev)
     inv_t = temperature.reciprocal()
     log_min = log_min_p if log_min_p is not None else top_p  # dummy when off
     # unsplit, the kernel reads none of the parts' partials: existing tensors stand in
@@ -117,15 +125,16 @@ def keep_threshold(
         zeros = torch.zeros(bsz, dtype=torch.int64, device=dev)
         num_draft = zeros.to(torch.int32)
         _part_kernel[(bsz, parts)](
-            logits, logits.stride(0), 0, zeros, 0, num_draft, temperature, inv_t, zeros, zeros,
-            num_draft, part_f, part_i, parts, chunk, 1, vocab, IS_TREE=False, GBLOCK=2048,
+            logits, logits.stride(0), 0, zeros, 0, num_draft, temperature, inv_t, num_draft,
+            part_f, part_i, tile_f, tile_i, parts, chunk, 1, vocab, IS_TREE=False, GBLOCK=2048,
             num_warps=4, enable_fp_fusion=False)  # as rejection_sampling launches it
         launch_search_parts(logits, logits.stride(0), 0, num_draft, temperature, inv_t, top_k,
                             top_p, log_min_p, part_f, search_i, search_f, scratch, bsz, parts,
                             chunk, 1, vocab, False)
     _keep_threshold_kernel[(bsz,)](
         logits, logits.stride(0), inv_t, top_k, top_p, log_min, scratch, tau, mass, top,
-        part_f, part_i, search_i, search_f, parts, vocab, HAS_MIN_P=log_min_p is not None,
+        part_f, part_i, search_i, search_f, tile_f, tile_i, parts, vocab,
+        HAS_MIN_P=log_min_p is not None,
         SPLIT=parts > 1, P=SEARCH_P, SBLOCK=_SBLOCK, GBLOCK=2048, num_warps=4, maxnreg=255,
         enable_fp_fusion=False)  # pass 1 as the rejection sampler's row kernel runs it
     return tau, mass, top

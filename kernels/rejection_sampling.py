@@ -42,11 +42,13 @@ from .debug import check_values_now
 from .sampling_checks import validate_inputs
 from .sampling_pass import (
     NEG_INF,
+    RNG_GROUP,
     SEARCH_CAP,
     SEARCH_CAP_ENTRIES,
     SEARCH_P,
     SPLIT_FLOATS,
     SPLIT_INTS,
+    TILES_MAX,
     acceptance_uniform,
     first_pass,
     first_pass_part,
@@ -61,6 +63,7 @@ from .sampling_pass import (
     split_pivot_part,
     split_snap_part,
     tile_pass,
+    tile_races,
 )
 
 # Search-pass tile [P, SBLOCK]: on GPUs one token per lane (32 * num_warps), so each lane
@@ -105,8 +108,8 @@ def _row_position(parents_ptr, offset_ptr, b, j, N, IS_TREE: tl.constexpr):
 def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s_qb, s_qn,
                 map_ptr, buf_ptr, temp_ptr, inv_t_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
                 offset_ptr, parents_ptr, tok_end_ptr, lp_end_ptr, p_child_ptr, lp_child_ptr,
-                acc_ptr, part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, C, N, V,
-                HAS_Q: tl.constexpr,
+                acc_ptr, part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, tile_f_ptr,
+                tile_i_ptr, C, N, V, HAS_Q: tl.constexpr,
                 HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr, HAS_MIN_P: tl.constexpr,
                 SPLIT: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr,
                 GBLOCK: tl.constexpr):
@@ -127,22 +130,26 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
         greedy = temp == 0
         sampled = temp != 0
         tau = NEG_INF + inv_t * 0.0
+        # the row's scratch for its tiles' statistics (sampled rows)
+        tiles = (V + 4 * RNG_GROUP - 1) // (4 * RNG_GROUP)
+        tile_f = tile_f_ptr + pid.to(tl.int64) * tiles
+        tile_i = tile_i_ptr + pid.to(tl.int64) * tiles * 2
         if greedy:
             if SPLIT:  # pass 1 ran in C parts (_part_kernel)
-                m, s, _, i1, i2 = merge_parts(part_f_ptr + pid.to(tl.int64) * C * 5,
-                                              part_i_ptr + pid.to(tl.int64) * C * 2, C, True)
+                m, s, i1 = merge_parts(part_f_ptr + pid.to(tl.int64) * C * 5,
+                                       part_i_ptr + pid.to(tl.int64) * C * 2, C)
             else:
                 m, s, i1 = greedy_pass(row_ptr, V, GBLOCK)
-                i2 = i1
+            i2 = i1
             s_tau = s
             zmin = m
         else:
-            if SPLIT:
-                m, s, zmin, i1, i2 = merge_parts(part_f_ptr + pid.to(tl.int64) * C * 5,
-                                                 part_i_ptr + pid.to(tl.int64) * C * 2, C, False)
+            if SPLIT:  # pass 1 ran in C parts, which stored the tiles' statistics
+                _, zmin = merged_max_min(part_f_ptr + pid.to(tl.int64) * C * 5, C)
+                m, s, i1, i2 = tile_races(tile_f, tile_i, V, k0, k1, pos, j, j * 0 + 1)
             else:
                 m, s, zmin, i1, i2 = first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos,
-                                                j, n, N, V, inv_t, IS_TREE)
+                                                j, n, N, V, inv_t, tile_f, tile_i, IS_TREE)
             tau, s_tau = keep_cut(row_ptr, buf_ptr + pid.to(tl.int64) * SEARCH_CAP, V, inv_t, m,
                                   s, zmin, top_k_ptr, top_p_ptr, min_p_ptr, b,
                                   search_i_ptr + pid.to(tl.int64) * C * (2 * P + 2),
@@ -198,7 +205,7 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
             if (tau > zmin) | rejected_q:
                 t1, t2 = tile_pass(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0,
                                    k1, pos, j, n, N, V, inv_t, tau, m, s_tau,
-                                   rejected_q.to(tl.int32), HAS_MAP, IS_TREE)
+                                   rejected_q.to(tl.int32), tile_f, tile_i, HAS_MAP, IS_TREE)
             tok = -1
             if t2 >= 0:  # the residual (p itself for a row without children)
                 _, tok = race_in_tile(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr,
@@ -215,11 +222,12 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
 
 @triton.jit
 def _part_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, temp_ptr, inv_t_ptr,
-                 seed_ptr, offset_ptr, parents_ptr, part_f_ptr, part_i_ptr, C, CHUNK, N, V,
+                 parents_ptr, part_f_ptr, part_i_ptr, tile_f_ptr, tile_i_ptr, C, CHUNK, N, V,
                  IS_TREE: tl.constexpr, GBLOCK: tl.constexpr):
     """Pass 1 of row (b, j) over its tokens [c * CHUNK, (c + 1) * CHUNK), program (row, c):
-    at small batch the rows alone would leave most of the GPU idle. Writes the part's
-    statistics (``first_pass_part`` / ``greedy_pass_part``) for ``merge_parts``."""
+    at small batch the rows alone would leave most of the GPU idle. A greedy row's part
+    writes its (max, sum, argmax) for ``merge_parts``; a sampled row's, its (max, min) and
+    its tiles' statistics in the row's scratch (``first_pass_part``: parts are whole tiles)."""
     pid = tl.program_id(0)
     c = tl.program_id(1)
     b = pid // N
@@ -228,8 +236,6 @@ def _part_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, temp_pt
     if live:
         b64 = b.to(tl.int64)
         row_ptr = logits_ptr + b64 * s_lb + j.to(tl.int64) * s_ln
-        pos = _row_position(parents_ptr, offset_ptr, b, j, N, IS_TREE)
-        k0, k1 = seed_key(seed_ptr, b)
         start = c * CHUNK
         end = tl.minimum(start + CHUNK, V)
         out_f = part_f_ptr + (pid.to(tl.int64) * C + c) * 5
@@ -240,16 +246,13 @@ def _part_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, temp_pt
             tl.store(out_f + 1, s)
             tl.store(out_i, arg)
         else:
-            m, s, zmin, t1, i1, t2, i2 = first_pass_part(
-                row_ptr, draft_ptr + b64 * s_db, parents_ptr, k0, k1, pos, j, n, N, V,
-                tl.load(inv_t_ptr + b), start, end, IS_TREE)
+            tiles = (V + 4 * RNG_GROUP - 1) // (4 * RNG_GROUP)
+            m, zmin = first_pass_part(
+                row_ptr, draft_ptr + b64 * s_db, parents_ptr, j, n, N, V,
+                tl.load(inv_t_ptr + b), start, end, tile_f_ptr + pid.to(tl.int64) * tiles,
+                tile_i_ptr + pid.to(tl.int64) * tiles * 2, IS_TREE)
             tl.store(out_f, m)
-            tl.store(out_f + 1, s)
             tl.store(out_f + 2, zmin)
-            tl.store(out_f + 3, t1)
-            tl.store(out_f + 4, t2)
-            tl.store(out_i, i1)
-            tl.store(out_i + 1, i2)
 
 
 @triton.jit
@@ -424,12 +427,26 @@ def vocab_chunks(rows: int, vocab: int, device: torch.device,
     return -(-vocab // chunk), chunk
 
 
-# Scratch of one (row, part) program of a split call: pass 1's partials (5 float32, 2 int32)
-# and the search's (SPLIT_INTS int64, SPLIT_FLOATS float32): 312 B.
+# Scratch of one (row, part) program of a split call: pass 1's partials (5 float32, 2 int32;
+# a sampled row's use 2 of them) and the search's (SPLIT_INTS int64, SPLIT_FLOATS float32):
+# 312 B.
 SPLIT_BYTES_PER_PROGRAM = 5 * 4 + 2 * 4 + SPLIT_INTS * 8 + SPLIT_FLOATS * 4
 # A default split has rows x parts <= 2 x SMs programs (``default_vocab_parts``); 2 x 192 SMs
 # bounds today's GPUs (H100 / H200: 132, B200: 148): at most 117 KiB per call.
 SPLIT_SCRATCH_MAX_BYTES = 2 * 192 * SPLIT_BYTES_PER_PROGRAM
+
+
+TILE_SCRATCH_BYTES = 4 + 2 * 8  # one tile's statistics: its largest z, two int64 masses
+
+
+def tile_scratch(rows: int, vocab: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Each sampled row's tiles' statistics (``sampling_pass.first_pass_part``), uninitialised
+    (written before read): [rows, tiles] float32 (largest z) and [rows, tiles, 2] int64
+    (masses), tiles = ceil(V / 2,048): 20 B per 2,048 tokens."""
+    tiles = -(-vocab // _PART_TOKENS)
+    assert tiles <= TILES_MAX, (vocab, TILES_MAX)  # sampling_checks: V < 2**19
+    return (torch.empty(rows * tiles, dtype=torch.float32, device=device),
+            torch.empty(rows * tiles * 2, dtype=torch.int64, device=device))
 
 
 def split_search_scratch(rows: int, parts: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -527,10 +544,11 @@ def rejection_sample(
     # (unsplit: the row kernel's unused search-partial arguments are part_i / part_f)
     search_i, search_f = split_search_scratch(bsz * n_rows, parts, dev) if parts > 1 \
         else (part_i, part_f)
+    tile_f, tile_i = tile_scratch(bsz * n_rows, vocab, dev)
     if parts > 1:
         _part_kernel[(bsz * n_rows, parts)](
             target_logits, target_logits.stride(0), target_logits.stride(1), draft_token_ids,
-            s_db, num_draft_tokens, temperature, inv_t, seeds, offsets, parents, part_f, part_i,
+            s_db, num_draft_tokens, temperature, inv_t, parents, part_f, part_i, tile_f, tile_i,
             parts, chunk, n_rows, vocab, IS_TREE=is_tree, GBLOCK=2048, num_warps=4,
             enable_fp_fusion=False)  # z = logit / T, then z - a: rounded as the reference
         # and the first pass of the rows' top-k / top-p search (two launches)
@@ -543,7 +561,7 @@ def rejection_sample(
         draft_token_ids, s_db, num_draft_tokens, q, q.stride(0), q.stride(1), vocab_map, scratch,
         temperature, inv_t, top_k, top_p, log_min_p if log_min_p is not None else top_p,
         seeds, offsets, parents, tok_end, lp_end, p_child, lp_child, acc, part_f, part_i,
-        search_i, search_f, parts, n_rows, vocab,
+        search_i, search_f, tile_f, tile_i, parts, n_rows, vocab,
         HAS_Q=draft_probs is not None, HAS_MAP=draft_index is not None, IS_TREE=is_tree,
         HAS_MIN_P=log_min_p is not None, SPLIT=parts > 1, P=16,
         SBLOCK=_SBLOCK_TREE if is_tree else _SBLOCK, GBLOCK=2048,

@@ -126,16 +126,6 @@ def _drop_children(g, at, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, IS_TREE:
 
 
 @triton.jit
-def _tile_exponential(k0, k1, pos, j, t):
-    """E_t of row j's tile race: counter (pos, j, 2, t), word 0 (``reference.draw_tile``)."""
-    c0 = pos.to(tl.uint32)
-    zero = c0 * 0
-    r0, _, _, _ = philox(k0, k1, c0, (pos * 0 + j).to(tl.uint32), zero + TILE_PURPOSE,
-                         (pos * 0 + t).to(tl.uint32))
-    return exponential_from_bits(r0)
-
-
-@triton.jit
 def tile_key(e, bias, mass):
     """A tile's key in the tile race, bias + log(float32 mass) - log(E) in that order (the
     reference's float32 operations), -inf for a tile without mass."""
@@ -176,36 +166,39 @@ def _lowest_argmax(g, i):
     return top, tl.where(i == 2147483647, -1, i)
 
 
+TILES_MAX = 256  # tiles of 4 * RNG_GROUP tokens in a row: V < 2**19 (sampling_checks)
+TILES: tl.constexpr = tl.constexpr(TILES_MAX)
+
+
 @triton.jit
-def first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t,
-               IS_TREE: tl.constexpr):
-    """Pass 1 over a sampled row: max, sum exp(z - max), min, and the winners of two tile
-    races (``reference.draw_tile``) — over all tokens and over all but row j's children's
-    tokens (its point-mass residual)."""
-    m, s, zmin, _, t1, _, t2 = first_pass_part(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos,
-                                               j, n, N, V, inv_t, 0, V, IS_TREE)
+def first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t, tile_f_ptr,
+               tile_i_ptr, IS_TREE: tl.constexpr):
+    """Pass 1 over a sampled row: (max, sum exp(z - max), min, t1, t2), t1 / t2 the winners of
+    the two tile races (``reference.draw_tile``) — over all tokens and over all but row j's
+    children's tokens (its point-mass residual). ``tile_f_ptr`` / ``tile_i_ptr``: the row's
+    scratch for its tiles' statistics (``first_pass_part``)."""
+    _, zmin = first_pass_part(row_ptr, draft_row_ptr, parents_ptr, j, n, N, V, inv_t, 0, V,
+                              tile_f_ptr, tile_i_ptr, IS_TREE)
+    tl.debug_barrier()  # the tiles' statistics, visible to every thread of the program
+    m, s, t1, t2 = tile_races(tile_f_ptr, tile_i_ptr, V, k0, k1, pos, j, j * 0 + 1)
     return m, s, zmin, t1, t2
 
 
 @triton.jit
-def first_pass_part(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t, start,
-                    end, IS_TREE: tl.constexpr):
+def first_pass_part(row_ptr, draft_row_ptr, parents_ptr, j, n, N, V, inv_t, start, end,
+                    tile_f_ptr, tile_i_ptr, IS_TREE: tl.constexpr):
     """``first_pass`` over tokens [start, end) (start a multiple of the tile, 4 * RNG_GROUP;
-    end <= V): (max, sum exp(z - max), min, top key and winning tile of the plain tile race,
-    the same of the residual's). Parts merge exactly (``merge_parts``): the keys are per tile.
+    end <= V): stores each tile's statistics (its largest z a at ``tile_f_ptr[t]``, its mass
+    and its point-mass residual's at ``tile_i_ptr[2t]``, ``[2t + 1]``) and returns the part's
+    (max, min). Parts cover whole tiles, so a split row's statistics are one pass's.
 
     One step per tile: its largest z a, then per token one exp and one conversion, the
-    integer mass floor(exp(z - a) * 2**44), summed exactly; random numbers and logarithms
-    per tile only. The row's sum of exp(z - max) comes from the tiles' masses:
-    sum_t S_t * 2**-44 * exp(a_t - max), within TILE * 2**-44 of each tile's top weight."""
+    integer mass floor(exp(z - a) * 2**44), summed exactly. The random numbers and
+    logarithms of the tile races come after the pass, for all tiles at once
+    (``tile_races``)."""
     G: tl.constexpr = RNG_GROUP
     m = -3.4028234663852886e38 + inv_t * 0.0
-    s = inv_t * 0.0
     zmin = tl.full([G], POS_INF, tl.float32)
-    top1 = NEG_INF + inv_t * 0.0
-    top2 = top1
-    t1 = start * 0 - 1
-    t2 = t1
     x_ex = _chain_child_token(draft_row_ptr, j, n, IS_TREE)
     # its z (-inf if none: mass 0), taken out of its tile's mass below
     z_x = tl.load(row_ptr + tl.minimum(tl.maximum(x_ex, 0), V - 1),
@@ -232,61 +225,68 @@ def first_pass_part(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V
                             w3, 0)
             rest = mass - tl.sum(out, 0)
         else:
-            # a chain's one child token: its mass as a scalar, not a select per token
-            w_x = tl.floor(tl.exp(z_x - a_fin) * MASS_SCALE).to(tl.int64)
+            # a chain's one child token: its mass as a scalar, not a select per token (the
+            # minimum changes nothing in its own tile, z_x <= a there; elsewhere it keeps
+            # the unused value finite)
+            w_x = tl.floor(tl.exp(tl.minimum(z_x - a_fin, 0.0)) * MASS_SCALE).to(tl.int64)
             rest = mass - tl.where(x_ex // (4 * G) == base // (4 * G), w_x, 0)
         zmin = tl.minimum(zmin, tl.where(at0 < end, z0, POS_INF))
         zmin = tl.minimum(zmin, tl.where(at1 < end, z1, POS_INF))
         zmin = tl.minimum(zmin, tl.where(at2 < end, z2, POS_INF))
         zmin = tl.minimum(zmin, tl.where(at3 < end, z3, POS_INF))
         t = base // (4 * G)
-        e = _tile_exponential(k0, k1, pos, j, t)
-        key1 = tile_key(e, a, mass)
-        key2 = tile_key(e, a, rest)
-        t1 = tl.where(key1 > top1, t, t1)  # strict: the earliest (lowest) tile wins ties
-        top1 = tl.maximum(top1, key1)
-        t2 = tl.where(key2 > top2, t, t2)
-        top2 = tl.maximum(top2, key2)
-        # a = -inf (a tile of -inf only) adds 0: exp(-inf - m_new) with m_new >= -FLT_MAX
-        m_new = tl.maximum(m, a)
-        s = s * tl.exp(m - m_new) + mass.to(tl.float32) * INV_MASS_SCALE * tl.exp(a - m_new)
-        m = m_new
-    return m, s, tl.min(zmin, 0), top1, t1, top2, t2
+        tl.store(tile_f_ptr + t, a)
+        tl.store(tile_i_ptr + 2 * t, mass)
+        tl.store(tile_i_ptr + 2 * t + 1, rest)
+        m = tl.maximum(m, a)
+    return m, tl.min(zmin, 0)
 
 
 @triton.jit
-def merge_parts(part_f_ptr, part_i_ptr, C, GREEDY: tl.constexpr):
-    """One row's ``first_pass`` (or ``greedy_pass`` with GREEDY) from the C parts written by
-    ``_part_kernel`` over consecutive token ranges, in order: (max, sum exp(z - max), min,
-    t1, t2: the tile races' winners; the argmax for GREEDY). The races merge exactly: the
-    largest key wins, ties going to the earlier part (strict >), whose winner has the lower
-    index, as in one pass; likewise the greedy argmax (first part holding the max). Only the
-    sum's rounding differs from one pass (it is summed part by part)."""
+def tile_races(tile_f_ptr, tile_i_ptr, V, k0, k1, pos, j, rest_on_scale):
+    """The row's tile races from its tiles' statistics (``first_pass_part`` / ``tile_pass``),
+    all tiles at once: (max z, sum exp(z - max), t1, t2) with t1 the winner of the race over
+    the masses, t2 over the residual's (-1 where no tile has mass). Keys as
+    ``reference.draw_tile``: b_t + log S_t - log E_t, b_t = a_t (``rest_on_scale`` 0 for the
+    residual max(p - q, 0), whose masses are on one scale: b_t = 0); E_t from counter
+    (pos, j, 2, t). Ties go to the lowest tile, as the reference's argmax. The sum is
+    sum_t S_t * 2**-44 * exp(a_t - max), within TILE * 2**-44 of each tile's top weight."""
+    G: tl.constexpr = RNG_GROUP
+    t = tl.arange(0, TILES)
+    has = t * (4 * G) < V
+    a = tl.load(tile_f_ptr + t, mask=has, other=NEG_INF)
+    mass = tl.load(tile_i_ptr + 2 * t, mask=has, other=0)
+    rest = tl.load(tile_i_ptr + 2 * t + 1, mask=has, other=0)
+    c0 = (pos + t * 0).to(tl.uint32)
+    r0, _, _, _ = philox(k0, k1, c0, (pos * 0 + j).to(tl.uint32) + c0 * 0, c0 * 0 + TILE_PURPOSE,
+                         t.to(tl.uint32))
+    e = exponential_from_bits(r0)
+    key1 = tile_key(e, a, mass)
+    key2 = tile_key(e, tl.where(rest_on_scale != 0, a, 0.0), rest)
+    top1, t1 = _lowest_argmax(key1, t)
+    top2, t2 = _lowest_argmax(key2, t)
+    m = tl.maximum(tl.max(a, 0), -3.4028234663852886e38)
+    s = tl.sum(tl.where(mass > 0, mass.to(tl.float32) * INV_MASS_SCALE * tl.exp(a - m), 0.0), 0)
+    return m, s, tl.where(top1 > NEG_INF, t1, -1), tl.where(top2 > NEG_INF, t2, -1)
+
+
+@triton.jit
+def merge_parts(part_f_ptr, part_i_ptr, C):
+    """One greedy row's ``greedy_pass`` from the C parts written by ``_part_kernel`` over
+    consecutive token ranges, in order: (max, sum exp(z - max), argmax). The argmax merges
+    exactly (the first part holding the max, whose winner has the lower index, as in one
+    pass); only the sum's rounding differs from one pass. (A sampled row's parts store its
+    tiles' statistics instead: ``merged_max_min`` and ``tile_races``.)"""
     m = -3.4028234663852886e38 + tl.load(part_f_ptr) * 0.0
-    zmin = m * 0.0 + POS_INF
-    g1 = m * 0.0 + NEG_INF
-    g2 = g1
     i1 = C * 0 - 1
-    i2 = i1
     for c in range(0, C):
         m_c = tl.load(part_f_ptr + c * 5)
-        if GREEDY:
-            i1 = tl.where(m_c > m, tl.load(part_i_ptr + c * 2), i1)
-        else:
-            t1 = tl.load(part_f_ptr + c * 5 + 3)
-            t2 = tl.load(part_f_ptr + c * 5 + 4)
-            i1 = tl.where(t1 > g1, tl.load(part_i_ptr + c * 2), i1)
-            i2 = tl.where(t2 > g2, tl.load(part_i_ptr + c * 2 + 1), i2)
-            g1 = tl.maximum(g1, t1)
-            g2 = tl.maximum(g2, t2)
-            zmin = tl.minimum(zmin, tl.load(part_f_ptr + c * 5 + 2))
+        i1 = tl.where(m_c > m, tl.load(part_i_ptr + c * 2), i1)
         m = tl.maximum(m, m_c)
     s = m * 0.0
     for c in range(0, C):
         s += tl.load(part_f_ptr + c * 5 + 1) * tl.exp(tl.load(part_f_ptr + c * 5) - m)
-    if GREEDY:
-        i2 = i1
-    return m, s, zmin, i1, i2
+    return m, s, i1
 
 
 @triton.jit
@@ -888,17 +888,16 @@ def _kept_tile(z, at, a, tau, m, s, q_row_ptr, map_ptr, draft_row_ptr, parents_p
 
 @triton.jit
 def tile_pass(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N,
-              V, inv_t, tau, m, s, use_q, HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr):
+              V, inv_t, tau, m, s, use_q, tile_f_ptr, tile_i_ptr, HAS_MAP: tl.constexpr,
+              IS_TREE: tl.constexpr):
     """The tile races over the kept set {z >= tau} (``reference.draw_tile``), when pass 1's
     (over every token) do not hold: (t1: p's, t2: the residual's — p without row j's
     children's tokens, or, ``use_q``, max(p - q, 0) — -1 where no tile has mass). Same E_t
-    and the same anchors a_t (each tile's largest z over all its tokens) as pass 1."""
+    and the same anchors a_t (each tile's largest z over all its tokens) as pass 1; the
+    tiles' statistics overwrite pass 1's in the row's scratch."""
     G: tl.constexpr = RNG_GROUP
-    top1 = NEG_INF + inv_t * 0.0
-    top2 = top1
-    t1 = V * 0 - 1
-    t2 = t1
     x_ex = _chain_child_token(draft_row_ptr, j, n, IS_TREE)
+    tl.debug_barrier()  # every thread has read pass 1's statistics before they are replaced
     for base in range(0, V, 4 * G):
         at0, at1, at2, at3, z0, z1, z2, z3, a = _load_tile(row_ptr, base, V, inv_t)
         w0, r0 = _kept_tile(z0, at0, a, tau, m, s, q_row_ptr, map_ptr, draft_row_ptr,
@@ -910,13 +909,12 @@ def tile_pass(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0, k1, p
         w3, r3 = _kept_tile(z3, at3, a, tau, m, s, q_row_ptr, map_ptr, draft_row_ptr,
                             parents_ptr, x_ex, j, n, N, V, use_q, HAS_MAP, IS_TREE)
         t = base // (4 * G)
-        e = _tile_exponential(k0, k1, pos, j, t)
-        key1 = tile_key(e, a, w0 + w1 + w2 + w3)
-        key2 = tile_key(e, tl.where(use_q != 0, 0.0, a), r0 + r1 + r2 + r3)
-        t1 = tl.where(key1 > top1, t, t1)
-        top1 = tl.maximum(top1, key1)
-        t2 = tl.where(key2 > top2, t, t2)
-        top2 = tl.maximum(top2, key2)
+        tl.store(tile_f_ptr + t, a)
+        tl.store(tile_i_ptr + 2 * t, w0 + w1 + w2 + w3)
+        tl.store(tile_i_ptr + 2 * t + 1, r0 + r1 + r2 + r3)
+    tl.debug_barrier()
+    _, _, t1, t2 = tile_races(tile_f_ptr, tile_i_ptr, V, k0, k1, pos, j,
+                              (use_q == 0).to(tl.int32))
     return t1, t2
 
 

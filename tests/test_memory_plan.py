@@ -121,9 +121,11 @@ def test_qwen3_8b_eagle3_on_an_80gb_card(pair: tuple[Path, Path]) -> None:
     # logits. Eager and graph pools each reach their peak.
     per_token = e * (2 * H + 3 * INTER + 4 * H)
     prefill = 16384 * (e * 4 * H + e * (5 * H + 3 * INTER)) + 256 * V * (e + 4)
-    # + the search scratch (64 KiB per row) and the split partials' bound (2 x 192 SMs x
+    # + the search scratch (64 KiB per row), the tiles' statistics (75 tiles of 2,048 tokens
+    # per row, a float32 and two int64 each) and the split partials' bound (2 x 192 SMs x
     # 312 B: pass 1's 5 float32 + 2 int32, the search's 34 int64 + 3 float32)
-    verify = 256 * 9 * per_token + 256 * 9 * V * e + 256 * 9 * 64 * 1024 + 2 * 192 * 312
+    verify = 256 * 9 * per_token + 256 * 9 * V * e + 256 * 9 * 64 * 1024 \
+        + 256 * 9 * 75 * 20 + 2 * 192 * 312
     assert (plan.prefill_activation_bytes, plan.verify_activation_bytes) == (prefill, verify)
     assert plan.activation_bytes == prefill + verify
     # The KV cache: what is left of 0.9 x 80 GiB, in whole 16-token blocks.

@@ -23,8 +23,9 @@ The static buffers are those of the code (``core/verify.py``, ``drafters/static_
 - per captured verify graph its own outputs (live while it exists): the packed result
   ``[rows, 3N + 1]`` float64 and the sampler's device outputs (counted as that again); the
   verify pass's activations include the sampler's search scratch (``SEARCH_CAP_ENTRIES``
-  float32 per row program, ``kernels.sampling_pass``) and its small-batch split partials
-  (``SPLIT_SCRATCH_MAX_BYTES``, ``kernels.rejection_sampling``);
+  float32 per row program, ``kernels.sampling_pass``), its tiles' statistics
+  (``TILE_SCRATCH_BYTES`` per 2,048 tokens per row program) and its small-batch split
+  partials (``SPLIT_SCRATCH_MAX_BYTES``, ``kernels.rejection_sampling``);
 - the draft-id buffer, the persistent batch state and a feature drafter's root buffer.
 
 Every figure is an estimate the tests hold to a hand computation; on a card,
@@ -51,7 +52,8 @@ from typing import Any
 import torch
 
 from specengine.config import MAX_K, EngineConfig
-from specengine.kernels.rejection_sampling import SPLIT_SCRATCH_MAX_BYTES
+from specengine.kernels.reference import TILE
+from specengine.kernels.rejection_sampling import SPLIT_SCRATCH_MAX_BYTES, TILE_SCRATCH_BYTES
 from specengine.kernels.sampling_pass import SEARCH_CAP_ENTRIES
 from specengine.model.config import ModelConfig
 from specengine.tree import MAX_TREE_NODES
@@ -380,11 +382,13 @@ def plan_memory(target: ModelConfig, cfg: EngineConfig, total_bytes: int,
     # rejection sampler reads them row by row in float32: no [rows, N, V] float32 copy).
     # Plus the sampler's top-k / top-p search scratch: SEARCH_CAP_ENTRIES float32 per row
     # program (64 KiB each; the launcher allocates it whatever the rows ask: 147 MiB at 256
-    # rows x 9 fed), and at small batch the split passes' partials (SPLIT_SCRATCH_MAX_BYTES:
-    # 117 KiB at most, counted whatever the shape).
+    # rows x 9 fed), its tiles' statistics (TILE_SCRATCH_BYTES per 2,048 tokens per row
+    # program: 1.5 KiB at V = 152k), and at small batch the split passes' partials
+    # (SPLIT_SCRATCH_MAX_BYTES: 117 KiB at most, counted whatever the shape).
     fed = rows * n_max
+    tiles = -(-v // TILE)
     verify = fed * per_token + fed * v * e + fed * SEARCH_CAP_ENTRIES * 4 \
-        + SPLIT_SCRATCH_MAX_BYTES
+        + fed * tiles * TILE_SCRATCH_BYTES + SPLIT_SCRATCH_MAX_BYTES
     # A sampled draft loop's step on [rows, V] float32: logits, the processed distribution,
     # the one-hot of greedy rows, the uniforms and the race (5 copies).
     # (Over the drafter's own vocabulary where it has one.)
