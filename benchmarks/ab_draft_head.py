@@ -21,12 +21,22 @@ Variants: ``--mlp-width`` (the head's MLP, default the target's), ``--draft-voca
 ``--steps``, ``--batch-tokens``. The last two shapes are trials of the maths only: the engine
 loads one-layer heads with raw features (the published EAGLE-3 layout).
 
+Data: ``--extra-data`` (a second set written by ``rollouts``, e.g. ``--temperature 0``: greedy
+rollouts of the same training prompts) trains on the union of both sets' sequences (the
+first set less its proxy rollouts), shuffled together; ``--extra-fraction F`` instead draws a
+fixed share ``F`` of the steps' batches from the second set (1: that set alone). The draft
+vocabulary is then the most frequent tokens of both sets. The proxy stays on the last
+``--proxy-rollouts`` rollouts of the first set, the greedy replay on the first set's held-out
+rollouts.
+
 Usage::
 
     python benchmarks/ab_draft_head.py rollouts --model DIR --prompts train.jsonl \\
-        --eval-prompts held.jsonl --out SET.safetensors [--rollout-tokens 200000] [--threads 2]
+        --eval-prompts held.jsonl --out SET.safetensors [--rollout-tokens 200000] [--threads 2] \\
+        [--temperature 0]
     python benchmarks/ab_draft_head.py train --model DIR --data SET.safetensors --name base \\
-        [--mlp-width 3072] [--draft-vocab-size 8192] [--feature-rms-norm] [--json OUT.json]
+        [--mlp-width 3072] [--draft-vocab-size 8192] [--feature-rms-norm] [--json OUT.json] \\
+        [--extra-data GREEDY.safetensors [--extra-fraction 0.5]]
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -42,8 +53,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from specengine.drafters.adapt_math import HeadMath, chain_attention
-from specengine.drafters.draft_trainer import DraftTrainer, HeadOptimizer
+from specengine.drafters.adapt import BufferedSeq
+from specengine.drafters.adapt_math import HeadMath, chain_attention, ttt_loss, ttt_sums
+from specengine.drafters.draft_trainer import GROUP_SEQS, DraftTrainer, HeadOptimizer
 from specengine.kernels.reference import rms_norm
 from specengine.model.config import ModelConfig
 from specengine.model.llama import MLP, Attention, RMSNorm
@@ -192,13 +204,60 @@ def t1_proxy(trainer: DraftTrainer, params: dict[str, torch.Tensor], data: Gener
     return (num / den.clamp_min(1)).tolist()
 
 
+def mixed_schedule(first: list[BufferedSeq], extra: list[BufferedSeq], cfg: TrainDraftConfig,
+                   fraction: float | None) -> list[list[tuple[int, int]]]:
+    """Each step's batch as ``(set, sequence index)`` pairs (set 0: ``first``, 1: ``extra``).
+    ``fraction`` None: ``training_schedule`` over the union of both lists (batches may mix the
+    sets). Else step ``s`` takes the next batch of ``extra``'s own schedule when
+    ``floor((s + 1) F) > floor(s F)`` (a share ``F`` of the steps, spread evenly), of
+    ``first``'s otherwise."""
+    if fraction is None:
+        n = len(first)
+        return [[(int(i >= n), i - n if i >= n else i) for i in b]
+                for b in training_schedule(first + extra, cfg)]
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"--extra-fraction must be in [0, 1], got {fraction}")
+    scheds = (training_schedule(first, cfg), training_schedule(extra, cfg))
+    used = [0, 0]
+    out = []
+    for step in range(cfg.steps):
+        which = int(math.floor((step + 1) * fraction) > math.floor(step * fraction))
+        out.append([(which, i) for i in scheds[which][used[which]]])
+        used[which] += 1
+    return out
+
+
+def mixed_objective(trainer: DraftTrainer, sources: tuple[GeneratedSet, ...],
+                    batch: list[tuple[BufferedSeq, int]], params: dict[str, Tensor]) -> Tensor:
+    """``trainer.objective`` of a batch whose sequences (each with its source index) may come
+    from several sets: the per-depth sums of every set's groups added, then one loss (the
+    same value, up to rounding, as one set holding all the sequences). One set: ``objective``
+    itself."""
+    which = {w for _, w in batch}
+    if len(which) == 1:
+        return trainer.objective(sources[which.pop()], [s for s, _ in batch], params)
+    sums = counts = None
+    for w in sorted(which):
+        seqs = sorted((s for s, v in batch if v == w), key=lambda s: len(s.rows))
+        for i in range(0, len(seqs), GROUP_SEQS):
+            group = seqs[i: i + GROUP_SEQS]
+            s, c = ttt_sums(trainer.math, params, *trainer.batch(sources[w], group),
+                            soft=trainer.soft_targets(sources[w], group))
+            sums, counts = (s, c) if sums is None else (sums + s, counts + c)
+    return ttt_loss(sums, counts)  # type: ignore[arg-type]
+
+
 def train_variant(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     data = GeneratedSet.load(args.data)
     held = GeneratedSet.load(held_path(args.data))
+    extra = GeneratedSet.load(args.extra_data) if args.extra_data else None
+    if args.extra_fraction is not None and extra is None:
+        raise ValueError("--extra-fraction needs --extra-data")
     if args.feature_rms_norm:
-        rms_normalise_features(data)
-        rms_normalise_features(held)
+        for s in (data, held, extra):
+            if s is not None:
+                rms_normalise_features(s)
     target_cfg, embed = read_config(args.model), read_embedding(args.model)
     vocab = min(embed.num_embeddings, args.draft_vocab_size)
     head_cfg = fresh_config(target_cfg, vocab, "bfloat16")
@@ -206,32 +265,43 @@ def train_variant(args: argparse.Namespace) -> dict[str, Any]:
         head_cfg["intermediate_size"] = args.mlp_width
     if not 0 < args.proxy_rollouts < len(data.seqs):
         raise ValueError(f"--proxy-rollouts must be in [1, {len(data.seqs) - 1}]")
+    counts = data.counts if extra is None else data.counts + extra.counts
     head = build_head(head_cfg, embed, torch.device("cpu"),
-                      draft_to_target=most_frequent(data.counts, vocab))
-    math = None
+                      draft_to_target=most_frequent(counts, vocab))
+    head_math = None
     if args.layers == 2:
         mc = ModelConfig.from_dict({**head_cfg, "architectures": ["LlamaForCausalLM"],
                                     "model_type": "llama"})
         head.layer2 = SecondLayer(mc, head.rotary_emb).float()
-        math = TwoLayerMath(head, embed)
+        head_math = TwoLayerMath(head, embed)
     elif args.layers != 1:
         raise ValueError(f"--layers must be 1 or 2, got {args.layers}")
     opt = HeadOptimizer(head)
     trainer = DraftTrainer(head, embed, torch.device("cpu"), depth=args.ttt_steps,
-                           batch_tokens=args.batch_tokens, seed=0, math=math)
+                           batch_tokens=args.batch_tokens, seed=0, math=head_math)
     train_seqs = data.seqs[: -args.proxy_rollouts]
     proxy_seqs = data.seqs[-args.proxy_rollouts:]
     cfg = TrainDraftConfig(model=args.model, prompts=args.data, out=args.data.parent,
                            steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr)
-    schedule = training_schedule(train_seqs, cfg)
+    sources = (data,) if extra is None else (data, extra)
+    pools = (train_seqs,) if extra is None else (train_seqs, extra.seqs)
+    schedule = mixed_schedule(train_seqs, [] if extra is None else extra.seqs, cfg,
+                              args.extra_fraction)
     points = {max(1, round(len(schedule) * (i + 1) / args.points)) for i in range(args.points)}
     out: dict[str, Any] = {"name": args.name, "params": sum(p.numel() for p in head.parameters()),
-                           "head_config": head_cfg, "curve": []}
+                           "head_config": head_cfg, "curve": [],
+                           "extra_data": str(args.extra_data) if extra else None,
+                           "extra_fraction": args.extra_fraction,
+                           "proxy_tokens": sum(len(s.rows) - s.num_prompt_tokens
+                                               for s in proxy_seqs),
+                           "trained_rows_by_set": [0] * len(sources)}
     t0 = time.perf_counter()
     for step, batch_ids in enumerate(schedule):
-        batch = [train_seqs[i] for i in batch_ids]
+        batch = [(pools[w][i], w) for w, i in batch_ids]
+        for s, w in batch:
+            out["trained_rows_by_set"][w] += len(s.rows)
         with torch.enable_grad():
-            loss = trainer.objective(data, batch, opt.masters)
+            loss = mixed_objective(trainer, sources, batch, opt.masters)
         opt.step(loss, learning_rate(step, len(schedule), args.lr))
         if step + 1 in points:
             acc = offline_acceptance(trainer, opt.masters, held)
@@ -289,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--proxy-rollouts", type=int, default=64)
     t.add_argument("--threads", type=int, default=None)
     t.add_argument("--json", type=Path, default=None)
+    t.add_argument("--extra-data", type=Path, default=None,
+                   help="a second set from 'rollouts' (e.g. greedy) trained on with the first")
+    t.add_argument("--extra-fraction", type=float, default=None,
+                   help="share of the steps whose batch comes from --extra-data (1: it alone); "
+                        "default: the union of both sets' sequences, shuffled together")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:

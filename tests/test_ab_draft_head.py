@@ -1,7 +1,8 @@
 """``benchmarks/ab_draft_head.py`` on the bundled target with tiny budgets: the saved sets load
 back, variants change the head they say, training raises both measures from a fresh head's,
-the T=1 proxy is ``sum min(p, q)`` and the feature normalisation makes each aux feature's RMS
-one."""
+the T=1 proxy is ``sum min(p, q)``, the feature normalisation makes each aux feature's RMS
+one, and ``--extra-data`` (greedy rollouts) trains on the second set while the proxy stays on
+the first."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,6 +32,19 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
                     str(d / "train.txt"), "--eval-prompts", str(d / "held.txt"), "--out",
                     str(out), "--holdout", "3", "--rollout-tokens", "600", "--max-tokens",
                     "24", "--eval-max-tokens", "16", "--threads", "1"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def greedy(saved: Path) -> Path:
+    """Greedy rollouts of the same training prompts (``rollouts --temperature 0``)."""
+    d = saved.parent
+    out = d / "greedy.safetensors"
+    assert ab.main(["rollouts", "--model", str(DEFAULT_TARGET), "--prompts",
+                    str(d / "train.txt"), "--eval-prompts", str(d / "held.txt"), "--out",
+                    str(out), "--holdout", "3", "--rollout-tokens", "300", "--max-tokens",
+                    "24", "--eval-max-tokens", "16", "--threads", "1", "--temperature",
+                    "0"]) == 0
     return out
 
 
@@ -149,3 +164,86 @@ def test_a_two_layer_head_trains(saved: Path, tmp_path: Path) -> None:
     assert deep["params"] > base["params"]
     first, last = deep["curve"]
     assert last["t1_proxy_per_depth"][0] > first["t1_proxy_per_depth"][0]
+
+
+def test_greedy_rollouts_record_the_policy_distribution_whose_top_is_the_token(
+        greedy: Path) -> None:
+    data = GeneratedSet.load(greedy)
+    assert data.soft_ids is not None and data.soft_logps is not None
+    rows = torch.cat([torch.from_numpy(s.rows[s.num_prompt_tokens - 1:]) for s in data.seqs])
+    logps = torch.where(data.soft_ids[rows] >= 0, data.soft_logps[rows], -torch.inf)
+    top = data.soft_ids[rows].long().gather(1, logps.argmax(1, keepdim=True))[:, 0]
+    assert torch.equal(top, data.tokens[rows])  # greedy: every token is its row's argmax
+
+
+def test_mixed_schedule_takes_the_union_or_a_fixed_share() -> None:
+    from specengine.drafters.adapt import BufferedSeq
+    from specengine.train.offline import TrainDraftConfig
+
+    def seqs(n: int, size: int) -> list[BufferedSeq]:
+        return [BufferedSeq(i, np.arange(size), 1) for i in range(n)]
+
+    first, extra = seqs(30, 10), seqs(20, 10)
+    cfg = TrainDraftConfig(model=Path("m"), prompts=Path("p"), out=Path("o"), steps=10,
+                           batch_tokens=50)
+    union = ab.mixed_schedule(first, extra, cfg, None)  # 50 sequences: one epoch in 10 steps
+    assert sorted(p for b in union for p in b) == sorted(
+        [(0, i) for i in range(30)] + [(1, i) for i in range(20)])
+    for f, want in ((0.0, 0), (0.3, 3), (1.0, 10)):
+        sched = ab.mixed_schedule(first, extra, cfg, f)
+        sets = [{w for w, _ in b} for b in sched]
+        assert all(len(s) == 1 for s in sets) and len(sched) == 10
+        assert sum(s == {1} for s in sets) == want
+    # F = 0 is the first set's own schedule
+    assert ab.mixed_schedule(first, extra, cfg, 0.0) == [
+        [(0, i) for i in b] for b in ab.training_schedule(first, cfg)]
+
+
+def test_extra_data_is_trained_on_and_the_proxy_stays_on_the_first_set(
+        saved: Path, greedy: Path, tmp_path: Path) -> None:
+    """F = 0 is the base run bit for bit (the bundled vocabulary fits the draft vocabulary, so
+    the joined counts change nothing); the union and F = 1 train on the greedy set (other
+    losses) and measure the proxy on the same rollouts of the first set."""
+    base = _train(saved, tmp_path, points=1, steps=4)
+    runs = {f: _train(saved, tmp_path, "--extra-data", str(greedy), *(
+        ("--extra-fraction", f) if f else ()), points=1, steps=4) for f in ("", "0", "1")}
+    first = GeneratedSet.load(saved)
+    want = sum(len(s.rows) - s.num_prompt_tokens for s in first.seqs[-8:])
+    assert base["proxy_tokens"] == want
+    assert all(r["proxy_tokens"] == want for r in runs.values())
+    assert runs["0"]["curve"] == [{**base["curve"][0], "seconds": runs["0"]["curve"][0][
+        "seconds"]}]
+    assert runs["0"]["trained_rows_by_set"][1] == 0
+    assert runs["1"]["trained_rows_by_set"][0] == 0 < runs["1"]["trained_rows_by_set"][1]
+    assert min(runs[""]["trained_rows_by_set"]) > 0
+    for f in ("", "1"):
+        assert runs[f]["curve"][0]["loss"] != base["curve"][0]["loss"]
+
+
+def test_mixed_objective_is_the_loss_of_the_joined_sets(saved: Path, greedy: Path) -> None:
+    """A batch of sequences of both sets has the loss of the same sequences in one set holding
+    both sets' rows (the second set's rows after the first's); one set's batch, its own."""
+    from specengine.drafters.adapt import BufferedSeq
+    from specengine.drafters.draft_trainer import DraftTrainer
+    from specengine.train.head_init import build_head, fresh_config, read_config
+    from specengine.train.offline import read_embedding
+
+    a, b = GeneratedSet.load(saved), GeneratedSet.load(greedy)
+    n = a.feats.shape[0]
+    joined = GeneratedSet(torch.cat([a.feats, b.feats]), torch.cat([a.tokens, b.tokens]),
+                          soft_ids=torch.cat([a.soft_ids, b.soft_ids]),
+                          soft_logps=torch.cat([a.soft_logps, b.soft_logps]))
+    embed = read_embedding(DEFAULT_TARGET)
+    torch.manual_seed(0)
+    head = build_head(fresh_config(read_config(DEFAULT_TARGET), embed.num_embeddings,
+                                   "float32"), embed, torch.device("cpu"))
+    params = {k: p.detach() for k, p in head.named_parameters()}
+    trainer = DraftTrainer(head, embed, torch.device("cpu"), depth=3)
+    batch = [(s, 0) for s in a.seqs[:20]] + [(s, 1) for s in b.seqs[:20]]
+    moved = a.seqs[:20] + [BufferedSeq(s.seq_id, s.rows + n, s.num_prompt_tokens)
+                           for s in b.seqs[:20]]
+    got = ab.mixed_objective(trainer, (a, b), batch, params)
+    torch.testing.assert_close(got, trainer.objective(joined, moved, params))
+    alone = ab.mixed_objective(trainer, (a, b), batch[20:], params)
+    assert torch.equal(alone, trainer.objective(b, b.seqs[:20], params))
+    assert not torch.allclose(alone, trainer.objective(a, b.seqs[:20], params))
