@@ -22,6 +22,7 @@ from .rejection_sampling import (
     _part_kernel,
     launch_search_parts,
     split_search_scratch,
+    tile_block,
     tile_scratch,
     vocab_chunks,
 )
@@ -47,7 +48,7 @@ def _keep_threshold_kernel(logits_ptr, s_lb, inv_t_ptr, top_k_ptr, top_p_ptr, mi
                            search_i_ptr, search_f_ptr, tile_f_ptr, tile_i_ptr, C, V,
                            HAS_MIN_P: tl.constexpr,
                            SPLIT: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr,
-                           GBLOCK: tl.constexpr):
+                           GBLOCK: tl.constexpr, TB: tl.constexpr):
     b = tl.program_id(0)
     b64 = b.to(tl.int64)
     row_ptr = logits_ptr + b64 * s_lb
@@ -60,10 +61,10 @@ def _keep_threshold_kernel(logits_ptr, s_lb, inv_t_ptr, top_k_ptr, top_p_ptr, mi
     # races are unused here; a chain row with no draft reads no draft token).
     if SPLIT:  # pass 1 and the first search's first pass ran in C parts per row
         _, zmin = merged_max_min(part_f_ptr + b64 * C * 5, C)
-        m, s, _, _ = tile_races(tile_f, tile_i, V, zero, zero, b * 0, b * 0, b * 0 + 1)
+        m, s, _, _ = tile_races(tile_f, tile_i, V, zero, zero, b * 0, b * 0, b * 0 + 1, TB)
     else:
         m, s, zmin, _, _ = first_pass(row_ptr, top_k_ptr, top_k_ptr, zero, zero, b * 0, b * 0,
-                                      b * 0, 1, V, inv_t, tile_f, tile_i, False)
+                                      b * 0, 1, V, inv_t, tile_f, tile_i, False, TB)
     tau, s_tau = keep_cut(row_ptr, buf_ptr + b64 * SEARCH_CAP, V, inv_t, m, s, zmin,
                           top_k_ptr, top_p_ptr, min_p_ptr, b, search_i_ptr + b64 * C * (2 * P + 2),
                           search_f_ptr + b64 * C * 3, C, HAS_MIN_P, P, SBLOCK, GBLOCK, SPLIT)
@@ -135,7 +136,8 @@ def keep_threshold(
         logits, logits.stride(0), inv_t, top_k, top_p, log_min, scratch, tau, mass, top,
         part_f, part_i, search_i, search_f, tile_f, tile_i, parts, vocab,
         HAS_MIN_P=log_min_p is not None,
-        SPLIT=parts > 1, P=SEARCH_P, SBLOCK=_SBLOCK, GBLOCK=2048, num_warps=4, maxnreg=255,
+        SPLIT=parts > 1, P=SEARCH_P, SBLOCK=_SBLOCK, GBLOCK=2048, TB=tile_block(vocab), num_warps=4,
+        maxnreg=255,
         enable_fp_fusion=False)  # pass 1 as the rejection sampler's row kernel runs it
     return tau, mass, top
 

@@ -93,23 +93,26 @@ TILE = 4 * RNG_GROUP  # tokens per tile of the two-level draw
 TILE_PURPOSE = 2  # the tile race's counter word c2
 
 
+def _per_tile(x: Tensor, reduce) -> Tensor:
+    """``reduce(block, -1)`` over each tile of TILE tokens of x [B, V] -> [B, T] (the last
+    tile may be short; no padding: a row far shorter than a tile stays that short)."""
+    bsz, vocab = x.shape
+    full = vocab // TILE
+    parts = [reduce(x[:, : full * TILE].reshape(bsz, full, TILE), -1)] if full else []
+    if vocab % TILE:
+        parts.append(reduce(x[:, full * TILE:], -1)[:, None])
+    return torch.cat(parts, 1)
+
+
 def tile_max(z: Tensor) -> Tensor:
     """a [B, T]: the largest z of each tile of TILE tokens of z [B, V] (the last tile may be
     short; -inf for a tile whose tokens are all -inf)."""
-    bsz, vocab = z.shape
-    tiles = -(-vocab // TILE)
-    padded = torch.full((bsz, tiles * TILE), float("-inf"), device=z.device)
-    padded[:, :vocab] = z
-    return padded.view(bsz, tiles, TILE).amax(-1)
+    return _per_tile(z, lambda t, d: t.amax(d))
 
 
 def tile_sums(mass: Tensor) -> Tensor:
     """S [B, T] int64: the sums of integer masses [B, V] over each tile (exact, any order)."""
-    bsz, vocab = mass.shape
-    tiles = -(-vocab // TILE)
-    padded = torch.zeros(bsz, tiles * TILE, dtype=torch.long, device=mass.device)
-    padded[:, :vocab] = mass
-    return padded.view(bsz, tiles, TILE).sum(-1)
+    return _per_tile(mass, lambda t, d: t.sum(d))
 
 
 def fixed_point(x: Tensor) -> Tensor:
@@ -122,7 +125,7 @@ def tile_masses(z: Tensor, live: Tensor) -> tuple[Tensor, Tensor]:
     W = floor(exp(z - a_tile) * 2**44) where ``live`` (and z > -inf), else 0. a is the tile's
     largest z over all its tokens, live or not, so that W <= 2**44 and a tile's sum S < 2**55."""
     a = tile_max(z)
-    a_tok = a.repeat_interleave(TILE, 1)[:, : z.shape[1]]
+    a_tok = a[:, torch.arange(z.shape[1], device=z.device) // TILE]  # [B, V]: each token's
     d = torch.where(live & (z > float("-inf")), z - a_tok, float("-inf"))
     return fixed_point(torch.exp(d)), a
 

@@ -112,7 +112,7 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
                 tile_i_ptr, C, N, V, HAS_Q: tl.constexpr,
                 HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr, HAS_MIN_P: tl.constexpr,
                 SPLIT: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr,
-                GBLOCK: tl.constexpr):
+                GBLOCK: tl.constexpr, TB: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // N
     j = pid % N
@@ -146,10 +146,10 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
         else:
             if SPLIT:  # pass 1 ran in C parts, which stored the tiles' statistics
                 _, zmin = merged_max_min(part_f_ptr + pid.to(tl.int64) * C * 5, C)
-                m, s, i1, i2 = tile_races(tile_f, tile_i, V, k0, k1, pos, j, j * 0 + 1)
+                m, s, i1, i2 = tile_races(tile_f, tile_i, V, k0, k1, pos, j, j * 0 + 1, TB)
             else:
                 m, s, zmin, i1, i2 = first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos,
-                                                j, n, N, V, inv_t, tile_f, tile_i, IS_TREE)
+                                                j, n, N, V, inv_t, tile_f, tile_i, IS_TREE, TB)
             tau, s_tau = keep_cut(row_ptr, buf_ptr + pid.to(tl.int64) * SEARCH_CAP, V, inv_t, m,
                                   s, zmin, top_k_ptr, top_p_ptr, min_p_ptr, b,
                                   search_i_ptr + pid.to(tl.int64) * C * (2 * P + 2),
@@ -205,7 +205,8 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
             if (tau > zmin) | rejected_q:
                 t1, t2 = tile_pass(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0,
                                    k1, pos, j, n, N, V, inv_t, tau, m, s_tau,
-                                   rejected_q.to(tl.int32), tile_f, tile_i, HAS_MAP, IS_TREE)
+                                   rejected_q.to(tl.int32), tile_f, tile_i, HAS_MAP, IS_TREE,
+                                   TB)
             tok = -1
             if t2 >= 0:  # the residual (p itself for a row without children)
                 _, tok = race_in_tile(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr,
@@ -439,6 +440,12 @@ SPLIT_SCRATCH_MAX_BYTES = 2 * 192 * SPLIT_BYTES_PER_PROGRAM
 TILE_SCRATCH_BYTES = 4 + 2 * 8  # one tile's statistics: its largest z, two int64 masses
 
 
+def tile_block(vocab: int) -> int:
+    """The tile races' block (``sampling_pass.tile_races``): a row's tiles rounded up to a
+    power of two."""
+    return triton.next_power_of_2(-(-vocab // _PART_TOKENS))
+
+
 def tile_scratch(rows: int, vocab: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Each sampled row's tiles' statistics (``sampling_pass.first_pass_part``), uninitialised
     (written before read): [rows, tiles] float32 (largest z) and [rows, tiles, 2] int64
@@ -563,7 +570,7 @@ def rejection_sample(
         seeds, offsets, parents, tok_end, lp_end, p_child, lp_child, acc, part_f, part_i,
         search_i, search_f, tile_f, tile_i, parts, n_rows, vocab,
         HAS_Q=draft_probs is not None, HAS_MAP=draft_index is not None, IS_TREE=is_tree,
-        HAS_MIN_P=log_min_p is not None, SPLIT=parts > 1, P=16,
+        HAS_MIN_P=log_min_p is not None, SPLIT=parts > 1, P=16, TB=tile_block(vocab),
         SBLOCK=_SBLOCK_TREE if is_tree else _SBLOCK, GBLOCK=2048,
         # ptxas otherwise caps this kernel near 128 registers and spills a few bytes on sm_100a
         # (scripts/compile_kernels.py); 255 lets it keep every pass's per-lane state.

@@ -167,20 +167,20 @@ def _lowest_argmax(g, i):
 
 
 TILES_MAX = 256  # tiles of 4 * RNG_GROUP tokens in a row: V < 2**19 (sampling_checks)
-TILES: tl.constexpr = tl.constexpr(TILES_MAX)
 
 
 @triton.jit
 def first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t, tile_f_ptr,
-               tile_i_ptr, IS_TREE: tl.constexpr):
+               tile_i_ptr, IS_TREE: tl.constexpr, TB: tl.constexpr):
     """Pass 1 over a sampled row: (max, sum exp(z - max), min, t1, t2), t1 / t2 the winners of
     the two tile races (``reference.draw_tile``) — over all tokens and over all but row j's
     children's tokens (its point-mass residual). ``tile_f_ptr`` / ``tile_i_ptr``: the row's
-    scratch for its tiles' statistics (``first_pass_part``)."""
+    scratch for its tiles' statistics (``first_pass_part``); ``TB``: the tiles of a row,
+    rounded up to a power of two (``tile_races``)."""
     _, zmin = first_pass_part(row_ptr, draft_row_ptr, parents_ptr, j, n, N, V, inv_t, 0, V,
                               tile_f_ptr, tile_i_ptr, IS_TREE)
     tl.debug_barrier()  # the tiles' statistics, visible to every thread of the program
-    m, s, t1, t2 = tile_races(tile_f_ptr, tile_i_ptr, V, k0, k1, pos, j, j * 0 + 1)
+    m, s, t1, t2 = tile_races(tile_f_ptr, tile_i_ptr, V, k0, k1, pos, j, j * 0 + 1, TB)
     return m, s, zmin, t1, t2
 
 
@@ -243,16 +243,17 @@ def first_pass_part(row_ptr, draft_row_ptr, parents_ptr, j, n, N, V, inv_t, star
 
 
 @triton.jit
-def tile_races(tile_f_ptr, tile_i_ptr, V, k0, k1, pos, j, rest_on_scale):
+def tile_races(tile_f_ptr, tile_i_ptr, V, k0, k1, pos, j, rest_on_scale, TB: tl.constexpr):
     """The row's tile races from its tiles' statistics (``first_pass_part`` / ``tile_pass``),
     all tiles at once: (max z, sum exp(z - max), t1, t2) with t1 the winner of the race over
     the masses, t2 over the residual's (-1 where no tile has mass). Keys as
     ``reference.draw_tile``: b_t + log S_t - log E_t, b_t = a_t (``rest_on_scale`` 0 for the
     residual max(p - q, 0), whose masses are on one scale: b_t = 0); E_t from counter
     (pos, j, 2, t). Ties go to the lowest tile, as the reference's argmax. The sum is
-    sum_t S_t * 2**-44 * exp(a_t - max), within TILE * 2**-44 of each tile's top weight."""
+    sum_t S_t * 2**-44 * exp(a_t - max), within TILE * 2**-44 of each tile's top weight.
+    ``TB``: the row's tiles rounded up to a power of two (``tile_block``), one lane each."""
     G: tl.constexpr = RNG_GROUP
-    t = tl.arange(0, TILES)
+    t = tl.arange(0, TB)
     has = t * (4 * G) < V
     a = tl.load(tile_f_ptr + t, mask=has, other=NEG_INF)
     mass = tl.load(tile_i_ptr + 2 * t, mask=has, other=0)
@@ -889,7 +890,7 @@ def _kept_tile(z, at, a, tau, m, s, q_row_ptr, map_ptr, draft_row_ptr, parents_p
 @triton.jit
 def tile_pass(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N,
               V, inv_t, tau, m, s, use_q, tile_f_ptr, tile_i_ptr, HAS_MAP: tl.constexpr,
-              IS_TREE: tl.constexpr):
+              IS_TREE: tl.constexpr, TB: tl.constexpr):
     """The tile races over the kept set {z >= tau} (``reference.draw_tile``), when pass 1's
     (over every token) do not hold: (t1: p's, t2: the residual's — p without row j's
     children's tokens, or, ``use_q``, max(p - q, 0) — -1 where no tile has mass). Same E_t
@@ -914,7 +915,7 @@ def tile_pass(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0, k1, p
         tl.store(tile_i_ptr + 2 * t + 1, r0 + r1 + r2 + r3)
     tl.debug_barrier()
     _, _, t1, t2 = tile_races(tile_f_ptr, tile_i_ptr, V, k0, k1, pos, j,
-                              (use_q == 0).to(tl.int32))
+                              (use_q == 0).to(tl.int32), TB)
     return t1, t2
 
 
