@@ -134,22 +134,29 @@ def test_sass_loops_finds_innermost_loops() -> None:
     assert inner.counts == {"exp": 1, "log": 0, "cvt64": 1, "load": 0, "store": 0}
 
 
+def _sm90_sass(tmp_path: Path, only: str, kernel: str) -> str:
+    """The sm_90a SASS of ``kernel`` as ``compile_kernels.py --only ONLY`` compiles it (one
+    variant), in a process of its own (this one runs the interpreter's kernels)."""
+    asm = tmp_path / "asm"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--only", only, "--targets", "90", "--jobs", "1",
+         "--json", str(tmp_path / "table.json"), "--asm", str(asm)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (sass,) = asm.glob(f"{kernel}.sm_90a.*.sass")
+    return sass.read_text()
+
+
 @pytest.mark.skipif(_ptxas_path() is None, reason="Triton's bundled ptxas is unavailable")
 def test_top_p_search_computes_each_token_once(tmp_path: Path) -> None:
     """Issue 35: in the compiled sm_90a top-p search, each token's load, exp and 64-bit
     conversion happen once per pass (they ran on all 16 pivot lanes: 18 of each and ~455
     instructions per token), and a pass costs under 100 instructions per token. A pass
     handles 4 tiles of 128 tokens per step on 128 threads: 4 tokens per thread per loop."""
-    asm = tmp_path / "asm"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--only", "fp32 keep_threshold B", "--targets", "90",
-         "--jobs", "1", "--json", str(tmp_path / "table.json"), "--asm", str(asm)],
-        env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
-        timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (sass,) = asm.glob("_keep_threshold_kernel.sm_90a.*.sass")
-    assert len(list(asm.glob("*.ptx"))) == 1
-    loops = _sass_loops_module().loops(sass.read_text())
+    sass = _sm90_sass(tmp_path, "fp32 keep_threshold B", "_keep_threshold_kernel")
+    assert len(list((tmp_path / "asm").glob("*.ptx"))) == 1
+    loops = _sass_loops_module().loops(sass)
     # the top-p pivot passes (over the row, then over the candidate buffer): the loops with
     # 64-bit conversions (the fixed-point weights) that store nothing (pass 1's tile loop
     # stores each tile's statistics)
@@ -168,16 +175,9 @@ def test_split_search_pivot_pass_computes_each_token_once(tmp_path: Path) -> Non
     (``_search_pivot_kernel``) also loads, exponentiates and converts each token once in its
     top-p loop; with the per-pivot counts the compaction's offsets need it stays under 125
     instructions per token (one program's pass: under 100)."""
-    asm = tmp_path / "asm"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--only", "fp32 keep_threshold+min-p B=1 split-vocab",
-         "--targets", "90", "--jobs", "1", "--json", str(tmp_path / "table.json"), "--asm",
-         str(asm)],
-        env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
-        timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (sass,) = asm.glob("_search_pivot_kernel.sm_90a.*.sass")
-    loops = _sass_loops_module().loops(sass.read_text())
+    sass = _sm90_sass(tmp_path, "fp32 keep_threshold+min-p B=1 split-vocab",
+                      "_search_pivot_kernel")
+    loops = _sass_loops_module().loops(sass)
     (top_p,) = [x for x in loops if x.counts["cvt64"] and x.counts["load"]]
     tokens = 4  # 4 tiles of 128 tokens per step on 128 threads
     assert top_p.counts["load"] == top_p.counts["exp"] == top_p.counts["cvt64"] == tokens
@@ -193,16 +193,8 @@ def test_sampler_first_pass_costs_one_exp_and_one_conversion_per_token(tmp_path:
     and its token race inside one tile. The token race over every token cost about 100
     instructions per token (Philox and two precise logarithms: 1,605 per loop); now under
     24. A loop is one tile of 2,048 tokens on 128 threads: 16 per thread."""
-    asm = tmp_path / "asm"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--only", "_part_kernel bf16 chain k+1=4 B=1 split-vocab",
-         "--targets", "90", "--jobs", "1", "--json", str(tmp_path / "table.json"), "--asm",
-         str(asm)],
-        env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
-        timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (sass,) = asm.glob("_part_kernel.sm_90a.*.sass")
-    loops = _sass_loops_module().loops(sass.read_text())
+    sass = _sm90_sass(tmp_path, "_part_kernel bf16 chain k+1=4 B=1 split-vocab", "_part_kernel")
+    loops = _sass_loops_module().loops(sass)
     (sampled,) = [x for x in loops if x.counts["cvt64"] and x.counts["load"]]  # the tile loop
     tokens = 16
     # per tile, not per token: the chain child's mass (1 exp, 1 conversion)
