@@ -146,9 +146,8 @@ def draw_tile(seeds: Tensor, positions: Tensor, node: int | Tensor, sums: Tensor
     lane = torch.arange(tiles, device=sums.device)
     e = exponential_from_bits(philox4x32(seeds[:, None], positions[:, None], node,
                                          TILE_PURPOSE, lane)[0])
-    key = torch.log(sums.float()) - torch.log(e)  # (0 + x is x: no bias, the same bits)
-    if bias is not None:
-        key = bias + torch.log(sums.float()) - torch.log(e)
+    log_s = torch.log(sums.float())
+    key = (log_s if bias is None else bias + log_s) - torch.log(e)  # the kernel's order
     key = torch.where(sums > 0, key, float("-inf"))
     return _argmax_or(key, float("-inf"), torch.full_like(sums[:, 0], -1))
 
