@@ -92,6 +92,7 @@ def save_rollouts(args: argparse.Namespace) -> dict[str, Any]:
         out=args.out.parent, holdout=args.holdout, eval_max_tokens=args.eval_max_tokens,
         temperature=args.temperature, max_tokens=args.max_tokens,
         rollout_tokens=args.rollout_tokens, device=args.device, num_threads=args.threads,
+        greedy_rollout_tokens=0,  # one temperature per set: a greedy set is --extra-data
         progress=False)
     target_cfg, embed = read_config(args.model), read_embedding(args.model)
     prompts = tokenize_prompts(args.model, read_prompts(args.prompts))

@@ -246,16 +246,19 @@ def test_budget_is_the_same_whatever_the_number_of_prompts(tmp_path: Path) -> No
         runs[n] = train_draft(model=DEFAULT_TARGET, prompts=path, out=tmp_path / f"h{n}",
                               holdout=0, max_tokens=24, rollout_tokens=1200, steps=5,
                               batch_tokens=128, save_every=0, progress=False, device="cpu",
-                              norm_before_residual=n == 96)
+                              norm_before_residual=n == 96, greedy_rollout_tokens=400)
     for res in runs.values():
         assert res.num_steps == 5  # steps, not epochs of whatever set was given
         # the token budget (each rollout's last token trains nothing), overshooting by at
-        # most the last call's rollouts
-        generated = res.num_tokens + res.num_seqs
-        assert 1200 <= generated <= 1200 + 4 * 24 * 8
+        # most the last call's rollouts; the greedy rollouts added (a third of it) apart
+        sampled = res.num_tokens - res.num_greedy_tokens + res.num_seqs - res.num_greedy_seqs
+        assert 1200 <= sampled <= 1200 + 4 * 24 * 8
     few, many = runs[12], runs[96]
-    assert few.rollout_passes > 1 and few.num_seqs > 12 * 4  # more samples of few prompts
+    assert few.rollout_passes > 1 and few.num_seqs - few.num_greedy_seqs > 12 * 4
     assert many.rollout_passes == 1 and many.num_seqs < 96 * 4  # not all of many prompts
+    # greedy: 400 tokens from many prompts; few prompts give one pass (repeats are identical)
+    assert 400 <= many.num_greedy_tokens + many.num_greedy_seqs <= 400 + 24 * 8
+    assert 0 < few.num_greedy_seqs <= 12
     # --norm-before-residual reaches the written head, which the engine loads with it
     for n, want in ((12, None), (96, True)):
         assert json.loads((tmp_path / f"h{n}" / "config.json").read_text()).get(
@@ -263,6 +266,58 @@ def test_budget_is_the_same_whatever_the_number_of_prompts(tmp_path: Path) -> No
     engine = SpecEngine(DEFAULT_TARGET, str(tmp_path / "h96"), device="cpu", dtype="float32")
     assert engine.drafter.module.midlayer.norm_before_residual
     engine.close()
+
+
+def test_greedy_rollouts_join_a_sampled_set(prompts: Path, tmp_path: Path) -> None:
+    """The greedy rollouts come after the sampled ones (which they leave as they were), are
+    greedy, count towards the draft vocabulary and train in the same shuffled batches."""
+    from specengine.train.offline import DATA_FILE, TrainDraftConfig, training_schedule
+
+    common = dict(model=DEFAULT_TARGET, prompts=prompts, holdout=0, max_tokens=16,
+                  rollout_tokens=600, steps=2, batch_tokens=256, soft_labels=3, seed=3,
+                  temperature=3.0,  # (the bundled model is sure of itself at T=1)
+                  curve_points=0, progress=False, device="cpu")
+    base = train_draft(**common, out=tmp_path / "a")  # the default: none
+    mixed = train_draft(**common, out=tmp_path / "b", greedy_rollout_tokens=200)
+    a, b = (GeneratedSet.load(tmp_path / d / "checkpoints" / DATA_FILE) for d in "ab")
+    g = b.num_greedy
+    assert base.num_greedy_seqs == a.num_greedy == 0 and mixed.num_greedy_seqs == g > 0
+    assert mixed.num_greedy_tokens == b.num_greedy_tokens
+    assert 200 <= mixed.num_greedy_tokens + g <= 200 + 16 * 8
+    assert len(b.seqs) - g == len(a.seqs) and torch.equal(b.tokens[: len(a.tokens)], a.tokens)
+    # row q fed x_{q+1} and holds the distribution x_{q+1} was drawn from, most likely first
+    def drawn_is_top(seqs: list) -> np.ndarray:
+        rows = np.concatenate([s.rows[s.num_prompt_tokens - 1:] for s in seqs])
+        return (b.soft_ids[rows, 0].long() == b.tokens[rows]).numpy()
+    assert drawn_is_top(b.seqs[-g:]).all()  # greedy
+    assert not drawn_is_top(b.seqs[:-g]).all()  # sampled: some drawn tokens are not the top
+    # the draft vocabulary counts them: exactly the generated tokens of the greedy rows
+    fed = np.bincount(np.concatenate([b.tokens[s.rows[s.num_prompt_tokens - 1:]].numpy()
+                                      for s in b.seqs[-g:]]), minlength=len(b.counts))
+    assert (b.counts - a.counts == fed).all() and fed.sum() > 0
+    # shuffled together: batches hold both kinds
+    cfg = TrainDraftConfig(model=DEFAULT_TARGET, prompts=prompts, out=tmp_path, steps=20,
+                           batch_tokens=256)
+    kinds = [{i >= len(b.seqs) - g for i in batch} for batch in training_schedule(b.seqs, cfg)]
+    assert sum(k == {True, False} for k in kinds) >= len(kinds) // 2
+
+
+def test_greedy_rollout_tokens_refusals_and_plan() -> None:
+    from specengine.train.offline import TrainDraftConfig, plan_text
+
+    def cfg(**kw: object) -> TrainDraftConfig:
+        return TrainDraftConfig(model=DEFAULT_TARGET, prompts=Path("p"), out=Path("o"), **kw)
+
+    with pytest.raises(ValueError, match="greedy_rollout_tokens.*temperature is 0"):
+        cfg(temperature=0, greedy_rollout_tokens=100)  # the set is greedy already
+    cfg(temperature=0)  # (the default asks for none)
+    with pytest.raises(ValueError, match="greedy_rollout_tokens must be an int >= 0"):
+        cfg(greedy_rollout_tokens=-1)
+    plan = plan_text(cfg(greedy_rollout_tokens=3000), 10, 2, torch.device("cpu"))
+    assert "greedy rollouts of the same prompts until 3,000 tokens" in plan
+    assert "greedy rollouts" not in plan_text(cfg(), 10, 2, torch.device("cpu"))
+    assert main(["train-draft", "--prompts", "p", "--out", "o", "--temperature", "0",
+                 "--greedy-rollout-tokens", "10"]) == 2
 
 
 def test_training_schedule_counts_steps_not_epochs() -> None:

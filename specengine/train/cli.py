@@ -83,6 +83,12 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFor
                    help="data budget: roll out until this many tokens were generated, making "
                         "more passes over the prompts (new seeds) when they are few; 0: one "
                         "pass over the prompts")
+    t.add_argument("--greedy-rollout-tokens", type=_positive(0),
+                   default=C.greedy_rollout_tokens,
+                   help="when sampling, add greedy rollouts of the same prompts until this many "
+                        "tokens (one pass at most), shuffled in with the sampled set: for "
+                        "greedy drafting (a small gain measured), no effect on sampled "
+                        "acceptance; 0: none")
     t.add_argument("--gen-k", type=_positive(0), default=None,
                    help="draft length while generating (default: 0, the drafter only catches "
                         "up: every position is recorded at the least cost)")
@@ -153,6 +159,7 @@ def main(args: argparse.Namespace, default_model: Path) -> int:
             eval_prompts=args.eval_prompts,
             samples_per_prompt=args.samples_per_prompt, temperature=args.temperature,
             max_tokens=args.max_tokens, rollout_tokens=args.rollout_tokens, gen_k=args.gen_k,
+            greedy_rollout_tokens=args.greedy_rollout_tokens,
             draft_vocab_size=args.draft_vocab_size, head_init=args.head_init,
             steps=args.steps, epochs=args.epochs, lr=args.lr,
             batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, seed=args.seed,
@@ -178,8 +185,10 @@ def main(args: argparse.Namespace, default_model: Path) -> int:
     except ValueError as e:  # bad input (CheckpointError too): a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"trained on {res.num_seqs} rollouts ({res.num_tokens} generated tokens) of "
-          f"{res.num_train_prompts} prompts: {res.num_steps} steps"
+    print(f"trained on {res.num_seqs} rollouts ({res.num_tokens} generated tokens"
+          + (f"; {res.num_greedy_seqs} greedy rollouts, {res.num_greedy_tokens} tokens, among "
+             "them" if res.num_greedy_seqs else "")
+          + f") of {res.num_train_prompts} prompts: {res.num_steps} steps"
           + (f", loss {res.losses[0][1]:.3f} -> {res.losses[-1][1]:.3f}" if res.losses else "")
           + f"; generate {res.generate_s:.0f} s, train {res.train_s:.0f} s, "
             f"evaluate {res.eval_s:.0f} s")

@@ -3,13 +3,15 @@ checkpoint's own MTP layer) for a policy on its own rollouts.
 
 1. **Data.** The prompts (``train/data.py``) minus ``holdout`` held-out ones are rolled out
    by the engine itself, the policy at ``temperature`` (``samples_per_prompt`` samples each,
-   at most ``max_tokens`` new tokens), drafting with the head being warm-started (``init``)
-   or, for a fresh head, a randomly initialised one at k=1. The drafter's catch-up pass
-   records, as it runs, the target's features of every verified position and the token that
-   followed (online adaptation's ``FeatureBuffer``, ``drafters/adapt.py``): the training
-   set needs no second pass of the target. After each batch of rollouts the buffer's
-   sequences move to host memory. With checkpoints on, the set is written once to
-   ``OUT/checkpoints/data.safetensors`` so ``resume`` continues on the same data.
+   at most ``max_tokens`` new tokens; when sampling, then ``greedy_rollout_tokens`` greedy
+   tokens of the same prompts, shuffled in with them in training), with the head being
+   warm-started (``init``) or, for a fresh head, a randomly initialised one as the drafter,
+   which at k=0 only catches up. Its catch-up pass records, as it runs, the target's
+   features of every verified position and the token that followed (online adaptation's
+   ``FeatureBuffer``, ``drafters/adapt.py``): the training set needs no second pass of the
+   target. After each batch of rollouts the buffer's sequences move to host memory. With
+   checkpoints on, the set is written once to ``OUT/checkpoints/data.safetensors`` so
+   ``resume`` continues on the same data.
 2. **Head.** ``init``: that head dir's weights and draft vocabulary. Else a fresh head of the
    target's layer shapes whose draft vocabulary is the ``draft_vocab_size`` most frequent
    generated tokens (``train/head_init.py``).
@@ -114,6 +116,10 @@ class TrainDraftConfig:
     temperature: float = 1.0
     max_tokens: int = 256
     rollout_tokens: int = 100_000  # generated tokens to train on (0: one pass over the prompts)
+    # greedy rollouts of the same prompts added to a sampled set, shuffled in with it (at
+    # most one pass over the prompts; RESULTS.md: +0.05 greedy k=3 on unseen prompts, T=1
+    # unchanged, a third more rollout time for a third as many tokens: so not the default)
+    greedy_rollout_tokens: int = 0
     gen_k: int | None = None  # draft length while generating (None: 0, the drafter only
     #                          catches up, which records every position at the least cost)
     draft_vocab_size: int = 32000
@@ -148,7 +154,7 @@ class TrainDraftConfig:
         for name, low in (("max_tokens", 1), ("steps", 1), ("rollout_tokens", 0),
                           ("batch_tokens", 1), ("ttt_steps", 1), ("draft_vocab_size", 1),
                           ("save_every", 0), ("seed", 0), ("curve_points", 0),
-                          ("soft_labels", 0)):
+                          ("soft_labels", 0), ("greedy_rollout_tokens", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"train-draft: {name} must be an int >= {low}, got {v!r}")
@@ -179,6 +185,10 @@ class TrainDraftConfig:
             raise ValueError(f"train-draft: soft_labels is the policy's top-N per token that "
                              f"the engine reports, at most {MAX_TOP_LOGPROBS}; got "
                              f"{self.soft_labels!r}")
+        if self.temperature == 0 and self.greedy_rollout_tokens:
+            raise ValueError("train-draft: greedy_rollout_tokens adds greedy rollouts to a "
+                             "sampled set, but temperature is 0: every rollout is greedy "
+                             "already (give rollout_tokens, or a temperature > 0)")
         if self.resume and self.overwrite:
             raise ValueError("train-draft: --resume continues the run in the output dir and "
                              "--overwrite deletes it: give one of them")
@@ -191,6 +201,7 @@ class TrainDraftConfig:
         if self.samples_per_prompt is not None:
             return self.samples_per_prompt
         return 1 if self.temperature == 0 else AUTO_SAMPLES
+
 
 
 @dataclass(frozen=True)
@@ -211,9 +222,12 @@ class TrainDraftResult:
     eval_s: float
     resumed_from: int | None = None
     rollout_passes: int = 0  # passes over the training prompts the rollouts started
+    num_greedy_seqs: int = 0  # of num_seqs: greedy rollouts added to a sampled set
+    num_greedy_tokens: int = 0  # of num_tokens: theirs
 
     def __post_init__(self) -> None:
-        if self.num_seqs < 1 or self.num_steps < 1:
+        if (self.num_seqs < 1 or self.num_steps < 1 or not 0 <= self.num_greedy_seqs
+                <= self.num_seqs or not 0 <= self.num_greedy_tokens <= self.num_tokens):
             raise ValueError(f"inconsistent TrainDraftResult {self}")
 
 
@@ -232,6 +246,7 @@ class GeneratedSet:
     counts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     holdout: list[list[int]] = field(default_factory=list)
     passes: int = 0  # passes over the prompts the rollouts started (0: unknown, a resume)
+    num_greedy: int = 0  # the last num_greedy sequences: greedy rollouts added to a sampled set
     soft_ids: Tensor | None = None
     soft_logps: Tensor | None = None
     num_unlabelled: int = 0  # sequences taken with labels given but none matching them
@@ -280,6 +295,11 @@ class GeneratedSet:
     def num_tokens(self) -> int:
         return sum(len(s.rows) - s.num_prompt_tokens for s in self.seqs)
 
+    @property
+    def num_greedy_tokens(self) -> int:
+        return sum(len(s.rows) - s.num_prompt_tokens
+                   for s in self.seqs[len(self.seqs) - self.num_greedy:])
+
     def save(self, path: Path) -> None:
         assert self.feats is not None
         lens = np.array([len(s.rows) for s in self.seqs], dtype=np.int64)
@@ -289,14 +309,17 @@ class GeneratedSet:
                    "counts": torch.from_numpy(self.counts)}
         if self.soft_ids is not None and self.soft_logps is not None:
             tensors.update(soft_ids=self.soft_ids, soft_logps=self.soft_logps)
-        save_file(tensors, str(path), metadata={"holdout": json.dumps(self.holdout)})
+        save_file(tensors, str(path), metadata={"holdout": json.dumps(self.holdout),
+                                                "num_greedy": str(self.num_greedy)})
 
     @classmethod
     def load(cls, path: Path) -> GeneratedSet:
         try:
             t = load_file(str(path))
             with safe_open(str(path), framework="pt") as f:
-                holdout = json.loads(f.metadata()["holdout"])
+                meta = f.metadata()
+                holdout = json.loads(meta["holdout"])
+                num_greedy = int(meta.get("num_greedy", 0))  # 0: a set from before the option
         except Exception as e:  # noqa: BLE001 - any unreadable file: the same message
             raise ValueError(f"{path}: cannot read the saved training data ({e}); start "
                              "again with --overwrite") from None
@@ -304,7 +327,8 @@ class GeneratedSet:
         seqs = [BufferedSeq(i, np.arange(e - n, e), int(p)) for i, (e, n, p) in enumerate(
             zip(ends, t["seq_lens"].numpy(), t["prompt_lens"].numpy()))]
         return cls(t["feats"], t["tokens"], seqs, t["counts"].numpy(), holdout,
-                   soft_ids=t.get("soft_ids"), soft_logps=t.get("soft_logps"))
+                   num_greedy=num_greedy, soft_ids=t.get("soft_ids"),
+                   soft_logps=t.get("soft_logps"))
 
 
 class SoftLabels:
@@ -464,6 +488,7 @@ class RolloutProgress:
     num_tokens: int = 0  # generated tokens
     num_prompts: int = 0  # prompt passes started (a prompt with n samples counts once)
     passes: int = 0  # complete passes over the prompts
+    started: int = 0  # passes started (a partial last pass counts)
     seconds: float = 0.0
 
 
@@ -486,7 +511,9 @@ def generate_set(cfg: TrainDraftConfig, prompts: list[list[int]], gen_head: Path
     """Roll out ``prompts`` with the engine, keeping what its catch-up pass computes, until
     ``cfg.rollout_tokens`` tokens were generated: passes over the prompts in a seeded order,
     ``cfg.num_samples`` samples each, each pass with new seeds (only one pass when greedy);
-    ``rollout_tokens=0``: exactly one pass. ``gen_head``: the draft (a head dir, or
+    ``rollout_tokens=0``: exactly one pass. Then ``cfg.greedy_rollout_tokens``
+    greedy tokens of the same prompts in the same order (one pass at most), appended as the
+    set's last ``num_greedy`` sequences. ``gen_head``: the draft (a head dir, or
     ``"mtp"``); ``init_tensors`` replace the MTP layer's weights first. The first call rolls
     out about :data:`CALIBRATION_ROLLOUTS` sequences and then calls ``on_calibrated(data,
     progress)`` (the estimate). Then greedy rollouts of ``holdout`` (the training curve's
@@ -501,8 +528,11 @@ def generate_set(cfg: TrainDraftConfig, prompts: list[list[int]], gen_head: Path
     probe = _engine(cfg, gen_head, max_batch_size=max(GEN_BATCH, n))
     kv_tokens = probe.kv_cache.num_blocks * probe.kv_cache.block_size
     probe.close()
-    per_call = max(1, min(GEN_BATCH // n, int(KV_FILL * kv_tokens) // (n * longest)))
-    capacity = per_call * n * longest  # a whole call's sequences fit: none loses its start
+
+    def per_call(n: int) -> int:  # prompts per generate call at n samples each
+        return max(1, min(GEN_BATCH // n, int(KV_FILL * kv_tokens) // (n * longest)))
+
+    capacity = per_call(n) * n * longest  # a whole call's sequences fit: none loses its start
     engine = _engine(cfg, gen_head, max_batch_size=max(GEN_BATCH, n),
                      draft_options={"adapt_buffer_tokens": capacity})
     if init_tensors is not None:
@@ -514,62 +544,89 @@ def generate_set(cfg: TrainDraftConfig, prompts: list[list[int]], gen_head: Path
     data = GeneratedSet(counts=np.zeros(vocab_size, dtype=np.int64))
     # the policy's top-N distribution of every generated token (+1: the drawn token)
     labels = SoftLabels(cfg.soft_labels + 1) if cfg.soft_labels else None
-    budget = cfg.rollout_tokens
-    bar = _progress(budget if budget else None, "rollouts", cfg.progress, unit="tok")
-    st = RolloutProgress()
-    t0 = time.perf_counter()
 
-    def done(o: Any) -> None:
-        ids = np.asarray(o.token_ids, dtype=np.int64)
-        if labels is not None:
-            labels.add(o.prompt_token_ids, o.token_ids, o.top_logprobs)
-        data.counts += np.bincount(ids, minlength=vocab_size)[:vocab_size]
-        st.num_rollouts += 1
-        st.num_tokens += len(ids)
-        bar.update(len(ids))
-        bar.set_postfix(rollouts=st.num_rollouts, prompts=st.num_prompts,
-                        tok_s=f"{st.num_tokens / (time.perf_counter() - t0):.1f}")
+    def roll(temperature: float, n: int, budget: int, desc: str, calibrate: bool,
+             on_first: Any = None) -> RolloutProgress:
+        """Passes over the prompts at ``temperature``, ``n`` samples each (new seeds every
+        pass; greedy: one pass at most), until ``budget`` generated tokens (0: one pass).
+        ``calibrate``: the first call is about :data:`CALIBRATION_ROLLOUTS` rollouts, then
+        ``on_first(data, progress)``."""
+        bar = _progress(budget if budget else None, desc, cfg.progress, unit="tok")
+        st = RolloutProgress()
+        t0 = time.perf_counter()
 
-    order = np.random.default_rng([cfg.seed, 2]).permutation(len(prompts))
-    pos = 0
-    try:
-        while True:
-            if pos >= len(order):
-                st.passes += 1
-                pos = 0
-                if not budget or cfg.temperature == 0:
-                    break
-                order = np.random.default_rng([cfg.seed, 2, st.passes]).permutation(
-                    len(prompts))
-            if budget and st.num_tokens >= budget:
-                break
-            if st.num_rollouts == 0:
-                m = max(1, min(per_call, CALIBRATION_ROLLOUTS // n))
-            elif budget:  # as many prompts as the budget still needs, at the mean length
-                mean = st.num_tokens / st.num_rollouts
-                m = min(per_call, max(1, math.ceil((budget - st.num_tokens) / max(mean, 1.0)
-                                                   / n)))
-            else:
-                m = per_call
-            idx = order[pos: pos + m]
-            pos += len(idx)
-            st.num_prompts += len(idx)
-            params = [SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                     n=n, logprobs=cfg.soft_labels or None,
-                                     seed=(cfg.seed * 1_000_003 + st.passes * 7_919
-                                                + int(i) * 31 + 17) % (2**62))
-                      for i in idx]
-            first = st.num_rollouts == 0
-            _run_rollouts(engine, [prompts[int(i)] for i in idx], params, k, done)
-            data.take(buffer, labels)
-            buffer.clear()
+        def done(o: Any) -> None:
+            ids = np.asarray(o.token_ids, dtype=np.int64)
             if labels is not None:
-                labels.clear()
-            st.seconds = time.perf_counter() - t0
-            if first and on_calibrated is not None:
-                on_calibrated(data, st)
-        bar.close()
-        data.passes = st.passes + (1 if pos > 0 else 0)
+                labels.add(o.prompt_token_ids, o.token_ids, o.top_logprobs)
+            data.counts += np.bincount(ids, minlength=vocab_size)[:vocab_size]
+            st.num_rollouts += 1
+            st.num_tokens += len(ids)
+            bar.update(len(ids))
+            bar.set_postfix(rollouts=st.num_rollouts, prompts=st.num_prompts,
+                            tok_s=f"{st.num_tokens / (time.perf_counter() - t0):.1f}")
+
+        order = np.random.default_rng([cfg.seed, 2]).permutation(len(prompts))
+        pos = 0
+        try:
+            while True:
+                if pos >= len(order):
+                    st.passes += 1
+                    pos = 0
+                    if not budget or temperature == 0:
+                        break
+                    order = np.random.default_rng([cfg.seed, 2, st.passes]).permutation(
+                        len(prompts))
+                if budget and st.num_tokens >= budget:
+                    break
+                if st.num_rollouts == 0 and calibrate:  # timed for the estimate
+                    m = max(1, min(per_call(n), CALIBRATION_ROLLOUTS // n))
+                elif budget:  # as many prompts as the budget still needs, at the mean length
+                    # (at first the longest: no call overshoots by more than its last prompt)
+                    mean = (st.num_tokens / st.num_rollouts if st.num_rollouts
+                            else cfg.max_tokens)
+                    m = min(per_call(n), max(1, math.ceil((budget - st.num_tokens)
+                                                          / max(mean, 1.0) / n)))
+                else:
+                    m = per_call(n)
+                idx = order[pos: pos + m]
+                pos += len(idx)
+                st.num_prompts += len(idx)
+                params = [SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens,
+                                         n=n, logprobs=cfg.soft_labels or None,
+                                         seed=(cfg.seed * 1_000_003 + st.passes * 7_919
+                                               + int(i) * 31 + 17) % (2**62))
+                          for i in idx]
+                first = st.num_rollouts == 0
+                _run_rollouts(engine, [prompts[int(i)] for i in idx], params, k, done)
+                data.take(buffer, labels)
+                buffer.clear()
+                if labels is not None:
+                    labels.clear()
+                st.seconds = time.perf_counter() - t0
+                if first and on_first is not None:
+                    on_first(data, st)
+        finally:
+            bar.close()
+        st.started = st.passes + (1 if pos > 0 else 0)
+        return st
+
+    try:
+        st = roll(cfg.temperature, n, cfg.rollout_tokens, "rollouts", True, on_calibrated)
+        data.passes = st.started
+        if cfg.rollout_tokens and st.num_tokens < cfg.rollout_tokens:
+            logger.warning("train-draft: the rollouts gave %d tokens, fewer than "
+                           "rollout_tokens %d (%s)", st.num_tokens, cfg.rollout_tokens,
+                           "greedy: one pass over the prompts, whose repeats would be "
+                           "identical" if cfg.temperature == 0 else "")
+        if cfg.greedy_rollout_tokens:
+            num_sampled = len(data.seqs)
+            gst = roll(0.0, 1, cfg.greedy_rollout_tokens, "greedy rollouts", False)
+            data.num_greedy = len(data.seqs) - num_sampled
+            logger.info("greedy rollouts: %d tokens of %d prompts in %.0f s%s", gst.num_tokens,
+                        gst.num_prompts, gst.seconds, " (one pass over the prompts: fewer "
+                        f"than the {cfg.greedy_rollout_tokens:,} asked)"
+                        if gst.num_tokens < cfg.greedy_rollout_tokens else "")
         held = None
         if holdout:
             held = GeneratedSet(counts=np.zeros(vocab_size, dtype=np.int64))
@@ -584,16 +641,11 @@ def generate_set(cfg: TrainDraftConfig, prompts: list[list[int]], gen_head: Path
             hbar.close()
             held.finish()
     finally:
-        bar.close()
         engine.close()
     data.finish()
     if not data.seqs:
         raise ValueError("train-draft: the rollouts produced no sequence to train on (every "
                          "completion ended at its first token?)")
-    if budget and st.num_tokens < budget:
-        logger.warning("train-draft: the rollouts gave %d tokens, fewer than rollout_tokens "
-                       "%d (%s)", st.num_tokens, budget, "greedy: one pass over the prompts, "
-                       "whose repeats would be identical" if cfg.temperature == 0 else "")
     return data, held
 
 
@@ -835,9 +887,9 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
         raise ValueError(f"--resume: the checkpoint is at step {start} but this run has "
                          f"{total} steps")
     logger.info("training: %d steps of about %d positions (%.1f passes over %d generated "
-                "tokens in %d sequences)", total, cfg.batch_tokens,
-                sum(len(b) for b in schedule) / max(1, len(data.seqs)), data.num_tokens,
-                len(data.seqs))
+                "tokens in %d sequences, %d of them greedy, shuffled together)", total,
+                cfg.batch_tokens, sum(len(b) for b in schedule) / max(1, len(data.seqs)),
+                data.num_tokens, len(data.seqs), data.num_greedy)
     curve_at = set()
     if held is not None and held.seqs and cfg.curve_points and not mtp:
         curve_at = {max(1, round(total * (i + 1) / cfg.curve_points))
@@ -881,6 +933,8 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
     if data.holdout:
         evaluation = evaluate(cfg, data.holdout)
         evaluation["training"] = {"num_seqs": len(data.seqs), "num_tokens": data.num_tokens,
+                                  "num_greedy_seqs": data.num_greedy,
+                                  "num_greedy_tokens": data.num_greedy_tokens,
                                   "steps": total, "final_loss": losses[-1][1] if losses
                                   else None, "generate_s": gen_s, "train_s": train_s}
         if curve:
@@ -890,7 +944,8 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
     return TrainDraftResult(cfg.out, num_train_prompts, len(data.holdout),
                             len(data.seqs), data.num_tokens, total, tuple(losses), evaluation,
                             gen_s, train_s, time.perf_counter() - t2,
-                            None if resume_from is None else start, data.passes)
+                            None if resume_from is None else start, data.passes,
+                            data.num_greedy, data.num_greedy_tokens)
 
 
 def _make_head(cfg: TrainDraftConfig, target_cfg: dict[str, Any], embed: nn.Embedding,
@@ -971,7 +1026,10 @@ def plan_text(cfg: TrainDraftConfig, num_train: int, num_holdout: int,
     return "\n".join([
         f"train-draft plan ({device.type}):",
         f"  data:      {data}; temperature {cfg.temperature:g}, at most {cfg.max_tokens} "
-        f"tokens per rollout, k={cfg.gen_k or 0} while generating",
+        f"tokens per rollout, k={cfg.gen_k or 0} while generating"
+        + (f"; then greedy rollouts of the same prompts until {cfg.greedy_rollout_tokens:,} "
+           "tokens (one pass at most), shuffled in with them" if cfg.greedy_rollout_tokens
+           else ""),
         f"  head:      {head}",
         f"  training:  {train} of about {cfg.batch_tokens} positions, lr {cfg.lr:g}, "
         f"{cfg.ttt_steps} unrolled steps, seed {cfg.seed}, "
@@ -997,7 +1055,12 @@ def estimate_text(cfg: TrainDraftConfig, part: GeneratedSet, st: RolloutProgress
         left = st.num_tokens / max(1, st.num_rollouts) * max(
             0, cfg.num_samples * num_train - st.num_rollouts)
         total_tokens = st.num_tokens + left
-    gen_s = left / max(rate, 1e-9)
+    # the greedy rollouts at the sampled rate: low, since one sample per prompt shares no
+    # prefill (SmolLM2, RESULTS.md: 129 against 217 tokens/s; the total stayed an upper bound)
+    greedy = min(cfg.greedy_rollout_tokens,
+                 num_train * st.num_tokens / max(1, st.num_rollouts))
+    gen_s = (left + greedy) / max(rate, 1e-9)
+    total_tokens += greedy
     mean_rows = 1.0
     step_s = float("nan")
     part.finish()
