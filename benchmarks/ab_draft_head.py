@@ -54,8 +54,8 @@ import torch
 from torch import Tensor, nn
 
 from specengine.drafters.adapt import BufferedSeq
-from specengine.drafters.adapt_math import HeadMath, chain_attention, ttt_loss, ttt_sums
-from specengine.drafters.draft_trainer import GROUP_SEQS, DraftTrainer, HeadOptimizer
+from specengine.drafters.adapt_math import HeadMath, chain_attention, ttt_loss
+from specengine.drafters.draft_trainer import DraftTrainer, HeadOptimizer
 from specengine.kernels.reference import rms_norm
 from specengine.model.config import ModelConfig
 from specengine.model.llama import MLP, Attention, RMSNorm
@@ -237,15 +237,9 @@ def mixed_objective(trainer: DraftTrainer, sources: tuple[GeneratedSet, ...],
     which = {w for _, w in batch}
     if len(which) == 1:
         return trainer.objective(sources[which.pop()], [s for s, _ in batch], params)
-    sums = counts = None
-    for w in sorted(which):
-        seqs = sorted((s for s, v in batch if v == w), key=lambda s: len(s.rows))
-        for i in range(0, len(seqs), GROUP_SEQS):
-            group = seqs[i: i + GROUP_SEQS]
-            s, c = ttt_sums(trainer.math, params, *trainer.batch(sources[w], group),
-                            soft=trainer.soft_targets(sources[w], group))
-            sums, counts = (s, c) if sums is None else (sums + s, counts + c)
-    return ttt_loss(sums, counts)  # type: ignore[arg-type]
+    parts = [trainer.sums(sources[w], [s for s, v in batch if v == w], params)
+             for w in sorted(which)]
+    return ttt_loss(sum(p[0] for p in parts), sum(p[1] for p in parts))  # type: ignore[arg-type]
 
 
 def train_variant(args: argparse.Namespace) -> dict[str, Any]:

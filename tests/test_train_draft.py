@@ -78,9 +78,11 @@ def test_cli_trains_a_head_the_engine_loads_lossless_and_better_than_fresh(
     # the evaluation: a table and eval.json, k = 1..5, every k identical to k=0
     ev = json.loads((out / "eval.json").read_text())
     assert list(ev["k"]) == ["1", "2", "3", "4", "5"] and ev["num_prompts"] == 8
+    lengths = [row["mean_accepted_length"] for row in ev["k"].values()]
     for k, row in ev["k"].items():
         assert row["identical_to_k0"] == 8 and len(row["acceptance_per_position"]) == int(k)
-        assert 1.0 < row["mean_accepted_length"] <= int(k) + 1  # drafts were accepted
+        assert row["acceptance_per_position"][0] > 0.5  # the first draft: mostly accepted
+    assert lengths == sorted(lengths) and lengths[-1] > lengths[0]  # longer chains keep more
     assert "mean accepted length" in printed and f"--draft {out}" in printed
     assert ev["k"]["3"]["mean_accepted_length"] > 1.5
 
@@ -144,8 +146,8 @@ def test_chat_prompts_render_as_transformers_renders_them(tmp_path: Path) -> Non
     hf = AutoTokenizer.from_pretrained(model)
     want = [list(hf.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
                                         return_dict=False)) for c in chats]
+    # (the template's <eos> is the special token 1 in want: rendered as text it would not be)
     assert got[:2] == want and got[2] == encode("Q:1+2=")
-    assert 1 in got[0]  # <eos> from the template, as the special token
 
 
 def test_parquet_prompts_by_column(tmp_path: Path) -> None:

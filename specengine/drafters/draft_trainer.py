@@ -52,8 +52,13 @@ class DraftTrainer:
 
     def objective(self, source: FeatureSource, seqs: list[BufferedSeq],
                   params: dict[str, Tensor]) -> Tensor:
-        """The loss of ``seqs`` under ``params``, run in groups of similar length (little
-        padding)."""
+        """The loss of ``seqs`` under ``params``."""
+        return ttt_loss(*self.sums(source, seqs, params))
+
+    def sums(self, source: FeatureSource, seqs: list[BufferedSeq],
+             params: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """``ttt_sums`` of ``seqs`` (per-depth loss sums and counts, which add over batches
+        of sequences), run in groups of similar length (little padding)."""
         seqs = sorted(seqs, key=lambda s: len(s.rows))
         sums = counts = None
         for i in range(0, len(seqs), GROUP_SEQS):
@@ -61,7 +66,7 @@ class DraftTrainer:
             s, c = ttt_sums(self.math, params, *self.batch(source, group),
                             soft=self.soft_targets(source, group))
             sums, counts = (s, c) if sums is None else (sums + s, counts + c)
-        return ttt_loss(sums, counts)  # type: ignore[arg-type]
+        return sums, counts  # type: ignore[return-value]
 
     def pick(self, seqs: list[BufferedSeq]) -> list[BufferedSeq]:
         """A random subset of ``seqs`` of about ``batch_tokens`` positions (all if fewer)."""
