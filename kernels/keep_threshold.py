@@ -28,13 +28,13 @@ from .rejection_sampling import (
 )
 from .sampling_checks import MAX_VOCAB
 from .sampling_pass import (
-    RNG_GROUP,
     SEARCH_CAP,
     SEARCH_CAP_ENTRIES,
     SEARCH_P,
     first_pass,
     keep_cut,
     merged_max_min,
+    row_tile_scratch,
     tile_races,
 )
 
@@ -53,9 +53,7 @@ def _keep_threshold_kernel(logits_ptr, s_lb, inv_t_ptr, top_k_ptr, top_p_ptr, mi
     b64 = b.to(tl.int64)
     row_ptr = logits_ptr + b64 * s_lb
     inv_t = tl.load(inv_t_ptr + b)
-    tiles = (V + 4 * RNG_GROUP - 1) // (4 * RNG_GROUP)
-    tile_f = tile_f_ptr + b64 * tiles
-    tile_i = tile_i_ptr + b64 * tiles * 2
+    tile_f, tile_i = row_tile_scratch(tile_f_ptr, tile_i_ptr, b, V)
     zero = (b * 0).to(tl.uint32)
     # The row statistics exactly as the rejection sampler's pass 1 computes them (its tile
     # races are unused here; a chain row with no draft reads no draft token).

@@ -42,7 +42,6 @@ from .debug import check_values_now
 from .sampling_checks import validate_inputs
 from .sampling_pass import (
     NEG_INF,
-    RNG_GROUP,
     SEARCH_CAP,
     SEARCH_CAP_ENTRIES,
     SEARCH_P,
@@ -58,6 +57,7 @@ from .sampling_pass import (
     merge_parts,
     merged_max_min,
     race_in_tile,
+    row_tile_scratch,
     seed_key,
     split_first_search,
     split_pivot_part,
@@ -131,9 +131,7 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
         sampled = temp != 0
         tau = NEG_INF + inv_t * 0.0
         # the row's scratch for its tiles' statistics (sampled rows)
-        tiles = (V + 4 * RNG_GROUP - 1) // (4 * RNG_GROUP)
-        tile_f = tile_f_ptr + pid.to(tl.int64) * tiles
-        tile_i = tile_i_ptr + pid.to(tl.int64) * tiles * 2
+        tile_f, tile_i = row_tile_scratch(tile_f_ptr, tile_i_ptr, pid, V)
         if greedy:
             if SPLIT:  # pass 1 ran in C parts (_part_kernel)
                 m, s, i1 = merge_parts(part_f_ptr + pid.to(tl.int64) * C * 5,
@@ -247,11 +245,10 @@ def _part_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, temp_pt
             tl.store(out_f + 1, s)
             tl.store(out_i, arg)
         else:
-            tiles = (V + 4 * RNG_GROUP - 1) // (4 * RNG_GROUP)
-            m, zmin = first_pass_part(
-                row_ptr, draft_ptr + b64 * s_db, parents_ptr, j, n, N, V,
-                tl.load(inv_t_ptr + b), start, end, tile_f_ptr + pid.to(tl.int64) * tiles,
-                tile_i_ptr + pid.to(tl.int64) * tiles * 2, IS_TREE)
+            tile_f, tile_i = row_tile_scratch(tile_f_ptr, tile_i_ptr, pid, V)
+            m, zmin = first_pass_part(row_ptr, draft_ptr + b64 * s_db, parents_ptr, j, n, N, V,
+                                      tl.load(inv_t_ptr + b), start, end, tile_f, tile_i,
+                                      IS_TREE)
             tl.store(out_f, m)
             tl.store(out_f + 2, zmin)
 
@@ -440,17 +437,21 @@ SPLIT_SCRATCH_MAX_BYTES = 2 * 192 * SPLIT_BYTES_PER_PROGRAM
 TILE_SCRATCH_BYTES = 4 + 2 * 8  # one tile's statistics: its largest z, two int64 masses
 
 
+def _num_tiles(vocab: int) -> int:
+    return -(-vocab // _PART_TOKENS)
+
+
 def tile_block(vocab: int) -> int:
     """The tile races' block (``sampling_pass.tile_races``): a row's tiles rounded up to a
     power of two."""
-    return triton.next_power_of_2(-(-vocab // _PART_TOKENS))
+    return triton.next_power_of_2(_num_tiles(vocab))
 
 
 def tile_scratch(rows: int, vocab: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Each sampled row's tiles' statistics (``sampling_pass.first_pass_part``), uninitialised
     (written before read): [rows, tiles] float32 (largest z) and [rows, tiles, 2] int64
     (masses), tiles = ceil(V / 2,048): 20 B per 2,048 tokens."""
-    tiles = -(-vocab // _PART_TOKENS)
+    tiles = _num_tiles(vocab)
     assert tiles <= TILES_MAX, (vocab, TILES_MAX)  # sampling_checks: V < 2**19
     return (torch.empty(rows * tiles, dtype=torch.float32, device=device),
             torch.empty(rows * tiles * 2, dtype=torch.int64, device=device))

@@ -170,6 +170,14 @@ TILES_MAX = 256  # tiles of 4 * RNG_GROUP tokens in a row: V < 2**19 (sampling_c
 
 
 @triton.jit
+def row_tile_scratch(tile_f_ptr, tile_i_ptr, row, V):
+    """Row program ``row``'s part of the tiles' scratch (``rejection_sampling.tile_scratch``:
+    ceil(V / tile) float32 largest z, then twice as many int64 masses)."""
+    tiles = (V + 4 * RNG_GROUP - 1) // (4 * RNG_GROUP)
+    return tile_f_ptr + row.to(tl.int64) * tiles, tile_i_ptr + row.to(tl.int64) * tiles * 2
+
+
+@triton.jit
 def first_pass(row_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t, tile_f_ptr,
                tile_i_ptr, IS_TREE: tl.constexpr, TB: tl.constexpr):
     """Pass 1 over a sampled row: (max, sum exp(z - max), min, t1, t2), t1 / t2 the winners of
