@@ -22,10 +22,17 @@ from specengine.arith_task import encode, heldout_prompts, write_training_prompt
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
 from specengine.cli import main
 from specengine.drafters.draft_trainer import DraftTrainer
-from specengine.train import train_draft
+from specengine.train import offline, train_draft
 from specengine.train.data import read_prompts, tokenize_prompts
 from specengine.train.head_init import build_head, fresh_config, read_config, write_head
-from specengine.train.offline import GeneratedSet, epoch_batches, read_embedding
+from specengine.train.offline import (
+    GeneratedSet,
+    TrainDraftConfig,
+    cpu_has_native_bf16,
+    epoch_batches,
+    read_embedding,
+    train_compute_dtype,
+)
 
 EVAL = [encode(p) for p in heldout_prompts(8)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
@@ -110,7 +117,7 @@ def test_init_warm_starts_from_the_heads_own_loss(prompts: Path, tmp_path: Path)
     res = train_draft(model=DEFAULT_TARGET, prompts=prompts, out=tmp_path / "h",
                       init=DEFAULT_DRAFT, holdout=0, max_tokens=24, batch_tokens=256,
                       epochs=1, save_every=1000, seed=2, ttt_steps=3, progress=False,
-                      device="cpu", **ONE_PASS)
+                      device="cpu", train_dtype="float32", **ONE_PASS)  # the loss as scored
     data = GeneratedSet.load(tmp_path / "h" / "checkpoints" / "data.safetensors")
     first = [data.seqs[i] for i in epoch_batches(data.seqs, 256, 2, 0)[0]]
     # the bundled head as the engine loads it, scored by the shared loss
@@ -220,6 +227,49 @@ def test_plan_estimate_and_curve_are_printed(trained: tuple[Path, str]) -> None:
     assert set(ev["by_temperature"]) == {"0", "1"}
     for row in ev["by_temperature"]["1"].values():  # sampling: acceptance, no equality check
         assert "identical_to_k0" not in row and 1.0 <= row["mean_accepted_length"]
+    # the loss's compute dtype: the plan names it and eval.json records it
+    want = str(train_compute_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    assert ev["training"]["train_dtype"] == want
+    assert f"computed in {want}" in printed
+
+
+def test_bfloat16_training_runs_the_loss_under_autocast(prompts: Path, tmp_path: Path) -> None:
+    common = dict(model=DEFAULT_TARGET, prompts=prompts, holdout=0, max_tokens=24,
+                  batch_tokens=256, steps=6, save_every=0, seed=3, progress=False,
+                  device="cpu", **ONE_PASS)
+    f32 = train_draft(**common, out=tmp_path / "a", train_dtype="float32")
+    bf16 = train_draft(**common, out=tmp_path / "b", train_dtype="bfloat16")
+    assert (f32.train_dtype, bf16.train_dtype) == ("float32", "bfloat16")
+    # the same batches and start: the first loss differs by bfloat16's rounding only
+    (s0, a), (s1, b) = f32.losses[0], bf16.losses[0]
+    assert s0 == s1 == 0 and a != b and b == pytest.approx(a, rel=0.02)
+    assert bf16.losses[-1][1] < bf16.losses[0][1]  # and it trains
+
+
+def test_train_dtype_auto_follows_the_device(monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path: Path) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert train_compute_dtype("float32", cpu) == torch.float32
+    assert train_compute_dtype("bfloat16", cpu) == torch.bfloat16
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(offline, "cpu_has_native_bf16", lambda native=native: native)
+        assert train_compute_dtype("auto", cpu) == want
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert train_compute_dtype("auto", cuda) == torch.float32
+    with pytest.raises(ValueError, match="bfloat16 needs a GPU.*--train-dtype float32"):
+        train_compute_dtype("bfloat16", cuda)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert train_compute_dtype("auto", cuda) == torch.bfloat16
+    # the CPU's flags (Linux /proc/cpuinfo): AVX512-BF16 or AMX-BF16 multiply bf16 natively
+    info = tmp_path / "cpuinfo"
+    for flags, want_native in (("fpu sse avx2 avx512f", False), ("avx512f avx512_bf16", True),
+                               ("amx_tile amx_bf16", True)):
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\n")
+        assert cpu_has_native_bf16(str(info)) is want_native, flags
+    assert cpu_has_native_bf16(str(tmp_path / "missing")) is False
+    with pytest.raises(ValueError, match="train_dtype must be one of"):
+        TrainDraftConfig(model=DEFAULT_TARGET, prompts=tmp_path, out=tmp_path / "o",
+                         train_dtype="float16")
 
 
 def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:

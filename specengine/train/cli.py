@@ -38,7 +38,7 @@ def _temperatures(text: str) -> tuple[float, ...]:
 def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]
                ) -> None:
     from specengine.config import DTYPES
-    from specengine.train.offline import AUTO_SAMPLES, HEAD_DTYPES, HEAD_INITS
+    from specengine.train.offline import AUTO_SAMPLES, HEAD_DTYPES, HEAD_INITS, TRAIN_DTYPES
     from specengine.train.offline import TrainDraftConfig as C
 
     t = sub.add_parser(
@@ -144,6 +144,10 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFor
                         "(replayed by the head on greedy held-out rollouts; 0: none)")
     t.add_argument("--head-dtype", choices=HEAD_DTYPES, default=C.head_dtype,
                    help="dtype of the written head (auto: the target's)")
+    t.add_argument("--train-dtype", choices=TRAIN_DTYPES, default=C.train_dtype,
+                   help="compute dtype of the training loss (autocast; Adam masters and the "
+                        "evaluation stay float32): auto = bfloat16 on a CUDA GPU with bf16 and "
+                        "on a CPU with AVX512-BF16 or AMX, else float32")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -169,6 +173,7 @@ def main(args: argparse.Namespace, default_model: Path) -> int:
             dtype=args.dtype, num_threads=args.threads, eval_max_tokens=args.eval_max_tokens,
             eval_temperatures=_temperatures(temps) if isinstance(temps, str) else temps,
             curve_points=args.curve_points, head_dtype=args.head_dtype,
+            train_dtype=args.train_dtype,
             norm_before_residual=args.norm_before_residual,
             progress=not args.no_progress)
         handler = logging.StreamHandler(sys.stdout)  # the plan, estimate and curve

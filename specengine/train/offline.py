@@ -97,6 +97,7 @@ RESUME_KEYS = ("steps", "epochs", "lr", "batch_tokens", "ttt_steps", "seed", "dr
 ARCHS = ("eagle3", "mtp")
 HEAD_INITS = ("random", "target")
 HEAD_DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRAIN_DTYPES = ("auto", "float32", "bfloat16")
 AUTO_SAMPLES = 4  # samples per prompt when sampling (TrainDraftConfig.num_samples)
 CALIBRATION_ROLLOUTS = 32  # rollouts of the first generate call, timed for the estimate
 
@@ -132,6 +133,10 @@ class TrainDraftConfig:
     head_init: str = "random"  # fresh head: "random", or "target" (lm_head / norm from the
     #                            target's; RESULTS.md: no gain measured, so not the default)
     head_dtype: str = "auto"  # dtype of the written head ("auto": the target's)
+    # compute dtype of the loss's forward and backward (autocast; the Adam masters, the
+    # curve and the evaluation stay float32). "auto": bfloat16 where the device multiplies
+    # it natively (CUDA with bf16, a CPU with AVX512-BF16 or AMX), else float32
+    train_dtype: str = "auto"
     norm_before_residual: bool = False  # fresh head: the residual is hidden_norm(g), not g
     seed: int = 0
     holdout: int | None = None  # None: min(64, a tenth of the prompts, at least 1)
@@ -181,6 +186,9 @@ class TrainDraftConfig:
         if self.head_dtype not in HEAD_DTYPES:
             raise ValueError(f"train-draft: head_dtype must be one of {HEAD_DTYPES}, got "
                              f"{self.head_dtype!r}")
+        if self.train_dtype not in TRAIN_DTYPES:
+            raise ValueError(f"train-draft: train_dtype must be one of {TRAIN_DTYPES}, got "
+                             f"{self.train_dtype!r}")
         if self.soft_labels > MAX_TOP_LOGPROBS:
             raise ValueError(f"train-draft: soft_labels is the policy's top-N per token that "
                              f"the engine reports, at most {MAX_TOP_LOGPROBS}; got "
@@ -224,10 +232,12 @@ class TrainDraftResult:
     rollout_passes: int = 0  # passes over the training prompts the rollouts started
     num_greedy_seqs: int = 0  # of num_seqs: greedy rollouts added to a sampled set
     num_greedy_tokens: int = 0  # of num_tokens: theirs
+    train_dtype: str = "float32"  # the loss's compute dtype (TrainDraftConfig.train_dtype)
 
     def __post_init__(self) -> None:
         if (self.num_seqs < 1 or self.num_steps < 1 or not 0 <= self.num_greedy_seqs
-                <= self.num_seqs or not 0 <= self.num_greedy_tokens <= self.num_tokens):
+                <= self.num_seqs or not 0 <= self.num_greedy_tokens <= self.num_tokens
+                or self.train_dtype not in TRAIN_DTYPES[1:]):
             raise ValueError(f"inconsistent TrainDraftResult {self}")
 
 
@@ -807,6 +817,9 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
     mtp = cfg.arch == "mtp"
     if mtp:
         check_mtp_target(cfg.model, target_cfg)
+    device = torch.device(cfg.device if cfg.device not in (None, "auto") else
+                          ("cuda" if torch.cuda.is_available() else "cpu"))
+    compute_dtype = train_compute_dtype(cfg.train_dtype, device)
     resume_from = _prepare_out(cfg)
     init_cfg = init_tensors = None
     if mtp and cfg.init is not None:
@@ -818,8 +831,6 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
     ckpt_dir = cfg.out / CHECKPOINT_DIR
     embed = read_embedding(cfg.model)
     vocab = embed.num_embeddings
-    device = torch.device(cfg.device if cfg.device not in (None, "auto") else
-                          ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
     held = None
     if resume_from is None:
@@ -904,7 +915,7 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
             if step in curve_at:
                 curve.append(_curve_point(trainer, opt, held, step, trained))
             batch = [data.seqs[i] for i in schedule[step]]
-            with torch.enable_grad():
+            with torch.enable_grad(), loss_autocast(device, compute_dtype):
                 loss = trainer.objective(data, batch, opt.masters)
             opt.step(loss, learning_rate(step, total, cfg.lr))
             losses.append((step, float(loss.detach())))
@@ -936,7 +947,8 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
                                   "num_greedy_seqs": data.num_greedy,
                                   "num_greedy_tokens": data.num_greedy_tokens,
                                   "steps": total, "final_loss": losses[-1][1] if losses
-                                  else None, "generate_s": gen_s, "train_s": train_s}
+                                  else None, "generate_s": gen_s, "train_s": train_s,
+                                  "train_dtype": dtype_name(compute_dtype)}
         if curve:
             evaluation["curve"] = curve
         (cfg.out / "eval.json").write_text(json.dumps(evaluation, indent=2) + "\n")
@@ -945,7 +957,7 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
                             len(data.seqs), data.num_tokens, total, tuple(losses), evaluation,
                             gen_s, train_s, time.perf_counter() - t2,
                             None if resume_from is None else start, data.passes,
-                            data.num_greedy, data.num_greedy_tokens)
+                            data.num_greedy, data.num_greedy_tokens, dtype_name(compute_dtype))
 
 
 def _make_head(cfg: TrainDraftConfig, target_cfg: dict[str, Any], embed: nn.Embedding,
@@ -970,6 +982,47 @@ def _make_head(cfg: TrainDraftConfig, target_cfg: dict[str, Any], embed: nn.Embe
     if cfg.head_init == "target":
         init_from_target(head, cfg.model, embed)
     return head, head_cfg, None
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX: bf16 matmuls at
+    about 4x float32's rate, RESULTS.md); False where the flags cannot be read."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[-1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def train_compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The compute dtype of the loss (``TrainDraftConfig.train_dtype``) on ``device``."""
+    if name == "float32":
+        return torch.float32
+    cuda = device.type == "cuda"
+    if name == "bfloat16":
+        if cuda and not torch.cuda.is_bf16_supported():
+            raise ValueError("train-draft: --train-dtype bfloat16 needs a GPU that computes "
+                             "bfloat16 (compute capability 8.0 or newer); give --train-dtype "
+                             "float32")
+        return torch.bfloat16
+    native = torch.cuda.is_bf16_supported() if cuda else (
+        device.type == "cpu" and cpu_has_native_bf16())
+    return torch.bfloat16 if native else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def loss_autocast(device: torch.device, dtype: torch.dtype) -> Any:
+    """The loss's forward (and so its backward) in ``dtype`` where it multiplies matrices:
+    autocast keeps reductions (softmax, the cross-entropy) in float32 and the gradients
+    reach the float32 masters as float32."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def head_save_dtype(cfg: TrainDraftConfig, target_cfg: dict[str, Any]) -> torch.dtype:
@@ -1023,6 +1076,8 @@ def plan_text(cfg: TrainDraftConfig, num_train: int, num_holdout: int,
             "generated tokens, " + ("output side from the target" if cfg.head_init ==
                                      "target" else "random init"))
     temps = ", ".join("greedy" if t == 0 else f"T={t:g}" for t in cfg.eval_temperatures)
+    dt = train_compute_dtype(cfg.train_dtype, device)
+    compute = dtype_name(dt) + ("" if dt == torch.float32 else " (autocast, float32 masters)")
     return "\n".join([
         f"train-draft plan ({device.type}):",
         f"  data:      {data}; temperature {cfg.temperature:g}, at most {cfg.max_tokens} "
@@ -1032,7 +1087,7 @@ def plan_text(cfg: TrainDraftConfig, num_train: int, num_holdout: int,
            else ""),
         f"  head:      {head}",
         f"  training:  {train} of about {cfg.batch_tokens} positions, lr {cfg.lr:g}, "
-        f"{cfg.ttt_steps} unrolled steps, seed {cfg.seed}, "
+        f"{cfg.ttt_steps} unrolled steps, seed {cfg.seed}, computed in {compute}, "
         + (f"targets: the policy's top-{cfg.soft_labels} distribution of each token"
            if cfg.soft_labels else "targets: the drawn tokens"),
         f"  held out:  {num_holdout} prompts; evaluation at k=0..{max(EVAL_KS)} ({temps}), "
@@ -1075,9 +1130,10 @@ def estimate_text(cfg: TrainDraftConfig, part: GeneratedSet, st: RolloutProgress
         batch = trainer.pick(part.seqs)
         scale = cfg.batch_tokens / max(1, sum(len(s.rows) for s in batch))
         t = time.perf_counter()
-        with torch.enable_grad():
+        with torch.enable_grad(), loss_autocast(device, train_compute_dtype(cfg.train_dtype,
+                                                                            device)):
             loss = trainer.objective(part, batch, opt.masters)
-            loss.backward()
+        loss.backward()
         step_s = (time.perf_counter() - t) * max(1.0, scale)
     if cfg.epochs is not None:
         rows = total_tokens / max(1.0, st.num_tokens / max(1, len(part.seqs))) * mean_rows
