@@ -21,6 +21,11 @@ Variants: ``--mlp-width`` (the head's MLP, default the target's), ``--draft-voca
 ``--steps``, ``--batch-tokens``. The last two shapes are trials of the maths only: the engine
 loads one-layer heads with raw features (the published EAGLE-3 layout).
 
+Initialisations and precision: ``--head-init-target`` (train-draft's ``--head-init target``),
+``--induction-init`` (head 0 starts as a 2-gram induction head over numbers, in the published
+layout: :class:`InductionHead`) and ``--train-dtype bfloat16`` (train-draft's autocast).
+``--points-at 1`` also measures the head right after its first step.
+
 Data: ``--extra-data`` (a second set written by ``rollouts``, e.g. ``--temperature 0``: greedy
 rollouts of the same training prompts) trains on the union of both sets' sequences (the
 first set less its proxy rollouts), shuffled together; ``--extra-fraction F`` instead draws a
@@ -50,7 +55,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specengine.drafters.adapt import BufferedSeq
@@ -63,6 +70,7 @@ from specengine.train.data import read_prompts, tokenize_prompts
 from specengine.train.head_init import (
     build_head,
     fresh_config,
+    init_from_target,
     most_frequent,
     read_config,
     write_head,
@@ -72,6 +80,7 @@ from specengine.train.offline import (
     TrainDraftConfig,
     generate_set,
     learning_rate,
+    loss_autocast,
     offline_acceptance,
     read_embedding,
     training_schedule,
@@ -242,6 +251,144 @@ def mixed_objective(trainer: DraftTrainer, sources: tuple[GeneratedSet, ...],
     return ttt_loss(sum(p[0] for p in parts), sum(p[1] for p in parts))  # type: ignore[arg-type]
 
 
+def train_seqs_of(data: GeneratedSet, args: argparse.Namespace) -> list[BufferedSeq]:
+    """The sequences trained on: all but the last ``--proxy-rollouts`` (the T=1 proxy's)."""
+    return data.seqs[: -args.proxy_rollouts]
+
+
+def ridge(a: Tensor, y: Tensor, lam: float) -> Tensor:
+    """``W [out, in]`` minimising ``|a W^T - y|^2 + lam mean(diag(a^T a)) |W|^2``."""
+    ata = a.T @ a
+    ata += lam * ata.diagonal().mean() * torch.eye(ata.shape[0], dtype=a.dtype)
+    return torch.linalg.solve(ata, a.T @ y).T
+
+
+def code_map(ne: Tensor, coded: Tensor, others: Tensor, weight: float = 3.0) -> Tensor:
+    """``P [len(coded), H]`` with ``P ne[coded[j]] ~ e_j`` (one-hot codes) and ``P ne[others]
+    ~ 0`` (the others weigh ``weight`` in all against one per coded token)."""
+    a = torch.cat([ne[coded], ne[others]])
+    y = torch.zeros(len(a), len(coded), dtype=ne.dtype)
+    y[torch.arange(len(coded)), torch.arange(len(coded))] = 1.0
+    w = torch.ones(len(a), dtype=ne.dtype)
+    w[len(coded):] = weight * len(coded) / max(1, len(others))
+    return ridge(a * w[:, None].sqrt(), y * w[:, None].sqrt(), 1e-3)
+
+
+class InductionHead:
+    """Head 0 (kv group 0) as a 2-gram induction head over numbers, in the published layout:
+    its query ``[code(x_{i+1}), code(x_i)]`` meets the key ``[code(x_p), code(x_{p-1})]`` of
+    every earlier entry ``p``, whose value ``vcode(x_{p+1})`` is the token that followed
+    there, and ``o_proj`` writes that token's ``lm_head`` row (``gain`` times the median
+    ``|fc(features)|``; 0: zero rows that training grows). Prompt-lookup of the last two
+    tokens predicts 80% of the copied digits of SmolLM2's answers, where the trained head gets
+    5-14% (``draft_misses.py``).
+
+    Codes: one-hot over the single-digit tokens and the space for the match, on the rope's
+    slowest pairs (SmolLM2's turn by under 0.3 rad over 350 positions), and over the
+    ``head_dim`` most frequent generated tokens for the value. The query's ``code(x_{i+1})``
+    and the value are exact (the embedding half); the keys' codes and the query's
+    ``code(x_i)`` are ridge fits from the entry's normalised ``fc(features)`` (the hidden
+    half) over ``num_rows`` rows.
+    :meth:`fit` recomputes them from the current ``fc`` and norms (``--induction-refit``:
+    with those rows frozen between fits, training cannot detune them)."""
+
+    KEY_GAIN = 10.0  # the keys' weights an order above Adam's step noise; the query less
+
+    def __init__(self, head: nn.Module, embed: nn.Embedding, data: GeneratedSet,
+                 seqs: list[BufferedSeq], counts: Any, model: Path, scale: float,
+                 num_rows: int = 60_000) -> None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model)
+        texts = tok.convert_ids_to_tokens(list(range(embed.num_embeddings)))
+        match = [i for i, t in enumerate(texts) if t is not None and len(t) == 1
+                 and t in "0123456789"]
+        lead = tok.convert_tokens_to_ids(tok.tokenize(" 1"))[0]  # the space before a number
+        self.match_ids = torch.tensor(sorted(set(match) | {lead}))
+        attn = head.midlayer.self_attn
+        self.hq, self.hkv = attn.num_heads, attn.num_kv_heads
+        self.h = head.fc.weight.shape[0]
+        self.d = self.h // self.hq
+        self.eps = head.norm.eps
+        self.embed, self.scale = embed, scale
+        rows = np.concatenate([s.rows[2:] for s in seqs if len(s.rows) > 2])
+        rows = np.random.default_rng(0).choice(rows, min(num_rows, len(rows)), replace=False)
+        rows = torch.from_numpy(rows)
+        self.feats = data.feats[rows].float()
+        self.cur, self.prev = data.tokens[rows - 1], data.tokens[rows - 2]  # x_p, x_{p-1}
+        order = torch.from_numpy(np.argsort(-np.asarray(counts), kind="stable").copy())
+        self.value_ids = order[: self.d]
+        top = order[:600]
+        self.others_m = top[~torch.isin(top, self.match_ids)]
+        self.others_v = top[~torch.isin(top, self.value_ids)]
+        # the rope's slowest pairs (dims k and k + d/2, rotate-half layout) that turn by under
+        # 0.3 rad over the longest sequence carry the match, nearly position-blind
+        cos, sin = head.rotary_emb.cos_sin(torch.ones(1, dtype=torch.long), torch.float32)
+        omega = torch.atan2(sin[0], cos[0])  # [d/2] radians per position, slowest last
+        longest = max(len(s.rows) for s in seqs)
+        n = len(self.match_ids)
+        if n > self.d // 2 or float(omega[self.d // 2 - n]) * longest > 0.3:
+            raise ValueError(f"{n} match codes need {n} rope pairs turning under 0.3 rad over "
+                             f"{longest} positions; head_dim {self.d} has "
+                             f"{int((omega * longest < 0.3).sum())}")
+
+    @torch.no_grad()
+    def fit(self, p: dict[str, Tensor]) -> tuple[float, float]:
+        """Write head 0's query, group 0's key and value rows of ``qkv_proj`` from the
+        current ``fc`` and norms in ``p``; returns the key fits' R^2 (x_p, x_{p-1})."""
+        m = "midlayer."
+        ne = rms_norm(self.embed.weight.float(), p[m + "input_layernorm.weight"].float(),
+                      self.eps)
+        fused = F.linear(self.feats, p["fc.weight"].float())
+        nh = rms_norm(fused, p[m + "hidden_norm.weight"].float(), self.eps)
+        p_m = code_map(ne, self.match_ids, self.others_m)  # [n_m, H]
+        t_cur, t_prev = ne[self.cur] @ p_m.T, ne[self.prev] @ p_m.T
+        a_cur, a_prev = ridge(nh, t_cur, 1e-2), ridge(nh, t_prev, 1e-2)
+        p_v = code_map(ne, self.value_ids, self.others_v)
+        d, h, half, g = self.d, self.h, self.d // 2, self.KEY_GAIN
+        slow = torch.arange(half - len(self.match_ids), half)  # dims slow, slow + half
+        q0, k0, v0 = (torch.zeros(d, 2 * h) for _ in range(3))
+        q0[slow, :h] = self.scale / g * p_m
+        q0[slow + half, h:] = self.scale / g * a_cur
+        k0[slow, h:] = g * a_cur
+        k0[slow + half, h:] = g * a_prev
+        v0[: len(self.value_ids), :h] = p_v
+        w = p[m + "self_attn.qkv_proj.weight"]  # [(hq + 2 hkv) d, 2H]: [embedding | hidden]
+        for row, block in zip(self.rows(), (q0, k0, v0)):
+            w[row].copy_(block)
+        self.fused_norm = float(fused.norm(dim=-1).median())
+        return r_squared(nh, a_cur, t_cur), r_squared(nh, a_prev, t_prev)
+
+    def rows(self) -> tuple[slice, slice, slice]:
+        """``qkv_proj`` rows of head 0's query, group 0's key and value."""
+        d, hq, hkv = self.d, self.hq, self.hkv
+        return slice(0, d), slice(hq * d, (hq + 1) * d), slice((hq + hkv) * d,
+                                                               (hq + hkv + 1) * d)
+
+    @torch.no_grad()
+    def init_output(self, head: nn.Module, gain: float) -> None:
+        """Head 0's ``o_proj`` columns: the value code's token's ``lm_head`` row, or 0."""
+        t2d = torch.full((head.vocab_size,), -1, dtype=torch.long)
+        t2d[head.draft_to_target] = torch.arange(head.draft_to_target.numel())
+        o = head.midlayer.self_attn.o_proj.weight  # [H, hq d]
+        o[:, : self.d] = 0
+        for j, t in enumerate(self.value_ids.tolist()):
+            if gain > 0 and t2d[t] >= 0:
+                r = head.lm_head.weight[t2d[t]].float()
+                o[:, j] = gain * self.fused_norm * r / r.norm()
+
+    def freeze(self, p: dict[str, Tensor]) -> None:
+        """No gradient reaches the rows :meth:`fit` writes (Adam then leaves them as set)."""
+        mask = torch.ones_like(p["midlayer.self_attn.qkv_proj.weight"])
+        for row in self.rows():
+            mask[row] = 0
+        p["midlayer.self_attn.qkv_proj.weight"].register_hook(lambda grad: grad * mask)
+
+
+def r_squared(x: Tensor, w: Tensor, y: Tensor) -> float:
+    return float(1 - ((x @ w.T - y) ** 2).sum() / ((y - y.mean(0)) ** 2).sum())
+
+
 def train_variant(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     data = GeneratedSet.load(args.data)
@@ -263,6 +410,8 @@ def train_variant(args: argparse.Namespace) -> dict[str, Any]:
     counts = data.counts if extra is None else data.counts + extra.counts
     head = build_head(head_cfg, embed, torch.device("cpu"),
                       draft_to_target=most_frequent(counts, vocab))
+    if args.head_init_target:
+        init_from_target(head, args.model, embed)
     head_math = None
     if args.layers == 2:
         mc = ModelConfig.from_dict({**head_cfg, "architectures": ["LlamaForCausalLM"],
@@ -271,10 +420,20 @@ def train_variant(args: argparse.Namespace) -> dict[str, Any]:
         head_math = TwoLayerMath(head, embed)
     elif args.layers != 1:
         raise ValueError(f"--layers must be 1 or 2, got {args.layers}")
+    induction = None
+    if args.induction_init:
+        induction = InductionHead(head, embed, data, train_seqs_of(data, args), counts,
+                                  args.model, args.induction_scale)
+        fits = induction.fit(dict(head.named_parameters()))
+        induction.init_output(head, args.induction_gain)
+        logger.info("induction head: %d match tokens, key fits R^2 %.3f (x_p) / %.3f "
+                    "(x_{p-1})", len(induction.match_ids), *fits)
     opt = HeadOptimizer(head)
+    if induction is not None and args.induction_refit:
+        induction.freeze(opt.masters)
     trainer = DraftTrainer(head, embed, torch.device("cpu"), depth=args.ttt_steps,
                            batch_tokens=args.batch_tokens, seed=0, math=head_math)
-    train_seqs = data.seqs[: -args.proxy_rollouts]
+    train_seqs = train_seqs_of(data, args)
     proxy_seqs = data.seqs[-args.proxy_rollouts:]
     cfg = TrainDraftConfig(model=args.model, prompts=args.data, out=args.data.parent,
                            steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr)
@@ -283,6 +442,8 @@ def train_variant(args: argparse.Namespace) -> dict[str, Any]:
     schedule = mixed_schedule(train_seqs, [] if extra is None else extra.seqs, cfg,
                               args.extra_fraction)
     points = {max(1, round(len(schedule) * (i + 1) / args.points)) for i in range(args.points)}
+    if args.points_at:
+        points |= {int(x) for x in args.points_at.split(",")}
     out: dict[str, Any] = {"name": args.name, "params": sum(p.numel() for p in head.parameters()),
                            "head_config": head_cfg, "curve": [],
                            "extra_data": str(args.extra_data) if extra else None,
@@ -295,9 +456,13 @@ def train_variant(args: argparse.Namespace) -> dict[str, Any]:
         batch = [(pools[w][i], w) for w, i in batch_ids]
         for s, w in batch:
             out["trained_rows_by_set"][w] += len(s.rows)
-        with torch.enable_grad():
+        with torch.enable_grad(), loss_autocast(trainer.device, getattr(torch,
+                                                                       args.train_dtype)):
             loss = mixed_objective(trainer, sources, batch, opt.masters)
         opt.step(loss, learning_rate(step, len(schedule), args.lr))
+        if induction is not None and args.induction_refit and (step + 1) % args.induction_refit \
+                == 0:
+            induction.fit(opt.masters)
         if step + 1 in points:
             acc = offline_acceptance(trainer, opt.masters, held)
             row = {"step": step + 1, "loss": float(loss.detach()),
@@ -352,6 +517,24 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--ttt-steps", type=int, default=3)
     t.add_argument("--points", type=int, default=2)
     t.add_argument("--proxy-rollouts", type=int, default=64)
+    t.add_argument("--train-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the loss's compute dtype (train-draft's --train-dtype: autocast, "
+                        "float32 masters and evaluation)")
+    t.add_argument("--head-init-target", action="store_true",
+                   help="lm_head and the final norm from the target's (train-draft's "
+                        "--head-init target)")
+    t.add_argument("--induction-init", action="store_true",
+                   help="head 0 and kv group 0 start as an induction head (InductionHead)")
+    t.add_argument("--induction-scale", type=float, default=48.0,
+                   help="the induction query's scale (attention logit ~ scale/8 per match)")
+    t.add_argument("--induction-gain", type=float, default=3.0,
+                   help="head 0's output rows: this times the median |fc(features)|; 0 "
+                        "starts them at zero (training grows them)")
+    t.add_argument("--induction-refit", type=int, default=0,
+                   help="N > 0: the induction rows get no gradient and are refitted to the "
+                        "current fc and norms every N steps")
+    t.add_argument("--points-at", default="",
+                   help="extra comma-separated steps measured (e.g. 1: right after the init)")
     t.add_argument("--threads", type=int, default=None)
     t.add_argument("--json", type=Path, default=None)
     t.add_argument("--extra-data", type=Path, default=None,

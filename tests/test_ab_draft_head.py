@@ -247,3 +247,47 @@ def test_mixed_objective_is_the_loss_of_the_joined_sets(saved: Path, greedy: Pat
     alone = ab.mixed_objective(trainer, (a, b), batch[20:], params)
     assert torch.equal(alone, trainer.objective(b, b.seqs[:20], params))
     assert not torch.allclose(alone, trainer.objective(a, b.seqs[:20], params))
+
+
+def test_induction_head_codes_rows_freeze_and_refit(saved: Path) -> None:
+    from specengine.kernels.reference import rms_norm
+    from specengine.train.head_init import build_head, fresh_config, most_frequent, read_config
+
+    data = GeneratedSet.load(saved)
+    embed = ab.read_embedding(DEFAULT_TARGET)
+    # a head of 2 heads of 64 dims at SmolLM2's rope base: 11 slow pairs for the 11 codes
+    cfg = {**fresh_config(read_config(DEFAULT_TARGET), 16, "float32"), "head_dim": 64,
+           "num_attention_heads": 2, "num_key_value_heads": 2, "rope_theta": 100000.0}
+    torch.manual_seed(0)
+    head = build_head(cfg, embed, torch.device("cpu"),
+                      draft_to_target=most_frequent(data.counts, 16))
+    ind = ab.InductionHead(head, embed, data, data.seqs, data.counts, DEFAULT_TARGET, 48.0,
+                           num_rows=400)
+    p = {n: t.detach().clone().requires_grad_(True) for n, t in head.named_parameters()}
+    ind.fit(p)
+    w = p["midlayer.self_attn.qkv_proj.weight"].detach()
+    q_rows, k_rows, v_rows = ind.rows()
+    d, h, n = ind.d, ind.h, len(ind.match_ids)
+    slow = torch.arange(d // 2 - n, d // 2)
+    # the query's first block is an exact one-hot code of the fed token's normalised embedding
+    ne = rms_norm(embed.weight.float(), p["midlayer.input_layernorm.weight"].float(),
+                  head.norm.eps)
+    codes = ne[ind.match_ids] @ w[q_rows][slow, :h].T  # [n, n]
+    assert torch.allclose(codes, 48.0 / ind.KEY_GAIN * torch.eye(n), atol=0.05)
+    # only the rope's slowest pairs carry the match; the value only its codes
+    fast = torch.ones(d, dtype=torch.bool)
+    fast[slow], fast[slow + d // 2] = False, False
+    assert w[q_rows][fast].abs().max() == 0 and w[k_rows][fast].abs().max() == 0
+    assert w[k_rows][:, :h].abs().max() == 0  # keys read the features, not the next token
+    assert w[v_rows][len(ind.value_ids):].abs().max() == 0
+    # frozen rows get no gradient; a refit after fc moved rewrites them
+    ind.freeze(p)
+    (p["midlayer.self_attn.qkv_proj.weight"] ** 2).sum().backward()
+    g = p["midlayer.self_attn.qkv_proj.weight"].grad
+    assert g[q_rows].abs().max() == 0 and g[k_rows].abs().max() == 0 and g[v_rows].abs().max() == 0
+    assert g[d: 2 * d].abs().max() > 0  # head 1's query still learns
+    before = w[k_rows].clone()
+    with torch.no_grad():
+        p["fc.weight"].mul_(1.5).add_(0.01)
+    ind.fit(p)
+    assert not torch.equal(p["midlayer.self_attn.qkv_proj.weight"].detach()[k_rows], before)
