@@ -37,7 +37,6 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import AutoTokenizer
 
 from specengine.drafters.draft_trainer import DraftTrainer, HeadOptimizer
 from specengine.train.head_init import read_head
@@ -78,6 +77,8 @@ def lookup(tokens: list[int], j: int, n: int) -> int | None:
 
 
 def misses(model: Path, head_dir: Path, held_path: Path) -> dict[str, dict[str, float]]:
+    from transformers import AutoTokenizer  # optional: the suite collects without it
+
     tok = AutoTokenizer.from_pretrained(model)
     held = GeneratedSet.load(held_path)
     embed = read_embedding(model)
@@ -121,7 +122,7 @@ def probe(model: Path, data_path: Path, layers: tuple[int, ...], num_rollouts: i
     """Per hidden-state layer, the held-out accuracy of a ridge probe for ``x_{i+2}`` by kind
     of token (module docstring)."""
     import numpy as np
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
