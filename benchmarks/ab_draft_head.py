@@ -356,7 +356,6 @@ class InductionHead:
         w = p[m + "self_attn.qkv_proj.weight"]  # [(hq + 2 hkv) d, 2H]: [embedding | hidden]
         for row, block in zip(self.rows(), (q0, k0, v0)):
             w[row].copy_(block)
-        self.fused_norm = float(fused.norm(dim=-1).median())
         return r_squared(nh, a_cur, t_cur), r_squared(nh, a_prev, t_prev)
 
     def rows(self) -> tuple[slice, slice, slice]:
@@ -367,15 +366,18 @@ class InductionHead:
 
     @torch.no_grad()
     def init_output(self, head: nn.Module, gain: float) -> None:
-        """Head 0's ``o_proj`` columns: the value code's token's ``lm_head`` row, or 0."""
-        t2d = torch.full((head.vocab_size,), -1, dtype=torch.long)
-        t2d[head.draft_to_target] = torch.arange(head.draft_to_target.numel())
+        """Head 0's ``o_proj`` columns: the value code's token's ``lm_head`` row at ``gain``
+        times the median ``|fc(features)|``, or 0."""
         o = head.midlayer.self_attn.o_proj.weight  # [H, hq d]
         o[:, : self.d] = 0
+        if gain <= 0:
+            return
+        scale = gain * float(F.linear(self.feats, head.fc.weight.float()).norm(dim=-1).median())
+        t2d = HeadMath(head, self.embed).to_draft(o.device)  # -100: no draft id
         for j, t in enumerate(self.value_ids.tolist()):
-            if gain > 0 and t2d[t] >= 0:
+            if t2d[t] >= 0:
                 r = head.lm_head.weight[t2d[t]].float()
-                o[:, j] = gain * self.fused_norm * r / r.norm()
+                o[:, j] = scale * r / r.norm()
 
     def freeze(self, p: dict[str, Tensor]) -> None:
         """No gradient reaches the rows :meth:`fit` writes (Adam then leaves them as set)."""

@@ -122,6 +122,7 @@ def probe(model: Path, data_path: Path, layers: tuple[int, ...], num_rollouts: i
     """Per hidden-state layer, the held-out accuracy of a ridge probe for ``x_{i+2}`` by kind
     of token (module docstring)."""
     import numpy as np
+    from ab_draft_head import ridge  # this directory's A/B harness
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
@@ -158,11 +159,8 @@ def probe(model: Path, data_path: Path, layers: tuple[int, ...], num_rollouts: i
     for layer in layers:
         x = torch.stack(feats[layer])
         x = x / x.norm(dim=-1, keepdim=True)
-        a = x[train]
-        ata = a.T @ a
-        ata += 1e-2 * ata.diagonal().mean() * torch.eye(a.shape[1])
-        ok = ((x[~train] @ torch.linalg.solve(ata, a.T @ y[train])).argmax(-1)
-              == torch.tensor(labels)[~train]).numpy()
+        w = ridge(x[train], y[train], 1e-2)  # [65, H]
+        ok = ((x[~train] @ w.T).argmax(-1) == torch.tensor(labels)[~train]).numpy()
         test_kinds = [k for k, t in zip(kinds, train.tolist()) if not t]
         row = {"all": float(ok.mean())}
         for kind in KINDS:
