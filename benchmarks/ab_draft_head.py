@@ -18,7 +18,8 @@ rate) and reports at ``--points`` points:
 Variants: ``--mlp-width`` (the head's MLP, default the target's), ``--draft-vocab-size``,
 ``--feature-rms-norm`` (each aux layer's feature divided by its RMS per token before ``fc``),
 ``--layers 2`` (a second decoder layer after the EAGLE-3 layer, :class:`TwoLayerMath`), ``--lr``,
-``--steps``, ``--batch-tokens``. The last two shapes are trials of the maths only: the engine
+``--steps``, ``--batch-tokens``, ``--tv-weight`` (the loss's acceptance term, train-draft's
+``--tv-weight``). The last two shapes are trials of the maths only: the engine
 loads one-layer heads with raw features (the published EAGLE-3 layout).
 
 Initialisations and precision: ``--head-init-target`` (train-draft's ``--head-init target``),
@@ -434,7 +435,8 @@ def train_variant(args: argparse.Namespace) -> dict[str, Any]:
     if induction is not None and args.induction_refit:
         induction.freeze(opt.masters)
     trainer = DraftTrainer(head, embed, torch.device("cpu"), depth=args.ttt_steps,
-                           batch_tokens=args.batch_tokens, seed=0, math=head_math)
+                           batch_tokens=args.batch_tokens, seed=0, math=head_math,
+                           tv_weight=args.tv_weight)
     train_seqs = train_seqs_of(data, args)
     proxy_seqs = data.seqs[-args.proxy_rollouts:]
     cfg = TrainDraftConfig(model=args.model, prompts=args.data, out=args.data.parent,
@@ -446,7 +448,8 @@ def train_variant(args: argparse.Namespace) -> dict[str, Any]:
     points = {max(1, round(len(schedule) * (i + 1) / args.points)) for i in range(args.points)}
     if args.points_at:
         points |= {int(x) for x in args.points_at.split(",")}
-    out: dict[str, Any] = {"name": args.name, "params": sum(p.numel() for p in head.parameters()),
+    out: dict[str, Any] = {"name": args.name, "tv_weight": args.tv_weight,
+                           "params": sum(p.numel() for p in head.parameters()),
                            "head_config": head_cfg, "curve": [],
                            "extra_data": str(args.extra_data) if extra else None,
                            "extra_fraction": args.extra_fraction,
@@ -517,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--steps", type=int, default=250)
     t.add_argument("--batch-tokens", type=int, default=4096)
     t.add_argument("--ttt-steps", type=int, default=3)
+    t.add_argument("--tv-weight", type=float, default=0.0,
+                   help="weight of the loss's acceptance term, 1 - sum min(p, q)")
     t.add_argument("--points", type=int, default=2)
     t.add_argument("--proxy-rollouts", type=int, default=64)
     t.add_argument("--train-dtype", choices=("float32", "bfloat16"), default="float32",

@@ -372,6 +372,34 @@ def test_greedy_rollout_tokens_refusals_and_plan() -> None:
                  "--greedy-rollout-tokens", "10"]) == 2
 
 
+def test_tv_weight_reaches_the_loss_and_bad_values_are_refused(prompts: Path,
+                                                               tmp_path: Path) -> None:
+    """``--tv-weight w`` adds ``w * sum_d 0.8^d * (mean rejection probability at depth d)``
+    to the loss of the same batch (so more, and by less than ``w * (1 + 0.8 + 0.64)``); the
+    plan names it, and a negative, NaN or boolean weight is refused."""
+    from specengine.train.offline import TrainDraftConfig, plan_text
+
+    common = dict(model=DEFAULT_TARGET, prompts=prompts, holdout=0, max_tokens=24,
+                  batch_tokens=256, steps=2, save_every=0, seed=3, progress=False,
+                  device="cpu", train_dtype="float32", **ONE_PASS)
+    w = 4.0
+    plain = train_draft(**common, out=tmp_path / "a")
+    with_tv = train_draft(**common, out=tmp_path / "b", tv_weight=w)
+    gap = with_tv.losses[0][1] - plain.losses[0][1]
+    assert 0 < gap < w * (1 + 0.8 + 0.64)
+
+    def cfg(**kw: object) -> TrainDraftConfig:
+        return TrainDraftConfig(model=DEFAULT_TARGET, prompts=Path("p"), out=Path("o"), **kw)
+
+    for bad in (-1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="tv_weight must be a finite number >= 0"):
+            cfg(tv_weight=bad)
+    assert "plus 4 x the rejection probability" in plan_text(cfg(tv_weight=4), 10, 2,
+                                                             torch.device("cpu"))
+    assert "rejection" not in plan_text(cfg(), 10, 2, torch.device("cpu"))
+    assert main(["train-draft", "--prompts", "p", "--out", "o", "--tv-weight", "-2"]) == 2
+
+
 def test_training_schedule_counts_steps_not_epochs() -> None:
     from specengine.drafters.adapt import BufferedSeq
     from specengine.train.offline import TrainDraftConfig, training_schedule
@@ -577,3 +605,48 @@ def test_soft_loss_is_the_expected_hard_loss_and_a_point_mass_is_the_hard_loss()
     other_sums, _ = ttt_sums(hm, params, feats, ids, valid, other)
     torch.testing.assert_close(sums, 0.25 * hard_sums + 0.75 * other_sums, rtol=1e-5,
                                atol=1e-4)
+
+
+def test_acceptance_term_adds_each_entrys_rejection_probability() -> None:
+    """``tv_weight`` adds ``w * (1 - sum_x min(p(x), q(x)))`` per entry: ``q`` the head's
+    softmax, ``p`` the recorded distribution, or the hard target's point mass (``1 - q(t)``);
+    weight 0 is the cross-entropy alone, and a negative weight is refused."""
+    from specengine.drafters.adapt_math import ttt_sums
+    from specengine.drafters.draft_trainer import DraftTrainer
+
+    hm, params, cfg = fresh_head_math(7)
+    b, t, depth, start = 2, 9, 2, 3
+    feats = torch.randn(b, t, 3 * cfg["hidden_size"])
+    ids = torch.randint(2, 20, (b, t + depth))
+    valid = torch.ones(b, t, dtype=torch.bool)
+    targets = [torch.where(torch.arange(t) >= start, ids[:, d + 1: d + 1 + t], -100)
+               for d in range(depth)]
+    other = [torch.where(tg >= 0, (tg + 1) % 20, -100) for tg in targets]
+    mix = [(torch.stack([tg.clamp_min(0), o.clamp_min(0), torch.zeros_like(tg)], -1),
+            torch.where(tg[..., None] >= 0, torch.tensor([0.25, 0.75, 0.0]), 0.0))
+           for tg, o in zip(targets, other)]
+    with torch.no_grad():
+        q = [torch.softmax(lg.float(), -1)
+             for lg in hm.unroll(params, feats, ids, valid, depth, start)]  # [B, T', Vd]
+    w = 2.5
+    for soft in (None, mix):
+        base, counts = ttt_sums(hm, params, feats, ids, valid, targets, soft=soft)
+        with_tv, counts_tv = ttt_sums(hm, params, feats, ids, valid, targets, soft=soft,
+                                      tv_weight=w)
+        assert torch.equal(counts, counts_tv)
+        want = []
+        for d in range(depth):
+            tg = targets[d][:, start:]
+            if soft is None:
+                kept = q[d].gather(-1, tg.clamp_min(0)[..., None])[..., 0]
+            else:  # padding (probability 0) keeps nothing
+                idx, pr = mix[d][0][:, start:], mix[d][1][:, start:]
+                kept = torch.minimum(pr, q[d].gather(-1, idx)).sum(-1)
+            want.append(torch.where(tg >= 0, 1.0 - kept, 0.0).sum())
+        torch.testing.assert_close(with_tv - base, w * torch.stack(want), rtol=1e-5,
+                                   atol=1e-5)
+    # a rejection probability lies in [0, 1]: the term is non-trivial and bounded
+    gap = (with_tv - base) / w
+    assert bool((gap > 0).all()) and bool((gap <= counts).all())
+    with pytest.raises(ValueError, match="tv_weight"):
+        DraftTrainer(hm.head, hm.embed, torch.device("cpu"), tv_weight=-1.0)

@@ -26,6 +26,16 @@ expectation over the sampled token is the hard loss's, with far less variance: a
 sampled token says little about which token is the policy's most likely one, which is what
 greedy drafting must guess. An entry whose recorded tokens have no draft id keeps the hard
 target (or none).
+
+**Acceptance term.** A draft drawn from the head's ``q`` is kept with probability
+``sum_x min(p(x), q(x)) = 1 - TV(p, q)`` (rejection sampling), so sampled drafting's
+acceptance is exactly one minus the total-variation distance, not the cross-entropy: the
+cross-entropy (forward KL) spreads ``q`` over every token ``p`` might take, which costs
+acceptance wherever the head cannot tell which of them the policy favours here.
+``tv_weight`` adds ``w * (1 - sum_x min(p, q))`` to each entry's loss (``p`` the recorded
+distribution over draft ids, or the hard target's point mass, where ``min`` reads
+``q(target)``). The cross-entropy stays: TV's gradient is ``q``-weighted and vanishes on
+tokens ``q`` gives nothing (DistillSpec, Zhou et al. 2023, compares such divergences).
 """
 
 from __future__ import annotations
@@ -162,12 +172,15 @@ class HeadMath:
 
 def ttt_sums(math: HeadMath, p: dict[str, Tensor], feats: Tensor, ids: Tensor,
              valid: Tensor, targets: list[Tensor],
-             soft: list[tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, Tensor]:
+             soft: list[tuple[Tensor, Tensor]] | None = None,
+             tv_weight: float = 0.0) -> tuple[Tensor, Tensor]:
     """Per depth ``d``: the summed cross-entropy of the depth-d logits against ``targets[d]``
     (``-100``: no loss at that entry) and the number of entries it sums over. ``soft[d]``:
     ``(idx [B, T, K], probs [B, T, K])``, the policy's distribution over draft ids at each
     entry (``probs`` 0 on padding, rows summing to 1 or all 0): an entry with one is scored
-    against it (module docstring) and counts whether or not its hard target has a draft id."""
+    against it (module docstring) and counts whether or not its hard target has a draft id.
+    ``tv_weight > 0`` adds that multiple of each entry's rejection probability (module
+    docstring, "Acceptance term")."""
     # the first entry with a loss at any depth (anchors start at a prompt's last token):
     # the entries before it only serve as keys and values
     masks = [tg >= 0 for tg in targets]
@@ -176,19 +189,31 @@ def ttt_sums(math: HeadMath, p: dict[str, Tensor], feats: Tensor, ids: Tensor,
     has = torch.stack([m.any(0) for m in masks]).any(0)
     start = int(has.int().argmax()) if bool(has.any()) else 0
     logits = math.unroll(p, feats, ids, valid, len(targets), start)
-    if soft is None:
+    if soft is None and tv_weight == 0.0:
         sums = torch.stack([F.cross_entropy(lg.flatten(0, 1), tg[:, start:].flatten(),
                                             ignore_index=-100, reduction="sum")
                             for lg, tg in zip(logits, targets)])
         return sums, torch.stack([m.sum() for m in masks])
     out = []
-    for lg, tg, (idx, pr), m in zip(logits, targets, soft, masks):
+    for d, (lg, tg, m) in enumerate(zip(logits, targets, masks)):
         logp = torch.log_softmax(lg, dim=-1)  # [B, T', Vd]
-        tg, idx, pr, m = tg[:, start:], idx[:, start:], pr[:, start:], m[:, start:]
-        hard = -logp.gather(-1, tg.clamp_min(0)[..., None])[..., 0]
-        # padding has probability 0 and a clamped index: 0 * a finite log-probability
-        dist = -(pr * logp.gather(-1, idx.clamp_min(0))).sum(-1)
-        nll = torch.where(pr.sum(-1) > 0, dist, hard)
+        tg, m = tg[:, start:], m[:, start:]
+        hard_logp = logp.gather(-1, tg.clamp_min(0)[..., None])[..., 0]  # [B, T']
+        nll = -hard_logp
+        if tv_weight:
+            # a point mass on the hard target: sum_x min(p, q) = q(target)
+            nll = nll + tv_weight * (1.0 - hard_logp.float().exp())
+        if soft is not None:
+            idx, pr = soft[d][0][:, start:], soft[d][1][:, start:]  # [B, T', K]
+            has = pr.sum(-1) > 0
+            logq = logp.gather(-1, idx.clamp_min(0))
+            # padding has probability 0 and a clamped index: 0 * a finite log-probability
+            dist = -(pr * logq).sum(-1)
+            if tv_weight:
+                # padding: min(0, q) = 0, whatever its clamped index reads
+                kept = torch.minimum(pr.float(), logq.float().exp()).sum(-1)
+                dist = dist + tv_weight * (1.0 - kept)
+            nll = torch.where(has, dist, nll)
         out.append(torch.where(m, nll, torch.zeros_like(nll)).sum())
     return torch.stack(out), torch.stack([m.sum() for m in masks])
 

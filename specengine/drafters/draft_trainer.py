@@ -42,8 +42,12 @@ class DraftTrainer:
 
     def __init__(self, head: nn.Module, embed: nn.Embedding, device: torch.device,
                  depth: int = 3, batch_tokens: int = 8192, seed: int = 0,
-                 math: HeadMath | None = None) -> None:
+                 math: HeadMath | None = None, tv_weight: float = 0.0) -> None:
+        if not tv_weight >= 0.0:
+            raise ValueError(f"tv_weight must be >= 0, got {tv_weight}")
         self.head, self.device = head, device
+        # weight of the acceptance term of the loss (drafters/adapt_math.py, "Acceptance term")
+        self.tv_weight = float(tv_weight)
         # the head's forward as differentiable maths: EAGLE-3's by default, MTP's
         # (``drafters/mtp_math.py``) for an MTP layer
         self.math = math if math is not None else HeadMath(head, embed)
@@ -64,7 +68,7 @@ class DraftTrainer:
         for i in range(0, len(seqs), GROUP_SEQS):
             group = seqs[i: i + GROUP_SEQS]
             s, c = ttt_sums(self.math, params, *self.batch(source, group),
-                            soft=self.soft_targets(source, group))
+                            soft=self.soft_targets(source, group), tv_weight=self.tv_weight)
             sums, counts = (s, c) if sums is None else (sums + s, counts + c)
         return sums, counts  # type: ignore[return-value]
 

@@ -117,6 +117,10 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFor
                         "(recorded as the rollouts run, at most 20), renormalised over the "
                         "draft vocabulary: far less noise than the sampled token at T=1; "
                         "0: the sampled tokens")
+    t.add_argument("--tv-weight", type=float, default=C.tv_weight,
+                   help="add this multiple of each draft's rejection probability, "
+                        "1 - sum min(p, q), to the loss: what sampled drafting's acceptance "
+                        "is (the cross-entropy stays); 0: the cross-entropy alone")
     t.add_argument("--seed", type=_positive(0), default=C.seed,
                    help="seed of the held-out split, rollout order and samples, head init and "
                         "batch order")
@@ -167,7 +171,7 @@ def main(args: argparse.Namespace, default_model: Path) -> int:
             draft_vocab_size=args.draft_vocab_size, head_init=args.head_init,
             steps=args.steps, epochs=args.epochs, lr=args.lr,
             batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, seed=args.seed,
-            soft_labels=args.soft_labels,
+            soft_labels=args.soft_labels, tv_weight=args.tv_weight,
             holdout=args.holdout, save_every=args.save_every, resume=args.resume,
             overwrite=args.overwrite, device=None if args.device == "auto" else args.device,
             dtype=args.dtype, num_threads=args.threads, eval_max_tokens=args.eval_max_tokens,

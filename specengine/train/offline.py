@@ -93,7 +93,8 @@ KV_FILL = 0.9  # share of the KV cache a call's sequences may fill (blocks round
 GROUP_SEQS_EVAL = 16  # held-out sequences per unrolled pass of offline_acceptance
 # Settings a resumed run must share with the run that wrote the checkpoint.
 RESUME_KEYS = ("steps", "epochs", "lr", "batch_tokens", "ttt_steps", "seed", "draft_vocab_size",
-               "init", "arch", "head_init", "norm_before_residual", "soft_labels")
+               "init", "arch", "head_init", "norm_before_residual", "soft_labels",
+               "tv_weight")
 ARCHS = ("eagle3", "mtp")
 HEAD_INITS = ("random", "target")
 HEAD_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -130,6 +131,9 @@ class TrainDraftConfig:
     batch_tokens: int = 2048
     ttt_steps: int = 3
     soft_labels: int = 20  # train on the policy's top-N distribution (0: the drawn tokens)
+    # weight of the loss's acceptance term, w * (1 - sum_x min(p, q)) per entry
+    # (drafters/adapt_math.py, "Acceptance term"): what a sampled draft's acceptance is
+    tv_weight: float = 0.0
     head_init: str = "random"  # fresh head: "random", or "target" (lm_head / norm from the
     #                            target's; RESULTS.md: no gain measured, so not the default)
     head_dtype: str = "auto"  # dtype of the written head ("auto": the target's)
@@ -170,6 +174,10 @@ class TrainDraftConfig:
                 raise ValueError(f"train-draft: {name} must be an int >= {low}, got {v!r}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"train-draft: lr must be a finite number > 0, got {self.lr!r}")
+        if not (isinstance(self.tv_weight, (int, float)) and not isinstance(self.tv_weight, bool)
+                and math.isfinite(self.tv_weight) and self.tv_weight >= 0):
+            raise ValueError("train-draft: tv_weight must be a finite number >= 0, got "
+                             f"{self.tv_weight!r}")
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
             raise ValueError(f"train-draft: temperature must be >= 0, got {self.temperature!r}")
         temps = tuple(self.eval_temperatures)
@@ -875,6 +883,7 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
     else:
         saved = json.loads((ckpt_dir / "settings.json").read_text())
         saved.setdefault("arch", "eagle3")  # runs from before --arch
+        saved.setdefault("tv_weight", 0.0)  # runs from before --tv-weight
         now = _settings(cfg)
         diff = {k: (saved.get(k), now[k]) for k in RESUME_KEYS if saved.get(k) != now[k]}
         if diff:
@@ -891,7 +900,8 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
     if resume_from is not None:
         opt.load_state_dict(load_file(str(resume_from), device=str(device)))
     trainer = DraftTrainer(head, embed, device, depth=cfg.ttt_steps,
-                           batch_tokens=cfg.batch_tokens, seed=cfg.seed, math=head_math)
+                           batch_tokens=cfg.batch_tokens, seed=cfg.seed, math=head_math,
+                           tv_weight=cfg.tv_weight)
     schedule = training_schedule(data.seqs, cfg)
     total = len(schedule)
     if start > total:
@@ -948,7 +958,8 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
                                   "num_greedy_tokens": data.num_greedy_tokens,
                                   "steps": total, "final_loss": losses[-1][1] if losses
                                   else None, "generate_s": gen_s, "train_s": train_s,
-                                  "train_dtype": dtype_name(compute_dtype)}
+                                  "train_dtype": dtype_name(compute_dtype),
+                                  "tv_weight": cfg.tv_weight}
         if curve:
             evaluation["curve"] = curve
         (cfg.out / "eval.json").write_text(json.dumps(evaluation, indent=2) + "\n")
@@ -1089,7 +1100,8 @@ def plan_text(cfg: TrainDraftConfig, num_train: int, num_holdout: int,
         f"  training:  {train} of about {cfg.batch_tokens} positions, lr {cfg.lr:g}, "
         f"{cfg.ttt_steps} unrolled steps, seed {cfg.seed}, computed in {compute}, "
         + (f"targets: the policy's top-{cfg.soft_labels} distribution of each token"
-           if cfg.soft_labels else "targets: the drawn tokens"),
+           if cfg.soft_labels else "targets: the drawn tokens")
+        + (f", plus {cfg.tv_weight:g} x the rejection probability" if cfg.tv_weight else ""),
         f"  held out:  {num_holdout} prompts; evaluation at k=0..{max(EVAL_KS)} ({temps}), "
         f"at most {cfg.eval_max_tokens or cfg.max_tokens} tokens"
         + (f"; greedy acceptance curve at {cfg.curve_points} points" if cfg.curve_points
@@ -1125,7 +1137,8 @@ def estimate_text(cfg: TrainDraftConfig, part: GeneratedSet, st: RolloutProgress
         head = build_head(hc, embed.to(device), device,
                           draft_to_target=most_frequent(part.counts, hc["draft_vocab_size"]))
         trainer = DraftTrainer(head, embed.to(device), device, depth=cfg.ttt_steps,
-                               batch_tokens=cfg.batch_tokens, seed=cfg.seed)
+                               batch_tokens=cfg.batch_tokens, seed=cfg.seed,
+                               tv_weight=cfg.tv_weight)
         opt = HeadOptimizer(head)
         batch = trainer.pick(part.seqs)
         scale = cfg.batch_tokens / max(1, sum(len(s.rows) for s in batch))
