@@ -8,7 +8,7 @@ breadth-first order, siblings by rank, so parents always precede children.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -68,3 +68,35 @@ class DraftTree:
     @classmethod
     def chain(cls, k: int) -> DraftTree:
         return cls([(0,) * d for d in range(1, k + 1)])
+
+    @classmethod
+    def best(cls, path_probs: Mapping[tuple[int, ...], float], num_drafts: int) -> DraftTree:
+        """The static tree of ``num_drafts`` nodes with the most expected accepted drafts per
+        step, given ``path_probs[path]``: the probability that a step keeps every node of
+        ``path`` (a tuple of child ranks; every given path's parent given too; paths not
+        given are never picked).
+
+        A step keeps every node whose path was all kept, so its expected number of kept
+        drafts is ``sum_node path_probs[node]``. A path is kept only if its parent is, so a
+        child's probability never exceeds its parent's (checked), and the ``num_drafts``
+        most probable paths (parents first on ties) are prefix-closed: no tree of that size
+        has a larger sum (Medusa's and Sequoia's static trees; ``train/trees.py`` measures
+        the probabilities)."""
+        probs = {tuple(int(r) for r in p): float(v) for p, v in path_probs.items()}
+        if not 1 <= num_drafts < MAX_TREE_NODES:
+            raise ValueError(f"num_drafts must be in [1, {MAX_TREE_NODES - 1}], got {num_drafts}")
+        for path, v in probs.items():
+            if not path or any(r < 0 for r in path):
+                raise ValueError(f"path {path} must be a non-empty tuple of ranks >= 0")
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"path {path}: probability {v} is not in [0, 1]")
+            if len(path) > 1 and path[:-1] not in probs:
+                raise ValueError(f"path {path} is given but its parent {path[:-1]} is not")
+            if len(path) > 1 and v > probs[path[:-1]]:
+                raise ValueError(f"path {path} is more probable ({v}) than its parent "
+                                 f"{path[:-1]} ({probs[path[:-1]]}): a path is only kept "
+                                 "when its parent is")
+        if len(probs) < num_drafts:
+            raise ValueError(f"{num_drafts} drafts asked, but only {len(probs)} paths given")
+        ordered = sorted(probs, key=lambda p: (-probs[p], len(p), p))
+        return cls(ordered[:num_drafts])

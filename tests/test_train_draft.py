@@ -650,3 +650,100 @@ def test_acceptance_term_adds_each_entrys_rejection_probability() -> None:
     assert bool((gap > 0).all()) and bool((gap <= counts).all())
     with pytest.raises(ValueError, match="tv_weight"):
         DraftTrainer(hm.head, hm.embed, torch.device("cpu"), tv_weight=-1.0)
+
+
+def test_path_acceptance_is_the_share_of_anchors_each_path_of_ranks_begins() -> None:
+    """``train/trees.path_acceptance``, against a loop over anchors: the head's rank of the
+    rollout's token (``sampled``) or of the policy's argmax over draft ids (``greedy``) at
+    each depth; a path is counted at every anchor whose ranks begin with it, a token past
+    the ranks measured or outside the draft vocabulary ending the path; anchors from the
+    last prompt row on, with a next token."""
+    from specengine.drafters.adapt import BufferedSeq
+    from specengine.train.trees import path_acceptance
+
+    embed = read_embedding(DEFAULT_TARGET)
+    cfg = fresh_config(read_config(DEFAULT_TARGET), 12, "float32")
+    d2t = torch.tensor([3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16])  # 12 of the 20 tokens
+    torch.manual_seed(3)
+    head = build_head(cfg, embed, torch.device("cpu"), draft_to_target=d2t)
+    trainer = DraftTrainer(head, embed, torch.device("cpu"), depth=3)
+    src = _soft_source(20, 30, 5, seed=6)
+    src.feats = torch.randn(30, 3 * cfg["hidden_size"])
+    seqs = [BufferedSeq(0, np.arange(0, 11), 4), BufferedSeq(1, np.arange(11, 30), 6)]
+    params = {n: p.detach() for n, p in head.named_parameters()}
+    got, anchors = path_acceptance(trainer, params, src, seqs, ranks=4)
+    feats, ids, valid, _ = trainer.batch(src, seqs)
+    logits = trainer.math.unroll(params, feats, ids, valid, 3)
+    t2d = {int(t): i for i, t in enumerate(d2t)}
+    want = {"greedy": {}, "sampled": {}}
+    n = 0
+    for b, s in enumerate(seqs):
+        for i in range(s.num_prompt_tokens - 1, len(s.rows) - 1):
+            n += 1
+            for kind in want:
+                path: tuple[int, ...] = ()
+                for d in range(3):
+                    if i + d + 1 >= len(s.rows):
+                        break
+                    row = s.rows[i + d + 1]  # its token is x_{i+d+2}; its record, x's law
+                    if kind == "sampled":
+                        tok = t2d.get(int(src.tokens[row]))
+                    else:
+                        rec = [(float(lp), int(t)) for t, lp in zip(src.soft_ids[row],
+                                                                    src.soft_logps[row])
+                               if int(t) in t2d]
+                        tok = t2d[max(rec)[1]] if rec else None
+                    if tok is None:
+                        break
+                    rank = int((logits[d][b, i] > logits[d][b, i, tok]).sum())
+                    if rank >= 4:
+                        break
+                    path += (rank,)
+                    want[kind][path] = want[kind].get(path, 0) + 1
+    assert anchors == n == 7 + 13
+    for kind in want:
+        assert got[kind].keys() == want[kind].keys()
+        for path, c in want[kind].items():
+            assert got[kind][path] == pytest.approx(c / n)
+    assert got["sampled"] != got["greedy"]
+
+
+def test_train_draft_writes_the_best_trees_for_its_head(trained: tuple[Path, str]) -> None:
+    """``OUT/trees.json``: per kind, trees of 4-32 drafts (``DraftTree.best`` of the measured
+    table, so more drafts are expected to keep more); ``tree_paths`` reads one and the
+    engine verifies it lossless, keeping more tokens per step than the chain of its depth;
+    ``tree_paths`` names what is missing."""
+    from specengine.train.trees import TREE_SIZES, tree_paths
+    from specengine.tree import DraftTree
+
+    out, printed = trained
+    doc = json.loads((out / "trees.json").read_text())
+    assert "wrote trees.json" in printed
+    assert doc["depth"] == 3 and doc["num_anchors"] > 100
+    for kind in ("greedy", "sampled"):
+        probs = {tuple(int(r) for r in k.split(",")): v
+                 for k, v in doc["path_acceptance"][kind].items()}
+        assert 0 < min(probs.values()) and max(probs.values()) <= 1
+        assert list(doc["trees"][kind]) == [str(n) for n in TREE_SIZES]
+        for n, paths in doc["trees"][kind].items():
+            assert DraftTree(paths).paths == DraftTree.best(probs, int(n)).paths
+            assert doc["expected_accepted_drafts"][kind][n] == pytest.approx(
+                sum(probs[tuple(p)] for p in paths), abs=1e-3)
+        gains = list(doc["expected_accepted_drafts"][kind].values())
+        assert gains == sorted(gains) and gains[0] > 0.5
+    paths = tree_paths(out, "greedy", 8)
+    depth = max(len(p) for p in paths)
+    with SpecEngine(DEFAULT_TARGET, draft=str(out), device="cpu", seed=0) as eng:
+        base = eng.generate(EVAL, k=0, sampling=GREEDY)
+        chain = eng.generate(EVAL, k=depth, sampling=GREEDY)
+        chain_len = eng.stats.mean_accepted_length
+        outs = eng.generate(EVAL, k=depth, sampling=GREEDY, tree=paths)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+        assert [o.token_ids for o in chain] == [o.token_ids for o in base]
+        assert eng.stats.mean_accepted_length > chain_len + 0.1 > 1.6
+    with pytest.raises(ValueError, match="kind must be one of"):
+        tree_paths(out, "beam", 8)
+    with pytest.raises(ValueError, match="no greedy tree of 5 drafts; it has"):
+        tree_paths(out, "greedy", 5)
+    with pytest.raises(ValueError, match="no such file"):
+        tree_paths(out / "missing", "greedy", 8)

@@ -35,7 +35,8 @@ draft vocabulary.
    rollouts of the held-out prompts at k = 0 and k = 1..5:
    acceptance per draft position, mean accepted length and whether each k reproduced k = 0,
    printed as a table and written to ``out/eval.json`` (and ``out/eval.png`` when matplotlib
-   is installed).
+   is installed). An EAGLE-3 head trained on recorded distributions also gets
+   ``out/trees.json``: the best static draft trees of 4-32 drafts for it (``train/trees.py``).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ from specengine.train.mtp_init import (
     read_mtp_tensors,
     write_mtp_checkpoint,
 )
+from specengine.train.trees import TREES_FILE, write_trees
 
 logger = logging.getLogger(__name__)
 
@@ -949,6 +951,12 @@ def train_draft(cfg: TrainDraftConfig | None = None, /, **kwargs: Any) -> TrainD
         write_head(head, head_cfg, cfg.out, head_save_dtype(cfg, target_cfg))
     logger.info("wrote the %s to %s after %d steps (%.1f s)", "checkpoint with the trained "
                 "MTP layer" if mtp else "head", cfg.out, total, train_s)
+    if not mtp and data.soft_ids is not None and data.seqs:
+        trees = write_trees(trainer, opt.masters, data, data.seqs, cfg.out)
+        logger.info("wrote %s: the best static trees of %s drafts for greedy and sampled "
+                    "requests (expected accepted drafts per step, sampled: %s)", TREES_FILE,
+                    "/".join(trees["trees"]["sampled"]), trees["expected_accepted_drafts"]
+                    ["sampled"])
     t2 = time.perf_counter()
     evaluation = None
     if data.holdout:
