@@ -3,7 +3,10 @@
 The target is a real checkpoint (``--model DIR``; ``--gguf PATH`` or nothing builds
 SmolLM2-135M-Instruct with ``specengine.assets.smollm2`` into ``--cache-dir``), drafting with
 a trained EAGLE-3 head (``--draft HEAD_DIR``) and optionally the drafters that need no
-training (``--drafters ngram,suffix``). For every (engine, batch, k) row: one warm-up
+training (``--drafters ngram,suffix``); ``--trees 16,32`` adds rows of the head's own best
+static trees of those sizes (``HEAD_DIR/trees.json``, written by ``train-draft``: the greedy
+tree at temperature 0, else the sampled one), labelled ``k=tree16``, verified at the tree's
+depth. For every (engine, batch, k) row: one warm-up
 ``generate`` of the same shape (graph captures, kernel compilation and the ``k="auto"`` cost
 fit happen there), then one timed ``generate`` between two device synchronisations. Each row
 is written to ``OUT/rows.jsonl`` as soon as it is measured (a run cut short keeps what it
@@ -21,6 +24,7 @@ earlier completions when the timed run starts, as in RL when epochs revisit prom
 Usage::
 
     python benchmarks/bench_real_model.py --draft HEAD_DIR --batch 1,8,64,256 --k 0,3,auto
+    python benchmarks/bench_real_model.py --draft HEAD_DIR --batch 1,8 --k 0,3 --trees 16,32
     python benchmarks/bench_real_model.py --device cpu --batch 1 --k 0 --max-tokens 4  # dry
 """
 
@@ -108,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=_batches, default=[1, 8, 64, 256], metavar="LIST")
     p.add_argument("--k", type=_ks, default=[0, 3, "auto"], metavar="LIST",
                    help="k=0 rows run without a drafter; the others with each drafter")
+    p.add_argument("--trees", type=_batches, default=[], metavar="LIST",
+                   help="sizes of the head's own trees (HEAD_DIR/trees.json) to measure")
     p.add_argument("--k-max", type=int, default=DEFAULT_K_MAX, help="largest k auto picks")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -131,6 +137,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(k != 0 for k in args.k) and args.draft is None and not args.drafters:
         p.error(f"--k {','.join(map(str, args.k))}: k > 0 needs --draft HEAD_DIR or "
                 "--drafters ngram,suffix (or --k 0)")
+    args.tree_paths = {}
+    if args.trees:
+        from specengine.train.trees import tree_paths
+
+        if args.draft is None:
+            p.error("--trees: the trees are a head's own, give --draft HEAD_DIR")
+        kind = "greedy" if args.temperature == 0 else "sampled"
+        try:
+            args.tree_paths = {f"tree{n}": tree_paths(args.draft, kind, n) for n in args.trees}
+        except ValueError as e:
+            p.error(f"--trees: {e}")
     return args
 
 
@@ -189,20 +206,24 @@ def engine_plan(args: argparse.Namespace) -> list[tuple[str, Any, list[int | str
     if 0 in args.k:
         plan.append(("none", None, [0]))
     drafting = [k for k in args.k if k != 0]
+    if args.draft is not None and (drafting or args.tree_paths):
+        plan.append(("eagle3", str(args.draft), drafting + list(args.tree_paths)))
     if drafting:
-        if args.draft is not None:
-            plan.append(("eagle3", str(args.draft), drafting))
         plan += [(name, name, drafting) for name in args.drafters]
     return plan
 
 
 def measure(engine: Any, prompts: list, k: int | str, params: Any, warm: Any,
-            k_max: int) -> tuple[Any, float]:
-    engine.generate(prompts, k=k, sampling=warm, k_max=k_max)  # warm-up: same shapes
+            k_max: int, tree: list | None = None) -> tuple[Any, float]:
+    """``k``: an int, "auto", or a tree's label with ``tree`` its paths (verified at its
+    depth)."""
+    kw: dict[str, Any] = {"k": k, "k_max": k_max} if tree is None else {
+        "k": max(len(p) for p in tree), "tree": tree}
+    engine.generate(prompts, sampling=warm, **kw)  # warm-up: same shapes
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    engine.generate(prompts, k=k, sampling=params, k_max=k_max)
+    engine.generate(prompts, sampling=params, **kw)
     sync()
     return engine.stats, time.perf_counter() - t0
 
@@ -270,7 +291,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             if args.budget_s is not None and time.monotonic() - started > args.budget_s:
                 skipped += len(ks) * len(args.batch)
                 continue
-            need_k = max([k if isinstance(k, int) else args.k_max for k in ks])
+            need_k = max([k if isinstance(k, int) else args.k_max if k == "auto" else 0
+                          for k in ks])
             engine = SpecEngine(model, draft=draft, device=args.device, dtype=args.dtype,
                                 max_batch_size=max(args.batch), seed=args.seed,
                                 kv_cache_tokens=args.kv_cache_tokens,
@@ -287,7 +309,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                             continue
                         t0 = time.monotonic()
                         st, seconds = measure(engine, batch_prompts, k, params, warm,
-                                              args.k_max)
+                                              args.k_max, args.tree_paths.get(k))
                         last_row_s = time.monotonic() - t0
                         row = row_of(st, seconds, batch=batch, drafter=drafter, k=k,
                                      engine=engine, base_tps=base.get(batch), args=args)

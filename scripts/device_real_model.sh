@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The real model end to end on a lent GPU (issue 34 item 7): SmolLM2-135M-Instruct with its
 # trained EAGLE-3 head, rollout tokens per second for k=0, EAGLE-3 k=3 and k="auto" (plus the
-# n-gram and suffix drafters) at batch 1, 8, 64 and 256, T=1, CUDA graphs on.
+# n-gram and suffix drafters, and the head's own trees of 16 and 32 drafts from its
+# trees.json) at batch 1, 8, 64 and 256, T=1, CUDA graphs on.
 #
 # The model does not fit in one command's 64 MiB: the 98 MB GGUF travels in two parts, in two
 # commands run back to back (the machine keeps /root while it stays warm, 30 s).
@@ -55,6 +56,7 @@ case "${1:-}" in
       || { tail -20 "$OUT/build_model.log"; exit 1; }
     "$PY" benchmarks/bench_real_model.py --model "$model" --draft .dev2/head \
       --prompts .dev2/heldout.jsonl --drafters ngram,suffix --batch 1,8,64,256 --k 0,3,auto \
+      $( [ -f .dev2/head/trees.json ] && echo --trees 16,32 ) \
       --temperature 1.0 --max-tokens 256 --budget-s "$budget" --out "$OUT" 2>&1 \
       | grep -v 'it/s\]' | tee "$OUT/bench.log"
     ;;

@@ -72,7 +72,36 @@ def test_budget_stops_starting_rows(tmp_path: Path, prompt_file: Path) -> None:
     assert "2 rows not run: --budget-s 0.0 reached" in (out / "table.md").read_text()
 
 
+def test_the_heads_own_trees_are_rows_of_their_own(tmp_path: Path, prompt_file: Path) -> None:
+    """``--trees N``: the head's tree of N drafts from its ``trees.json`` (the greedy one at
+    temperature 0, the sampled one else), verified at its depth, one row per batch after
+    the head's k rows; sizes the file lacks, or no head, are refused naming the flag."""
+    import shutil
+
+    head = tmp_path / "head"
+    shutil.copytree(DEFAULT_DRAFT, head)
+    trees = {"greedy": {"4": [[0], [1], [0, 0], [0, 0, 0]]}, "sampled": {"4": [[0], [1]]}}
+    (head / "trees.json").write_text(json.dumps({"trees": trees}))
+    out = tmp_path / "out"
+    argv = ["--model", DEFAULT_TARGET, "--draft", str(head), "--prompts", str(prompt_file),
+            "--batch", "1,2", "--k", "0,3", "--trees", "4", "--max-tokens", "8",
+            "--temperature", "0", "--device", "cpu", "--out", str(out)]
+    assert brm.parse_args(argv).tree_paths == {"tree4": [(0,), (1,), (0, 0), (0, 0, 0)]}
+    assert brm.parse_args(argv[:-6] + ["--temperature", "1", "--device", "cpu", "--out",
+                                       str(out)]).tree_paths == {"tree4": [(0,), (1,)]}
+    assert brm.main(argv) == 0
+    rows = read_rows(out)
+    assert [(r["drafter"], r["batch"], r["k"]) for r in rows] == [
+        ("none", 1, 0), ("none", 2, 0), ("eagle3", 1, 3), ("eagle3", 1, "tree4"),
+        ("eagle3", 2, 3), ("eagle3", 2, "tree4")]
+    for r in rows[2:]:
+        assert r["mean_accepted_length"] > 1.5 and len(r["acceptance_per_position"]) == 3
+        assert r["tokens"] == 8 * r["batch"] and r["speedup"] > 0
+
+
 @pytest.mark.parametrize(("argv", "message"), [
+    (["--k", "0", "--trees", "4"], "--trees: the trees are a head's own, give --draft"),
+    (["--k", "0", "--trees", "4", "--draft", DEFAULT_DRAFT], "trees.json: no such file"),
     (["--k", "0,3"], "k > 0 needs --draft HEAD_DIR or --drafters"),
     (["--drafters", "mtp"], "--drafters mtp: only ngram and suffix"),
     (["--k", "0,17"], "--k 17: must be in [0, 16]"),
