@@ -36,7 +36,13 @@ from typing import Any
 
 from specengine import math_task
 from specengine.train.data import tokenize_prompts
-from specengine.train.offline import TrainDraftConfig, evaluate, format_table
+from specengine.train.offline import (
+    TrainDraftConfig,
+    eval_row,
+    eval_sampling,
+    evaluate,
+    format_table,
+)
 from specengine.train.trees import tree_paths
 from specengine.tree import DraftTree
 
@@ -81,37 +87,26 @@ def evaluate_trees(cfg: TrainDraftConfig, prompts: list[list[int]],
     the wall seconds of its ``generate``: the ``trees`` given, then the head's own best
     trees of ``best_sizes`` drafts for that temperature (``trees.json``)."""
     from specengine.engine import SpecEngine
-    from specengine.sampling import SamplingParams
 
     engine = SpecEngine(cfg.model, draft=str(cfg.out), device=cfg.device, dtype=cfg.dtype,
                         seed=cfg.seed, num_threads=cfg.num_threads,
                         max_batch_size=max(1, len(prompts)))
+    given = list(trees or [])
     by_temp: dict[str, Any] = {}
     try:
         for temp in cfg.eval_temperatures:
-            params = [SamplingParams(temperature=float(temp), max_tokens=cfg.eval_max_tokens,
-                                     seed=cfg.seed * 7_919 + i) for i in range(len(prompts))]
+            params = eval_sampling(cfg, float(temp), len(prompts),
+                                   cfg.eval_max_tokens or cfg.max_tokens)
             base = engine.generate(prompts, k=0, sampling=params) if temp == 0 else None
             kind = "greedy" if temp == 0 else "sampled"
             rows = []
-            own = [tree_paths(cfg.out, kind, n) for n in best_sizes]
-            for i, paths in enumerate(list(trees or []) + own):
+            for i, paths in enumerate(given + [tree_paths(cfg.out, kind, n) for n in best_sizes]):
                 depth = max(len(p) for p in paths)
                 start = time.perf_counter()
-                outs = engine.generate(prompts, k=depth, sampling=params, tree=paths)
-                st = engine.stats
-                row = {
-                    "paths": [list(p) for p in paths], "k": depth,
-                    "best": kind if i >= len(trees or []) else None,
-                    "mean_accepted_length": st.mean_accepted_length,
-                    "acceptance_per_position": list(st.acceptance_rate_per_position),
-                    "generated_tokens": sum(len(o.token_ids) for o in outs),
-                    "seconds": time.perf_counter() - start,
-                }
-                if base is not None:
-                    row["identical_to_k0"] = sum(a.token_ids == b.token_ids
-                                                 for a, b in zip(outs, base))
-                rows.append(row)
+                row = eval_row(engine, prompts, params, base, k=depth, tree=paths)
+                rows.append({"paths": [list(p) for p in paths], "k": depth,
+                             "best": kind if i >= len(given) else None, **row,
+                             "seconds": time.perf_counter() - start})
             by_temp[f"{float(temp):g}"] = rows
     finally:
         engine.close()

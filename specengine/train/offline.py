@@ -675,8 +675,6 @@ def evaluate(cfg: TrainDraftConfig, prompts: list[list[int]],
     ``cfg.eval_temperatures`` (greedy: whether each k reproduced k = 0; sampling: seeded,
     the policy's distribution whatever k, so only the acceptance is compared).
     ``draft_options``: the drafter's (e.g. ``{"sample": False}``); None: its defaults."""
-    from specengine.sampling import SamplingParams
-
     batch = max(1, min(len(prompts), GEN_BATCH))
     mtp = cfg.arch == "mtp"  # the output is then the target with its MTP layers
     engine = _engine(cfg, "mtp" if mtp else cfg.out, cfg.out if mtp else None,
@@ -685,28 +683,40 @@ def evaluate(cfg: TrainDraftConfig, prompts: list[list[int]],
     by_temp: dict[str, Any] = {}
     try:
         for temp in cfg.eval_temperatures:
-            params = [SamplingParams(temperature=float(temp), max_tokens=max_tokens,
-                                     seed=cfg.seed * 7_919 + i) for i in range(len(prompts))]
+            params = eval_sampling(cfg, float(temp), len(prompts), max_tokens)
             base = engine.generate(prompts, k=0, sampling=params) if temp == 0 else None
-            rows = {}
-            for k in EVAL_KS:
-                outs = engine.generate(prompts, k=k, sampling=params)
-                st = engine.stats
-                rows[str(k)] = {
-                    "mean_accepted_length": st.mean_accepted_length,
-                    "acceptance_per_position": list(st.acceptance_rate_per_position),
-                    "acceptance_per_draft": st.num_accepted_tokens / max(1, st.num_draft_tokens),
-                    "generated_tokens": sum(len(o.token_ids) for o in outs),
-                }
-                if base is not None:
-                    rows[str(k)]["identical_to_k0"] = sum(a.token_ids == b.token_ids
-                                                          for a, b in zip(outs, base))
-            by_temp[f"{float(temp):g}"] = rows
+            by_temp[f"{float(temp):g}"] = {str(k): eval_row(engine, prompts, params, base, k=k)
+                                           for k in EVAL_KS}
     finally:
         engine.close()
     first = by_temp[f"{float(cfg.eval_temperatures[0]):g}"]
     return {"num_prompts": len(prompts), "temperature": float(cfg.eval_temperatures[0]),
             "max_tokens": max_tokens, "k": first, "by_temperature": by_temp}
+
+
+def eval_sampling(cfg: TrainDraftConfig, temperature: float, num: int,
+                  max_tokens: int) -> list[Any]:
+    """The evaluation's sampling parameters: one seed per prompt, the same for every k."""
+    from specengine.sampling import SamplingParams
+
+    return [SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                           seed=cfg.seed * 7_919 + i) for i in range(num)]
+
+
+def eval_row(engine: Any, prompts: list[list[int]], params: list[Any], base: list[Any] | None,
+             **generate_kw: Any) -> dict[str, Any]:
+    """One ``engine.generate(prompts, sampling=params, **generate_kw)`` as an evaluation row:
+    mean accepted length, acceptance per position and per draft, generated tokens and, with
+    the k=0 outputs ``base`` (greedy), how many outputs equal them."""
+    outs = engine.generate(prompts, sampling=params, **generate_kw)
+    st = engine.stats
+    row = {"mean_accepted_length": st.mean_accepted_length,
+           "acceptance_per_position": list(st.acceptance_rate_per_position),
+           "acceptance_per_draft": st.num_accepted_tokens / max(1, st.num_draft_tokens),
+           "generated_tokens": sum(len(o.token_ids) for o in outs)}
+    if base is not None:
+        row["identical_to_k0"] = sum(a.token_ids == b.token_ids for a, b in zip(outs, base))
+    return row
 
 
 def format_table(evaluation: dict[str, Any]) -> str:
