@@ -229,7 +229,7 @@ def rejection_sample(
     target_logits: Tensor,  # [B, N, V] float32 / float16 / bfloat16
     draft_token_ids: Tensor,  # [B, N-1] int: chain: draft j, judged by row j; tree: node j+1
     num_draft_tokens: Tensor,  # [B] int: chain 0..N-1; tree N-1 or 0
-    draft_probs: Tensor | None,  # [B, N-1, V] q_j each draft was drawn from ([.., Vd]: below)
+    draft_probs: Tensor | None,  # [B, N-1, V] q each draft was drawn from ([.., Vd]: below)
     temperature: Tensor,  # [B] float32, 0 = greedy
     top_k: Tensor,  # [B] int, <= 0 = off
     top_p: Tensor,  # [B] float32 in (0, 1]
@@ -251,7 +251,13 @@ def rejection_sample(
     With ``draft_index`` the drafts were drawn from ``draft_probs [B, N-1, Vd]`` over the
     drafter's own vocabulary: the distribution judged is exactly that one in target ids
     (:func:`draft_probs_in_target_vocab`: 0 at target tokens the drafter cannot propose), and
-    a rejection's residual ``max(p - q, 0)`` covers the whole target vocabulary."""
+    a rejection's residual ``max(p - q, 0)`` covers the whole target vocabulary.
+
+    Trees: without ``draft_probs`` the children are point masses, tried in node order against
+    the running residual. With it, each node's children were drawn from ``draft_probs`` at
+    the child (its parent's ``q``) one after another without replacement, and the row judges
+    them by recursive rejection sampling (:func:`_sampled_children`); a chain-shaped tree then
+    gives the chain's outputs exactly."""
     bsz, n_rows, vocab = target_logits.shape
     dev = target_logits.device
     tree = tree_parents is not None
@@ -275,6 +281,11 @@ def rejection_sample(
     p_child = torch.zeros(bsz, n_rows, device=dev)  # p_parent(c)(x_c); greedy: 1 iff x_c = argmax
     lp_child = torch.zeros(bsz, n_rows, device=dev)
     acc = torch.zeros(bsz, n_rows, dtype=torch.bool, device=dev)  # chains: draft of node c passes
+    # sampled trees: the child each node accepts (0: none), decided at the node's row
+    pick = torch.zeros(bsz, n_rows, dtype=torch.long, device=dev)
+    # Child c is only ever tried at its parent, so its uniform's position is fixed.
+    u_child = [uniform_from_bits(philox4x32(seeds, offsets.long() + depth[max(parents[c], 0)],
+                                            c, 0, 0)[0]) for c in range(n_rows)] if tree else []
     for j in range(n_rows):
         z = target_logits[:, j].float() * inv_t[:, None]  # [B, V]
         tau = torch.where(greedy, float("-inf"), keep_threshold(z, top_k, top_p, log_min_p))
@@ -300,6 +311,10 @@ def rejection_sample(
         t_rest = draw_tile(seeds, pos, j, tile_sums(mass.masked_fill(excl, 0)), anchor)
         end = _argmax_or(in_tile(g.masked_fill(excl, float("-inf")), t_rest, float("-inf")),
                          float("-inf"), plain)
+        if tree and draft_probs is not None:
+            pick[:, j], end = _sampled_children(
+                w / s, argmax, drafts, used, kids, draft_probs, draft_index, greedy,
+                seeds, offsets.long() + depth[j], j, e, plain, u_child)
         for c in kids:
             x = drafts[:, c : c + 1]
             p_x = (w.gather(1, x) / s)[:, 0]
@@ -341,18 +356,19 @@ def rejection_sample(
         return out, num_acc.int(), out_lp, row_ids
 
     # Tree walk: at each node try its children in order, each as a point mass on the residual
-    # r (p_node minus earlier siblings' tokens): accept c iff u·sum(r) <= r(x_c).
+    # r (p_node minus earlier siblings' tokens): accept c iff u·sum(r) <= r(x_c). Sampled
+    # children: the node's row already chose (pick).
     node = torch.zeros(bsz, dtype=torch.long, device=dev)
     done = torch.zeros(bsz, dtype=torch.bool, device=dev)
     num_acc = torch.zeros(bsz, dtype=torch.long, device=dev)
-    # Child c is only ever tried at its parent, so its uniform's position is fixed.
-    u_child = [uniform_from_bits(philox4x32(seeds, offsets.long() + depth[max(parents[c], 0)],
-                                            c, 0, 0)[0]) for c in range(n_rows)]
     for step in range(max(depth) + 1):  # a walk accepts at most max-depth nodes
         found = torch.zeros_like(done)
         nxt = torch.zeros_like(node)
         mass = torch.ones(bsz, device=dev)  # sum(r), updated in the kernel's float32 order
-        for c in range(1, n_rows):
+        if draft_probs is not None:  # sampled children: each row decided its own
+            nxt = pick[rows, node]
+            found = nxt > 0
+        for c in range(1, n_rows if draft_probs is None else 1):
             try_c = (parents[c] == node) & used[:, c] & ~found & ~done
             dup = torch.zeros_like(done)
             for c2 in range(1, c):
@@ -371,3 +387,60 @@ def rejection_sample(
         node = torch.where(found, nxt, node)
         done |= ~found
     return out, num_acc.int(), out_lp, row_ids
+
+
+def _sampled_children(p: Tensor, argmax: Tensor, drafts: Tensor, used: Tensor, kids: list[int],
+                      draft_probs: Tensor, draft_index: Tensor | None, greedy: Tensor,
+                      seeds: Tensor, pos: Tensor, j: int, e: Tensor, plain: Tensor,
+                      u_child: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Row ``j`` of a tree whose children were drawn from ``q`` without replacement (recursive
+    rejection sampling, Jeon et al. 2024): ``(pick [B], end [B])``, the child the row accepts
+    (0: none) and the token emitted if none is.
+
+    Child ``c_i`` (in node order) was drawn from ``Q_i = q / D_i`` off the earlier siblings'
+    tokens (0 there), ``q = draft_probs[:, c_i - 1]`` and ``D_i = 1 - sum of q at those
+    tokens``. Against the running target ``r`` (``r_0 = p``) it is kept iff ``u·Q_i(x) <=
+    r(x)`` (probability ``min(1, r/Q_i)``); a rejection makes ``r = norm(max(r - Q_i, 0))``.
+    One such step emits a draw of ``r`` whatever ``Q_i`` is, and given a rejection the rest
+    is again a draw of the new ``r``, so the row emits exactly ``p``; with no child kept,
+    ``end`` is a draw of the last ``r``. A rejected token has ``Q_i(x) > r(x)``, so the new
+    ``r`` is 0 there. A child at which ``Q_i`` is 0 (past ``q``'s support, or a repeat) was
+    not drawn from ``Q_i``: it is skipped, ``r`` left as it was. Greedy rows keep the first
+    child that is the argmax.
+
+    ``r`` is held unnormalised with its total ``z`` (``r_0 = p``, ``z = 1``; a rejection:
+    ``r = max(r - z·Q_i, 0)``, ``z = sum(r)``), and the test is ``u·Q_i(x)·z <= r(x)``: for
+    a one-child row these are the chain's operations on the same numbers, so a chain-shaped
+    tree draws what the chain draws."""
+    bsz = p.shape[0]
+    rows = torch.arange(bsz, device=p.device)
+    pick = torch.zeros(bsz, dtype=torch.long, device=p.device)
+    taken = torch.zeros_like(p, dtype=torch.bool)  # earlier siblings' tokens
+    r, z = p, torch.ones(bsz, device=p.device)
+    left = torch.ones(bsz, device=p.device)  # D_i
+    rejected = torch.zeros(bsz, dtype=torch.bool, device=p.device)
+    for c in kids:
+        x = drafts[:, c]
+        q = draft_probs[:, c - 1].float()
+        if draft_index is not None:
+            q = draft_probs_in_target_vocab(q, draft_index)
+        q = q.masked_fill(taken, 0.0)
+        big_q = q / left.clamp(min=1e-30)[:, None]
+        qx, rx = big_q[rows, x], r[rows, x]
+        open_ = used[:, c] & (pick == 0)
+        valid = open_ & (qx > 0)
+        ok = torch.where(greedy, open_ & (x == argmax), valid & (u_child[c] * qx * z <= rx))
+        pick = torch.where(ok, c, pick)
+        rej = valid & ~ok & ~greedy
+        nr = (r - z[:, None] * big_q).clamp(min=0)
+        nz = nr.sum(1)
+        rej_r = rej & (nz > 0)
+        r = torch.where(rej_r[:, None], nr, r)
+        z = torch.where(rej_r, nz, z)
+        rejected |= rej
+        left = torch.where(valid, left - q[rows, x], left)
+        taken[rows, x] |= valid
+    t_r = draw_tile(seeds, pos, j, tile_sums(fixed_point(r)), None)
+    key = in_tile(torch.where(r > 0, r / e, -1.0), t_r, -1.0)
+    end = torch.where(rejected, _argmax_or(key, 0.0, plain), plain)
+    return pick, end

@@ -1,7 +1,8 @@
 """``benchmarks/eval_draft_head.py --tree``: static draft trees evaluated as the chains are, on
 the bundled pair (whose head accepts most drafts, so a walk that rejected them would show).
-A tree that is a chain gives the point-mass chain's figures exactly, greedy and at T=1 (the
-same drafts judged with the same random numbers; the budget leaves room for every answer's end,
+A tree that is a chain gives the chain's figures exactly, greedy and at T=1 (the same drafts,
+argmaxes greedy and drawn from the head's distribution at T=1, judged with the same random
+numbers; the budget leaves room for every answer's end,
 so no chain is cut short by ``max_tokens``, which a tree's rows are not); every greedy tree
 reproduces k=0; bad ``--tree`` specs are refused with what is wrong; ``--best-trees`` takes
 the head's own trees (``trees.json``) per temperature."""
@@ -27,12 +28,12 @@ CHAIN = [(0,), (0, 0), (0, 0, 0)]
 WIDE = [(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]
 
 
-def test_a_chain_shaped_tree_gives_the_point_mass_chains_figures() -> None:
+def test_a_chain_shaped_tree_gives_the_chains_figures() -> None:
     cfg = TrainDraftConfig(model=Path(DEFAULT_TARGET), prompts=Path(DEFAULT_DRAFT) / "config.json",
                            out=Path(DEFAULT_DRAFT), eval_max_tokens=64, device="cpu",
                            num_threads=1, eval_temperatures=(0.0, 1.0))
     prompts = [arith_task.encode(p) for p in arith_task.heldout_prompts(4)]
-    chains = evaluate(cfg, prompts, draft_options={"sample": False})["by_temperature"]
+    chains = evaluate(cfg, prompts)["by_temperature"]  # the head's defaults: sampled drafts
     trees = edh.evaluate_trees(cfg, prompts, [CHAIN, WIDE])
     assert set(trees) == {"0", "1"}
     for temp, rows in trees.items():

@@ -133,6 +133,12 @@ CASES = {
                                             dict(temperature=0.8, top_k=8)),
     "eagle-tree-greedy-draft-topp": ("eagle", False, dict(tree=[(0,), (1,), (0, 0), (1, 0)]),
                                      dict(temperature=1.0, top_p=0.9)),
+    # children drawn from the head's q without replacement (recursive rejection sampling)
+    "eagle-tree-sampled-draft-t1": ("eagle", True, dict(tree=[(0,), (1,), (2,), (0, 0), (0, 1),
+                                                              (1, 0)]), dict(temperature=1.0)),
+    "eagle-tree-sampled-draft-t0.8-topk-topp": ("eagle", True,
+                                                dict(tree=[(0,), (1,), (0, 0), (1, 0)]),
+                                                dict(temperature=0.8, top_k=8, top_p=0.9)),
     # issue 25: min-p (after temperature, before top-k / top-p) and min_tokens, whose mask
     # differs between the positions of one verify pass (t2 masked, t3 not)
     "chain-sampled-draft-minp-topk": ("model", True, dict(k=2),

@@ -331,7 +331,7 @@ class DraftModelDrafter(Drafter):
                                    tree_level_mask(tree, n, len(seqs), self.device))
             return hidden.view(len(seqs), n - 1, -1)
 
-        node_ids = expand_tree(tree, root_logits, run_level, self.module.compute_logits)
+        node_ids, _ = expand_tree(tree, root_logits, run_level, self.module.compute_logits)
         for st, c in zip(states, ctx):
             st.num_cached, st.num_pending = c, 0  # tree slots are not linear positions
         return node_ids

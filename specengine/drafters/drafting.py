@@ -181,16 +181,50 @@ def top_children(logits: Tensor, num: int) -> Tensor:
     return torch.cat([ids, ids[:, :1].expand(-1, num - ids.shape[1])], dim=1)
 
 
+#: ``choose(logits [B * m, Vc], m, depth) -> (children [B * m, width] target ids, q [B * m,
+#: Vc])``: the children of ``m`` nodes per sequence, at ``depth``, drawn (:func:`sample_children`)
+ChildChooser = Callable[[Tensor, int, int], tuple[Tensor, Tensor]]
+
+
+def sample_children(logits: Tensor, num: int, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                    seeds: Tensor, positions: Tensor, vocab_ids: Tensor | None = None
+                    ) -> tuple[Tensor, Tensor]:
+    """``num`` children per row of ``logits [R, Vc]`` drawn one after another without
+    replacement from ``q`` (:func:`processed_probs` with the row's settings), and ``q``
+    ``[R, Vc]`` float32. The order of ``q / E`` (``E = -log u``, :func:`draft_uniforms` of
+    (seed, position), one per token) is such a draw: the exponential race run again over the
+    tokens not yet drawn. Past ``q``'s support the ranks are tokens of probability 0 (the
+    rejection sampler skips them). Greedy rows (temperature 0) take the ``num`` most likely
+    tokens and a one-hot ``q`` (their verify pass keeps the child that is the argmax).
+    ``vocab_ids [Vc]``: the target ids of the columns (:func:`choose_from`)."""
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    greedy = temperature == 0
+    q = processed_probs(logits, torch.where(greedy, 1.0, temperature), top_k, top_p)
+    u = draft_uniforms(seeds, positions, vocab, vocab_ids)
+    keys = torch.where(greedy[:, None], logits, q / -torch.log(u))
+    cols = keys.topk(min(num, vocab), dim=-1).indices
+    cols = torch.cat([cols, cols[:, :1].expand(-1, num - cols.shape[1])], dim=1)
+    one_hot = torch.zeros_like(q).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    q = torch.where(greedy[:, None], one_hot, q)
+    return (cols if vocab_ids is None else vocab_ids[cols]), q
+
+
 def expand_tree(tree: DraftTree, root_logits: Tensor,
                 run_level: Callable[[int, Tensor], Tensor],
                 compute_logits: Callable[[Tensor], Tensor],
-                index: Callable[[np.ndarray], Tensor] | None = None) -> Tensor:
+                index: Callable[[np.ndarray], Tensor] | None = None,
+                choose: ChildChooser | None = None) -> tuple[Tensor, Tensor | None]:
     """Level by level: node ``i`` of depth ``d`` is its parent's rank-``ranks[i]`` child.
     ``run_level(n, node_ids [B, n-1])`` feeds nodes ``1 .. n-1`` (every node down to depth
     ``d``, ancestor mask) and returns their output hidden states ``[B, n-1, H]``, whose logits
     (``compute_logits``) rank the children of the depth-``d`` nodes. Returns the node tokens
-    ``[B, N-1]`` (root excluded). ``index(host array)`` makes the device index tensors (a
-    captured pass passes one that hands out constants made once: no copy inside a graph)."""
+    ``[B, N-1]`` (root excluded) and, with ``choose``, the distribution each node was drawn
+    from ``[B, N-1, Vc]`` (its parent's ``q``; siblings share it), else None. Without
+    ``choose`` the rank-``r`` child is the ``r``-th most likely token (a point mass); with it,
+    the ``r``-th draw without replacement. ``index(host array)`` makes the device index
+    tensors (a captured pass passes one that hands out constants made once: no copy inside a
+    graph)."""
     batch, width, dev = root_logits.shape[0], tree.max_rank + 1, root_logits.device
     if index is None:
         def index(a: np.ndarray) -> Tensor:
@@ -198,7 +232,14 @@ def expand_tree(tree: DraftTree, root_logits: Tensor,
     # top[:, i, r]: the rank-r child of node i. One LM-head pass per level (the nodes of the
     # level that have children, batched) and one gather per level, not one per node.
     top = torch.zeros(batch, tree.num_nodes, width, dtype=torch.int64, device=dev)
-    top[:, 0] = top_children(root_logits, width)
+    q_of = probs = None  # q_of[:, i]: the distribution node i's children were drawn from
+    if choose is None:
+        top[:, 0] = top_children(root_logits, width)
+    else:
+        top[:, 0], q0 = choose(root_logits, 1, 1)
+        q_of = q0.new_zeros(batch, tree.num_nodes, q0.shape[-1])
+        q_of[:, 0] = q0
+        probs = q0.new_zeros(batch, tree.num_nodes, q0.shape[-1])
     node_ids = torch.zeros(batch, tree.num_nodes, dtype=torch.int64, device=dev)
     has_children = np.zeros(tree.num_nodes, dtype=bool)
     has_children[tree.parents[1:]] = True
@@ -207,15 +248,43 @@ def expand_tree(tree: DraftTree, root_logits: Tensor,
         parents = index(tree.parents[level])
         ranks = index(tree.ranks[level])
         node_ids[:, index(level)] = top[:, parents, ranks]
+        if probs is not None:
+            probs[:, index(level)] = q_of[:, parents]  # type: ignore[index]
         if d == tree.max_depth:
             break
         n = int((tree.depths <= d).sum())
         out = run_level(n, node_ids[:, 1:n])
         inner = level[has_children[level]]
         h = out[:, index(inner - 1)]  # [B, m, H]
-        ranked = top_children(compute_logits(h.reshape(-1, h.shape[-1])), width)
+        logits = compute_logits(h.reshape(-1, h.shape[-1]))
+        if choose is None:
+            ranked = top_children(logits, width)
+        else:
+            ranked, q = choose(logits, len(inner), d + 1)
+            q_of[:, index(inner)] = q.view(batch, len(inner), -1)  # type: ignore[index]
         top[:, index(inner)] = ranked.view(batch, len(inner), width)
-    return node_ids[:, 1:]
+    return node_ids[:, 1:], (None if probs is None else probs[:, 1:])
+
+
+def tree_chooser(seqs: tuple[Sequence, ...] | list[Sequence], width: int, device: torch.device,
+                 vocab_ids: Tensor | None = None) -> ChildChooser:
+    """The :data:`ChildChooser` of :func:`sample_children` for ``seqs`` (one tree each): the
+    children of depth ``d`` are drawn at position ``len(seq) + d - 1``, the one the chain's
+    draft ``d - 1`` is drawn at, with the request's seed, temperature, top-k and top-p."""
+    params = [s.params for s in seqs]
+    temp = to_device(np.array([p.temperature for p in params], np.float32), device)
+    top_k = to_device(np.array([p.top_k for p in params], np.int64), device)
+    top_p = to_device(np.array([p.top_p for p in params], np.float32), device)
+    seeds = to_device(np.array([_signed(s.seed) for s in seqs], np.int64), device)
+    lens = to_device(np.array([len(s) for s in seqs], np.int64), device)
+
+    def choose(logits: Tensor, m: int, depth: int) -> tuple[Tensor, Tensor]:
+        def rows(t: Tensor) -> Tensor:
+            return t.repeat_interleave(m)
+        return sample_children(logits, width, rows(temp), rows(top_k), rows(top_p), rows(seeds),
+                               rows(lens + depth - 1), vocab_ids)
+
+    return choose
 
 
 def _index(rows: list[int] | np.ndarray, device: torch.device) -> Tensor:

@@ -29,7 +29,14 @@ from specengine.core.sequence import SeqStatus, Sequence
 from specengine.core.step_types import DraftProposal, ForwardOutput
 from specengine.core.transfer import to_device
 from specengine.drafters.base import Drafter
-from specengine.drafters.drafting import draft_kv_cache, expand_tree, run_chain, tree_level_mask
+from specengine.drafters.drafting import (
+    draft_kv_cache,
+    expand_tree,
+    run_chain,
+    samples_drafts,
+    tree_chooser,
+    tree_level_mask,
+)
 from specengine.model.attention import make_attention_backend
 from specengine.tree import DraftTree
 
@@ -67,6 +74,10 @@ class FeatureDrafter(Drafter):
         cfg = ctx.config
         self.sample = bool(sample)
         self.point_mass = not self.sample
+        # Trees of sampled requests draw their children from q (without replacement) when the
+        # verify pass can judge them so: the reference sampler (torch backend). The Triton
+        # kernel judges point-mass trees only, so there the children are the top ranks.
+        self.sampled_trees = self.sample and cfg.kernel_backend == "torch"
         self.device = ctx.device
         self.module = module.eval().requires_grad_(False)
         self.kv_cache = draft_kv_cache(ctx, 1, num_kv_heads, head_dim)
@@ -314,10 +325,7 @@ class FeatureDrafter(Drafter):
             self.kv_cache.ensure(st, st.num_cached + num_drafts[b])  # type: ignore[arg-type]
         hidden = torch.stack([self._states[seqs[b].seq_id].hidden for b in rows])  # type: ignore
         if tree is not None:
-            logits = self.module.compute_logits(hidden)
-            ids = torch.zeros(len(seqs), max(num_drafts), dtype=torch.int64, device=self.device)
-            ids[:, : tree.num_nodes - 1] = self._propose_tree(seqs, tree, hidden, logits)
-            return DraftProposal(ids, counts, None)
+            return self._propose_tree(seqs, tree, hidden, counts)
         logits = self.chain_logits(hidden)
 
         def advance(keep: list[int], rows: list[int], fed: Tensor, j: int) -> Tensor:
@@ -334,10 +342,19 @@ class FeatureDrafter(Drafter):
         return DraftProposal(ids, counts, probs)
 
     def _propose_tree(self, seqs: tuple[Sequence, ...], tree: DraftTree, root_hidden: Tensor,
-                      root_logits: Tensor) -> Tensor:
+                      counts: np.ndarray) -> DraftProposal:
         """Level by level: each pass feeds the entries of the nodes down to depth d (ancestor
-        mask; entry of node i reads its parent's g and its own token)."""
+        mask; entry of node i reads its parent's g and its own token). With
+        ``sampled_trees`` and a sampled request in the batch, children are drawn from the
+        head's ``q`` (over its draft vocabulary) and the proposal carries each node's ``q``."""
         states = [self._states[s.seq_id] for s in seqs]  # (the static path: static_chain)
+        choose = None
+        logits_of = self.module.compute_logits
+        if samples_drafts(self.sampled_trees, list(seqs)):
+            logits_of = self.chain_logits  # over the draft vocabulary when there is one
+            vocab = self.draft_vocab
+            choose = tree_chooser(seqs, tree.max_rank + 1, self.device,
+                                  None if vocab is None else vocab.to_target)
         batch = len(seqs)
         ctx = [len(s) - 1 for s in seqs]
         g = {0: root_hidden}
@@ -352,4 +369,12 @@ class FeatureDrafter(Drafter):
             g.update({i: out[:, i - 1] for i in range(1, n)})
             return out
 
-        return expand_tree(tree, root_logits, run_level, self.module.compute_logits)
+        nodes, probs = expand_tree(tree, logits_of(root_hidden), run_level, logits_of,
+                                   choose=choose)
+        width = int(counts.max())
+        ids = torch.zeros(batch, width, dtype=torch.int64, device=self.device)
+        ids[:, : tree.num_nodes - 1] = nodes
+        if probs is not None and probs.shape[1] < width:
+            probs = torch.cat([probs, probs.new_zeros(batch, width - probs.shape[1],
+                                                      probs.shape[2])], 1)
+        return DraftProposal(ids, counts, probs)

@@ -179,19 +179,23 @@ class StaticFeatureChain(StaticDrafts):
         """Every row drafts the whole ``tree`` (``seqs`` in batch-row order), in one static
         pass: ``FeatureDrafter._propose_tree`` on the batch state's rows."""
         rows = self.graphs.padded_rows(len(seqs))
-        ids = self.graphs.run_graph(("draft-tree", rows, tree.paths), rows,
-                                    lambda: self._tree(rows, tree))
+        sample = self.samples_now and self.drafter.sampled_trees  # type: ignore[attr-defined]
+        ids, probs = self.graphs.run_graph(("draft-tree", rows, tree.paths, sample), rows,
+                                           lambda: self._tree(rows, tree, sample))
         b = len(seqs)
-        return DraftProposal(ids if b == rows else ids[:b],
-                             np.asarray(num_drafts, dtype=np.int64), None, as_asked=True,
-                             in_place=True)
+        if b < rows:
+            ids, probs = ids[:b], None if probs is None else probs[:b]
+        return DraftProposal(ids, np.asarray(num_drafts, dtype=np.int64), probs, as_asked=True,
+                             in_place=probs is None)
 
     @torch.inference_mode()
-    def _tree(self, rows: int, tree: DraftTree) -> Tensor:
+    def _tree(self, rows: int, tree: DraftTree, sample: bool) -> tuple[Tensor, Tensor | None]:
         """Level by level (``drafting.expand_tree``): the pass of depth ``d`` feeds nodes
         ``1 .. n-1`` (every node down to ``d``); node ``i``'s entry sits at position
         ``len - 2 + i`` (after the root's), reads its parent's output hidden and its own
-        token, attends to the context and its ancestors (the tree's prefix mask)."""
+        token, attends to the context and its ancestors (the tree's prefix mask). ``sample``:
+        the children are drawn (``FeatureDrafter._propose_tree``) and each node's ``q`` goes
+        to the verify pass's probability buffer."""
         d, st = self.drafter, self.state
         ints = st.ints[:, :rows]
         ctx = ints[CTX]  # len - 1: the entries before the tree's (root's included)
@@ -220,12 +224,21 @@ class StaticFeatureChain(StaticDrafts):
             g.update({i: out[:, i - 1] for i in range(1, n)})
             return out
 
-        nodes = expand_tree(tree, d.module.compute_logits(hidden), run_level,
-                            d.module.compute_logits, self.const)
+        logits_of, choose = d.module.compute_logits, None
+        if sample:
+            logits_of = d.chain_logits  # over the draft vocabulary when there is one
+            choose = self.tree_chooser(rows, tree.max_rank + 1, None if d.draft_vocab is None
+                                       else d.draft_vocab.to_target)
+        nodes, q = expand_tree(tree, logits_of(hidden), run_level, logits_of, self.const,
+                               choose)
         # Straight into the verify pass's draft buffer (its load is then a no-op).
         ids = self.graphs.verifier.draft_ids[:rows, : tree.num_nodes - 1]
         ids.copy_(nodes)
-        return ids
+        probs = None
+        if q is not None:  # and the distributions into its probability buffer
+            probs = self.graphs.verifier.probs_view(rows, tree.num_nodes - 1)
+            probs.copy_(q)
+        return ids, probs
 
     def observe(self, seqs: tuple[Sequence, ...], out: VerifyOutput, shape: VerifyShape,
                 num_accepted: np.ndarray) -> bool:
