@@ -372,6 +372,28 @@ def test_greedy_rollout_tokens_refusals_and_plan() -> None:
                  "--greedy-rollout-tokens", "10"]) == 2
 
 
+def test_eval_trees_refusals_plan_and_flag() -> None:
+    """``--eval-trees``: sizes of the trees train-draft writes, none with ''; the plan says
+    which are evaluated."""
+    from specengine.train.offline import TrainDraftConfig, plan_text
+
+    def cfg(**kw: object) -> TrainDraftConfig:
+        return TrainDraftConfig(model=DEFAULT_TARGET, prompts=Path("p"), out=Path("o"), **kw)
+
+    for bad in ((5,), (16, 64), (True,)):
+        with pytest.raises(ValueError, match="eval_trees must be sizes of the trees"):
+            cfg(eval_trees=bad)
+    assert cfg().eval_trees == (16,) and cfg(eval_trees=[8, 32]).eval_trees == (8, 32)
+    plan = plan_text(cfg(eval_trees=(8, 32)), 10, 2, torch.device("cpu"))
+    assert "with the head's best tree of 8/32 drafts" in plan
+    assert "best tree" not in plan_text(cfg(eval_trees=()), 10, 2, torch.device("cpu"))
+    assert "best tree" not in plan_text(cfg(soft_labels=0), 10, 2, torch.device("cpu"))
+    assert main(["train-draft", "--prompts", "p", "--out", "o", "--eval-trees", "12"]) == 2
+    with pytest.raises(SystemExit) as bad:
+        main(["train-draft", "--prompts", "p", "--out", "o", "--eval-trees", "x"])
+    assert bad.value.code == 2
+
+
 def test_tv_weight_reaches_the_loss_and_bad_values_are_refused(prompts: Path,
                                                                tmp_path: Path) -> None:
     """``--tv-weight w`` adds ``w * sum_d 0.8^d * (mean rejection probability at depth d)``
@@ -741,6 +763,15 @@ def test_train_draft_writes_the_best_trees_for_its_head(trained: tuple[Path, str
         assert [o.token_ids for o in outs] == [o.token_ids for o in base]
         assert [o.token_ids for o in chain] == [o.token_ids for o in base]
         assert eng.stats.mean_accepted_length > chain_len + 0.1 > 1.6
+    # its own evaluation also ran the best tree of 16 drafts per temperature (--eval-trees)
+    ev = json.loads((out / "eval.json").read_text())
+    for temp, kind in (("0", "greedy"), ("1", "sampled")):
+        row = ev["trees"][temp]["16"]
+        assert row["paths"] == [list(p) for p in tree_paths(out, kind, 16)]
+        assert row["mean_accepted_length"] > ev["by_temperature"][temp]["3"][
+            "mean_accepted_length"] + 0.05
+    assert ev["trees"]["0"]["16"]["identical_to_k0"] == ev["num_prompts"]
+    assert "the head's best tree of 16 drafts, depth 3:" in printed
     with pytest.raises(ValueError, match="kind must be one of"):
         tree_paths(out, "beam", 8)
     with pytest.raises(ValueError, match="no greedy tree of 5 drafts; it has"):

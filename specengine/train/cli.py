@@ -35,6 +35,14 @@ def _temperatures(text: str) -> tuple[float, ...]:
     return out
 
 
+def _tree_sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of tree "
+                                         "sizes") from None
+
+
 def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]
                ) -> None:
     from specengine.config import DTYPES
@@ -143,6 +151,10 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFor
     t.add_argument("--eval-temperatures", type=_temperatures,
                    default=",".join(f"{x:g}" for x in C.eval_temperatures),
                    help="comma-separated temperatures of the held-out evaluation (0 = greedy)")
+    t.add_argument("--eval-trees", type=_tree_sizes,
+                   default=",".join(str(n) for n in C.eval_trees),
+                   help="the head's best trees (trees.json) evaluated too, by drafts per tree, "
+                        "comma-separated ('': none)")
     t.add_argument("--curve-points", type=_positive(0), default=C.curve_points,
                    help="held-out greedy acceptance measured this many times during training "
                         "(replayed by the head on greedy held-out rollouts; 0: none)")
@@ -176,6 +188,8 @@ def main(args: argparse.Namespace, default_model: Path) -> int:
             overwrite=args.overwrite, device=None if args.device == "auto" else args.device,
             dtype=args.dtype, num_threads=args.threads, eval_max_tokens=args.eval_max_tokens,
             eval_temperatures=_temperatures(temps) if isinstance(temps, str) else temps,
+            eval_trees=(_tree_sizes(args.eval_trees) if isinstance(args.eval_trees, str)
+                        else args.eval_trees),
             curve_points=args.curve_points, head_dtype=args.head_dtype,
             train_dtype=args.train_dtype,
             norm_before_residual=args.norm_before_residual,

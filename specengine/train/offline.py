@@ -81,7 +81,7 @@ from specengine.train.mtp_init import (
     read_mtp_tensors,
     write_mtp_checkpoint,
 )
-from specengine.train.trees import TREES_FILE, write_trees
+from specengine.train.trees import TREE_SIZES, TREES_FILE, tree_paths, write_trees
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +154,8 @@ class TrainDraftConfig:
     num_threads: int | None = None
     eval_max_tokens: int | None = None  # None: max_tokens
     eval_temperatures: tuple[float, ...] = (0.0, 1.0)
+    # the head's best trees (trees.json) evaluated too, by drafts per tree (empty: none)
+    eval_trees: tuple[int, ...] = (16,)
     curve_points: int = 10  # held-out greedy acceptance measured this many times in training
     progress: bool = True
 
@@ -188,6 +190,12 @@ class TrainDraftConfig:
             raise ValueError("train-draft: eval_temperatures must be one or more numbers >= 0, "
                              f"got {self.eval_temperatures!r}")
         object.__setattr__(self, "eval_temperatures", temps)
+        trees = tuple(self.eval_trees)
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n in TREE_SIZES
+                   for n in trees):
+            raise ValueError(f"train-draft: eval_trees must be sizes of the trees train-draft "
+                             f"writes, {TREE_SIZES}; got {self.eval_trees!r}")
+        object.__setattr__(self, "eval_trees", trees)
         if self.arch not in ARCHS:
             raise ValueError(f"train-draft: arch must be one of {ARCHS}, got {self.arch!r}")
         if self.head_init not in HEAD_INITS:
@@ -681,17 +689,30 @@ def evaluate(cfg: TrainDraftConfig, prompts: list[list[int]],
                      max_batch_size=batch, draft_options=draft_options)
     max_tokens = cfg.eval_max_tokens or cfg.max_tokens
     by_temp: dict[str, Any] = {}
+    # the head's best trees (greedy ones for greedy rows, sampled ones else), when written
+    sizes = cfg.eval_trees if (cfg.out / TREES_FILE).is_file() and not mtp else ()
+    trees: dict[str, Any] = {}
     try:
         for temp in cfg.eval_temperatures:
             params = eval_sampling(cfg, float(temp), len(prompts), max_tokens)
             base = engine.generate(prompts, k=0, sampling=params) if temp == 0 else None
-            by_temp[f"{float(temp):g}"] = {str(k): eval_row(engine, prompts, params, base, k=k)
-                                           for k in EVAL_KS}
+            key = f"{float(temp):g}"
+            by_temp[key] = {str(k): eval_row(engine, prompts, params, base, k=k)
+                            for k in EVAL_KS}
+            for n in sizes:
+                paths = tree_paths(cfg.out, "greedy" if temp == 0 else "sampled", n)
+                depth = max(len(p) for p in paths)
+                trees.setdefault(key, {})[str(n)] = {
+                    "depth": depth, "paths": [list(p) for p in paths],
+                    **eval_row(engine, prompts, params, base, k=depth, tree=paths)}
     finally:
         engine.close()
     first = by_temp[f"{float(cfg.eval_temperatures[0]):g}"]
-    return {"num_prompts": len(prompts), "temperature": float(cfg.eval_temperatures[0]),
-            "max_tokens": max_tokens, "k": first, "by_temperature": by_temp}
+    out = {"num_prompts": len(prompts), "temperature": float(cfg.eval_temperatures[0]),
+           "max_tokens": max_tokens, "k": first, "by_temperature": by_temp}
+    if trees:
+        out["trees"] = trees
+    return out
 
 
 def eval_sampling(cfg: TrainDraftConfig, temperature: float, num: int,
@@ -737,6 +758,12 @@ def format_table(evaluation: dict[str, Any]) -> str:
             same = (f"{str(r['identical_to_k0']) + '/' + str(n):>16} | "
                     if greedy and "identical_to_k0" in r else "")
             lines.append(f"{k:>2} | {r['mean_accepted_length']:>20.2f} | {same}{acc}")
+        for size, r in evaluation.get("trees", {}).get(temp, {}).items():
+            acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+            same = (f"{str(r['identical_to_k0']) + '/' + str(n):>16} | "
+                    if greedy and "identical_to_k0" in r else "")
+            lines.append(f"the head's best tree of {size} drafts, depth {r['depth']}: "
+                         f"{r['mean_accepted_length']:.2f} | {same}{acc}")
     return "\n".join(lines)
 
 
@@ -1120,7 +1147,10 @@ def plan_text(cfg: TrainDraftConfig, num_train: int, num_holdout: int,
         + (f"targets: the policy's top-{cfg.soft_labels} distribution of each token"
            if cfg.soft_labels else "targets: the drawn tokens")
         + (f", plus {cfg.tv_weight:g} x the rejection probability" if cfg.tv_weight else ""),
-        f"  held out:  {num_holdout} prompts; evaluation at k=0..{max(EVAL_KS)} ({temps}), "
+        f"  held out:  {num_holdout} prompts; evaluation at k=0..{max(EVAL_KS)}"
+        + (f" and with the head's best tree of {'/'.join(map(str, cfg.eval_trees))} drafts"
+           if cfg.eval_trees and cfg.arch == "eagle3" and cfg.soft_labels else "")
+        + f" ({temps}), "
         f"at most {cfg.eval_max_tokens or cfg.max_tokens} tokens"
         + (f"; greedy acceptance curve at {cfg.curve_points} points" if cfg.curve_points
            and num_holdout else ""),
@@ -1174,8 +1204,9 @@ def estimate_text(cfg: TrainDraftConfig, part: GeneratedSet, st: RolloutProgress
     train_s = steps * step_s
     eval_tokens = num_holdout * (cfg.eval_max_tokens or cfg.max_tokens) * 0.6
     # at most: a step at k verifies k + 1 tokens and may keep only one (compute-bound CPU)
-    eval_s = eval_tokens * (1 + sum(k + 1 for k in EVAL_KS)) * len(cfg.eval_temperatures) \
-        / max(rate, 1e-9)
+    trees = cfg.eval_trees if cfg.arch == "eagle3" and cfg.soft_labels else ()
+    eval_s = eval_tokens * (1 + sum(k + 1 for k in EVAL_KS) + sum(n + 1 for n in trees)) \
+        * len(cfg.eval_temperatures) / max(rate, 1e-9)
     held_s = num_holdout * (cfg.eval_max_tokens or cfg.max_tokens) * 0.6 / max(rate, 1e-9)
     total = gen_s + held_s + train_s + eval_s
     return (f"estimate (from {st.num_rollouts} rollouts, {st.num_tokens} tokens in "
