@@ -304,17 +304,18 @@ def rejection_sample(
         t_plain = draw_tile(seeds, pos, j, tile_sums(mass), anchor)
         plain = torch.where(greedy, argmax, in_tile(g, t_plain, float("-inf")).argmax(1))
         kids = [c for c in range(1, n_rows) if parents[c] == j]
-        excl = torch.zeros_like(kept)
-        for c in kids:
-            excl[rows, drafts[:, c]] |= used[:, c]
-        # All point-mass children rejected: sample p_j with their tokens removed.
-        t_rest = draw_tile(seeds, pos, j, tile_sums(mass.masked_fill(excl, 0)), anchor)
-        end = _argmax_or(in_tile(g.masked_fill(excl, float("-inf")), t_rest, float("-inf")),
-                         float("-inf"), plain)
-        if tree and draft_probs is not None:
-            pick[:, j], end = _sampled_children(
-                w / s, argmax, drafts, used, kids, draft_probs, draft_index, greedy,
-                seeds, offsets.long() + depth[j], j, e, plain, u_child)
+        if tree and draft_probs is not None:  # sampled children: this row decides its own
+            pick[:, j], end = _sampled_children(w / s, argmax, drafts, used, kids, draft_probs,
+                                                draft_index, greedy, seeds, pos, j, e, plain,
+                                                u_child)
+        else:
+            excl = torch.zeros_like(kept)
+            for c in kids:
+                excl[rows, drafts[:, c]] |= used[:, c]
+            # All point-mass children rejected: sample p_j with their tokens removed.
+            t_rest = draw_tile(seeds, pos, j, tile_sums(mass.masked_fill(excl, 0)), anchor)
+            end = _argmax_or(in_tile(g.masked_fill(excl, float("-inf")), t_rest,
+                                     float("-inf")), float("-inf"), plain)
         for c in kids:
             x = drafts[:, c : c + 1]
             p_x = (w.gather(1, x) / s)[:, 0]
@@ -356,28 +357,28 @@ def rejection_sample(
         return out, num_acc.int(), out_lp, row_ids
 
     # Tree walk: at each node try its children in order, each as a point mass on the residual
-    # r (p_node minus earlier siblings' tokens): accept c iff u·sum(r) <= r(x_c). Sampled
-    # children: the node's row already chose (pick).
+    # r (p_node minus earlier siblings' tokens): accept c iff u·sum(r) <= r(x_c).
     node = torch.zeros(bsz, dtype=torch.long, device=dev)
     done = torch.zeros(bsz, dtype=torch.bool, device=dev)
     num_acc = torch.zeros(bsz, dtype=torch.long, device=dev)
     for step in range(max(depth) + 1):  # a walk accepts at most max-depth nodes
         found = torch.zeros_like(done)
         nxt = torch.zeros_like(node)
-        mass = torch.ones(bsz, device=dev)  # sum(r), updated in the kernel's float32 order
-        if draft_probs is not None:  # sampled children: each row decided its own
+        if draft_probs is not None:  # sampled children: the node's row chose (pick)
             nxt = pick[rows, node]
             found = nxt > 0
-        for c in range(1, n_rows if draft_probs is None else 1):
-            try_c = (parents[c] == node) & used[:, c] & ~found & ~done
-            dup = torch.zeros_like(done)
-            for c2 in range(1, c):
-                dup |= (parents[c2] == node) & (drafts[:, c2] == drafts[:, c])
-            r = torch.where(dup, 0.0, p_child[:, c])
-            ok = (r > 0) & (greedy | (u_child[c] * mass <= r))
-            nxt = torch.where(try_c & ok, c, nxt)
-            found |= try_c & ok
-            mass = torch.where(try_c & ~ok, mass - r, mass)
+        else:
+            mass = torch.ones(bsz, device=dev)  # sum(r), updated in the kernel's float32 order
+            for c in range(1, n_rows):
+                try_c = (parents[c] == node) & used[:, c] & ~found & ~done
+                dup = torch.zeros_like(done)
+                for c2 in range(1, c):
+                    dup |= (parents[c2] == node) & (drafts[:, c2] == drafts[:, c])
+                r = torch.where(dup, 0.0, p_child[:, c])
+                ok = (r > 0) & (greedy | (u_child[c] * mass <= r))
+                nxt = torch.where(try_c & ok, c, nxt)
+                found |= try_c & ok
+                mass = torch.where(try_c & ~ok, mass - r, mass)
         live = ~done
         b, at = rows[live], torch.full_like(rows[live], step)
         out[b, at] = torch.where(found, drafts[rows, nxt], tok_end[rows, node])[live]

@@ -266,25 +266,34 @@ def expand_tree(tree: DraftTree, root_logits: Tensor,
     return node_ids[:, 1:], (None if probs is None else probs[:, 1:])
 
 
-def tree_chooser(seqs: tuple[Sequence, ...] | list[Sequence], width: int, device: torch.device,
-                 vocab_ids: Tensor | None = None) -> ChildChooser:
-    """The :data:`ChildChooser` of :func:`sample_children` for ``seqs`` (one tree each): the
-    children of depth ``d`` are drawn at position ``len(seq) + d - 1``, the one the chain's
-    draft ``d - 1`` is drawn at, with the request's seed, temperature, top-k and top-p."""
-    params = [s.params for s in seqs]
-    temp = to_device(np.array([p.temperature for p in params], np.float32), device)
-    top_k = to_device(np.array([p.top_k for p in params], np.int64), device)
-    top_p = to_device(np.array([p.top_p for p in params], np.float32), device)
-    seeds = to_device(np.array([_signed(s.seed) for s in seqs], np.int64), device)
-    lens = to_device(np.array([len(s) for s in seqs], np.int64), device)
+def children_chooser(width: int, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                     seeds: Tensor, positions: Tensor,
+                     vocab_ids: Tensor | None = None) -> ChildChooser:
+    """The :data:`ChildChooser` of :func:`sample_children` for one tree per row of the ``[B]``
+    device tensors: the children of depth ``d`` are drawn at ``positions + d - 1``
+    (``positions``: where each row's chain draws its draft 0), with the row's seed,
+    temperature, top-k and top-p (:func:`choose_from`'s per-row arguments)."""
 
     def choose(logits: Tensor, m: int, depth: int) -> tuple[Tensor, Tensor]:
-        def rows(t: Tensor) -> Tensor:
+        def each(t: Tensor) -> Tensor:  # one entry per node: m nodes per row, row-major
             return t.repeat_interleave(m)
-        return sample_children(logits, width, rows(temp), rows(top_k), rows(top_p), rows(seeds),
-                               rows(lens + depth - 1), vocab_ids)
+        return sample_children(logits, width, each(temperature), each(top_k), each(top_p),
+                               each(seeds), each(positions + depth - 1), vocab_ids)
 
     return choose
+
+
+def tree_chooser(seqs: tuple[Sequence, ...] | list[Sequence], width: int, device: torch.device,
+                 vocab_ids: Tensor | None = None) -> ChildChooser:
+    """:func:`children_chooser` for ``seqs``: draft 0 of a chain sits at ``len(seq)``
+    (:func:`choose_tokens`), so the children of depth ``d`` at ``len(seq) + d - 1``."""
+    params = [s.params for s in seqs]
+    return children_chooser(
+        width, to_device(np.array([p.temperature for p in params], np.float32), device),
+        to_device(np.array([p.top_k for p in params], np.int64), device),
+        to_device(np.array([p.top_p for p in params], np.float32), device),
+        to_device(np.array([_signed(s.seed) for s in seqs], np.int64), device),
+        to_device(np.array([len(s) for s in seqs], np.int64), device), vocab_ids)
 
 
 def _index(rows: list[int] | np.ndarray, device: torch.device) -> Tensor:

@@ -14,7 +14,7 @@ from specengine.core.batch import OFFSET, SEED, TEMPERATURE, TOP_K, TOP_P
 from specengine.core.graphs import GraphRunner, Pass
 from specengine.core.step_types import VerifyOutput, VerifyShape
 from specengine.core.transfer import to_device
-from specengine.drafters.drafting import ChildChooser, choose_from, sample_children
+from specengine.drafters.drafting import ChildChooser, children_chooser, choose_from
 
 
 class StaticDrafts:
@@ -71,20 +71,12 @@ class StaticDrafts:
 
     def tree_chooser(self, rows: int, width: int,
                      vocab_ids: Tensor | None = None) -> ChildChooser:
-        """``drafting.tree_chooser`` on the batch state's rows: the children of depth ``d``
-        drawn with each row's own sampling parameters and seed at position ``len + d - 1``
-        (device tensors only, so a captured pass replays it)."""
+        """``drafting.children_chooser`` on the batch state's rows (draft 0 at ``OFFSET``):
+        device tensors only, so a captured pass replays it."""
         st = self.state
         ints = st.ints[:, :rows]
-
-        def choose(logits: Tensor, m: int, depth: int) -> tuple[Tensor, Tensor]:
-            def each(t: Tensor) -> Tensor:
-                return t.repeat_interleave(m)
-            return sample_children(logits, width, each(st.floats[TEMPERATURE, :rows]),
-                                   each(ints[TOP_K]), each(st.floats[TOP_P, :rows]),
-                                   each(ints[SEED]), each(ints[OFFSET] + depth - 1), vocab_ids)
-
-        return choose
+        return children_chooser(width, st.floats[TEMPERATURE, :rows], ints[TOP_K],
+                                st.floats[TOP_P, :rows], ints[SEED], ints[OFFSET], vocab_ids)
 
     def choose(self, logits: Tensor, sample: bool, j: int, ids: Tensor,
                probs: Tensor | None, vocab_ids: Tensor | None = None

@@ -220,6 +220,12 @@ class TrainDraftConfig:
                              "--overwrite deletes it: give one of them")
 
     @property
+    def evaluated_trees(self) -> tuple[int, ...]:
+        """The tree sizes the evaluation runs: ``eval_trees`` where ``trees.json`` is written
+        (an EAGLE-3 head trained on recorded distributions), else none."""
+        return self.eval_trees if self.arch == "eagle3" and self.soft_labels else ()
+
+    @property
     def num_samples(self) -> int:
         """Samples per prompt of one rollout pass: the given count, else 1 when greedy
         (repeats would be identical) and :data:`AUTO_SAMPLES` when sampling (a prompt's
@@ -690,7 +696,7 @@ def evaluate(cfg: TrainDraftConfig, prompts: list[list[int]],
     max_tokens = cfg.eval_max_tokens or cfg.max_tokens
     by_temp: dict[str, Any] = {}
     # the head's best trees (greedy ones for greedy rows, sampled ones else), when written
-    sizes = cfg.eval_trees if (cfg.out / TREES_FILE).is_file() and not mtp else ()
+    sizes = cfg.evaluated_trees if (cfg.out / TREES_FILE).is_file() else ()
     trees: dict[str, Any] = {}
     try:
         for temp in cfg.eval_temperatures:
@@ -754,17 +760,20 @@ def format_table(evaluation: dict[str, Any]) -> str:
                   + (f"{'identical to k=0':>16} | " if greedy else "")
                   + "acceptance per position"]
         for k, r in rows.items():
-            acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-            same = (f"{str(r['identical_to_k0']) + '/' + str(n):>16} | "
-                    if greedy and "identical_to_k0" in r else "")
-            lines.append(f"{k:>2} | {r['mean_accepted_length']:>20.2f} | {same}{acc}")
+            lines.append(f"{k:>2} | {r['mean_accepted_length']:>20.2f} | "
+                         f"{_cells(r, greedy, n)}")
         for size, r in evaluation.get("trees", {}).get(temp, {}).items():
-            acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-            same = (f"{str(r['identical_to_k0']) + '/' + str(n):>16} | "
-                    if greedy and "identical_to_k0" in r else "")
             lines.append(f"the head's best tree of {size} drafts, depth {r['depth']}: "
-                         f"{r['mean_accepted_length']:.2f} | {same}{acc}")
+                         f"{r['mean_accepted_length']:.2f} | {_cells(r, greedy, n)}")
     return "\n".join(lines)
+
+
+def _cells(row: dict[str, Any], greedy: bool, num_prompts: int) -> str:
+    """A table row's last cells: (greedy) identical to k=0, then acceptance per position."""
+    acc = " ".join(f"{a:.2f}" for a in row["acceptance_per_position"])
+    same = (f"{str(row['identical_to_k0']) + '/' + str(num_prompts):>16} | "
+            if greedy and "identical_to_k0" in row else "")
+    return same + acc
 
 
 def offline_acceptance(trainer: DraftTrainer, params: dict[str, Tensor], held: GeneratedSet,
@@ -1148,8 +1157,8 @@ def plan_text(cfg: TrainDraftConfig, num_train: int, num_holdout: int,
            if cfg.soft_labels else "targets: the drawn tokens")
         + (f", plus {cfg.tv_weight:g} x the rejection probability" if cfg.tv_weight else ""),
         f"  held out:  {num_holdout} prompts; evaluation at k=0..{max(EVAL_KS)}"
-        + (f" and with the head's best tree of {'/'.join(map(str, cfg.eval_trees))} drafts"
-           if cfg.eval_trees and cfg.arch == "eagle3" and cfg.soft_labels else "")
+        + (f" and with the head's best tree of {'/'.join(map(str, cfg.evaluated_trees))} "
+           "drafts" if cfg.evaluated_trees else "")
         + f" ({temps}), "
         f"at most {cfg.eval_max_tokens or cfg.max_tokens} tokens"
         + (f"; greedy acceptance curve at {cfg.curve_points} points" if cfg.curve_points
@@ -1204,8 +1213,8 @@ def estimate_text(cfg: TrainDraftConfig, part: GeneratedSet, st: RolloutProgress
     train_s = steps * step_s
     eval_tokens = num_holdout * (cfg.eval_max_tokens or cfg.max_tokens) * 0.6
     # at most: a step at k verifies k + 1 tokens and may keep only one (compute-bound CPU)
-    trees = cfg.eval_trees if cfg.arch == "eagle3" and cfg.soft_labels else ()
-    eval_s = eval_tokens * (1 + sum(k + 1 for k in EVAL_KS) + sum(n + 1 for n in trees)) \
+    eval_s = eval_tokens * (1 + sum(k + 1 for k in EVAL_KS)
+                            + sum(n + 1 for n in cfg.evaluated_trees)) \
         * len(cfg.eval_temperatures) / max(rate, 1e-9)
     held_s = num_holdout * (cfg.eval_max_tokens or cfg.max_tokens) * 0.6 / max(rate, 1e-9)
     total = gen_s + held_s + train_s + eval_s
