@@ -309,7 +309,64 @@ def sampling_cases(dry: bool) -> list[Case]:
                               dict(rows=k + 1, vocab=cut_vocab, top_p=0.9, dtype=dtype,
                                    vocab_parts=parts),
                               _cut_builder(k + 1, cut_vocab, 0.9, dtype, parts)))
+    # A tree of 16 drafts (the SmolLM2 head's best for sampled requests: six children at the
+    # root), T=1: children as point masses, and drawn from a 32,000-id draft vocabulary's q
+    # (recursive rejection sampling: one more pass over the row per rejected child).
+    draft_vocab = 200 if dry else 32_000
+    for batch in batches:
+        for sampled in (False, True):
+            what = "sampled" if sampled else "point-mass"
+            cases.append(Case("sampling", f"sampling tree16 {what} bf16 B={batch}", 1,
+                              dict(batch=batch, nodes=17, vocab=vocab, dtype="bf16",
+                                   draft_vocab=draft_vocab if sampled else None),
+                              _tree_sampling_builder(batch, vocab, draft_vocab, sampled)))
     return cases
+
+
+TREE16 = [(0,), (1,), (2,), (3,), (4,), (5,), (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (2, 0),
+          (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0)]
+
+
+def _tree_sampling_builder(batch: int, vocab: int, draft_vocab: int,
+                           sampled: bool) -> Callable[[Env], Built]:
+    def build(env: Env) -> Built:
+        from specengine.kernels.rejection_sampling import rejection_sample
+
+        dev = env.device
+        paths = [()] + TREE16
+        parents = torch.tensor([-1] + [paths.index(p[:-1]) for p in TREE16],
+                               dtype=torch.int32, device=dev)
+        n = len(paths)
+        index = torch.full((vocab,), -1, dtype=torch.int32, device=dev)
+        index[:draft_vocab] = torch.arange(draft_vocab, dtype=torch.int32, device=dev)
+
+        def make(i: int) -> tuple:
+            g = torch.Generator(device=dev).manual_seed(i)
+            logits32 = torch.randn(batch, n, vocab, device=dev, generator=g) * 3
+            par = parents[1:].long()
+            q_node = torch.softmax(logits32[:, :, :draft_vocab] + 0.5, -1)  # [B, N, Vd]
+            e = torch.empty_like(q_node).exponential_(generator=g)
+            ranks = (q_node / e).argsort(-1, descending=True)[:, :, :8]  # without replacement
+            rank = torch.tensor([p[-1] for p in TREE16], device=dev)
+            drafts = ranks[:, par, rank]  # [B, 16]: child c takes rank(c) of its parent's draw
+            probs = q_node[:, par].contiguous() if sampled else None
+            return (logits32.to(torch.bfloat16), drafts,
+                    torch.full((batch,), n - 1, dtype=torch.int32, device=dev), probs,
+                    torch.ones(batch, device=dev),
+                    torch.full((batch,), -1, dtype=torch.int32, device=dev),
+                    torch.ones(batch, device=dev),
+                    torch.arange(batch, dtype=torch.int64, device=dev),
+                    torch.zeros(batch, dtype=torch.int64, device=dev), parents)
+
+        def nbytes(x: tuple) -> int:
+            # logits and (sampled) q read once each at least; the outputs are small
+            q = x[3]
+            return x[0].numel() * 2 + (q.numel() * 4 if q is not None else 0) + batch * n * 24
+
+        return Built(make, lambda x: rejection_sample(
+            *x, draft_index=index if sampled else None, check_values=False), nbytes,
+            batch * n * (vocab * 2 + (draft_vocab * 4 if sampled else 0)))
+    return build
 
 
 def _cut_builder(rows: int, vocab: int, top_p: float, dtype: str,

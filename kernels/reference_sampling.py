@@ -410,7 +410,8 @@ def _sampled_children(p: Tensor, argmax: Tensor, drafts: Tensor, used: Tensor, k
     child that is the argmax.
 
     ``r`` is held unnormalised with its total ``z`` (``r_0 = p``, ``z = 1``; a rejection:
-    ``r = max(r - z·Q_i, 0)``, ``z = sum(r)``), and the test is ``u·Q_i(x)·z <= r(x)``: for
+    ``r = max(r - z·Q_i, 0)``, ``z = sum(r)``, summed as :func:`fixed_point` integers so that
+    the kernel's order gives the same float32), and the test is ``u·Q_i(x)·z <= r(x)``: for
     a one-child row these are the chain's operations on the same numbers, so a chain-shaped
     tree draws what the chain draws."""
     bsz = p.shape[0]
@@ -434,7 +435,8 @@ def _sampled_children(p: Tensor, argmax: Tensor, drafts: Tensor, used: Tensor, k
         pick = torch.where(ok, c, pick)
         rej = valid & ~ok & ~greedy
         nr = (r - z[:, None] * big_q).clamp(min=0)
-        nz = nr.sum(1)
+        # its total in fixed point, exact in any order (the kernel sums it in its own)
+        nz = fixed_point(nr).sum(1).float() * 2.0**-44
         rej_r = rej & (nz > 0)
         r = torch.where(rej_r[:, None], nr, r)
         z = torch.where(rej_r, nz, z)

@@ -18,8 +18,13 @@ the same inputs and seeds. Two launches, no host sync (CUDA-graph capturable):
      reads q too; q over a drafter's own vocabulary is read through ``draft_index``, 0 off
      it); last, the token race inside the winning tile (``race_in_tile``: 2,048 tokens).
    It stores per row the token emitted if the walk ends there and, per child, p_row(x_child).
+   A sampled tree's row (``draft_probs`` with a tree) also judges its children by recursive
+   rejection sampling (``_sampled_children``: one more pass over the row per rejected child,
+   for the residual's total) and stores the child it keeps; its end token is a draw of the
+   last residual when a child was rejected.
 2. ``_walk_kernel``, one program per request: chain = first rejected draft; tree = the
-   child-by-child walk on residuals (tiny: O(N) scalar steps per accepted token).
+   child-by-child walk on residuals (tiny: O(N) scalar steps per accepted token), or for a
+   sampled tree the children the rows kept.
 
 At small batch (rows fewer than about 2 per SM, ``default_vocab_parts``) three launches run
 before the row kernel, each over (row, vocabulary part) programs: ``_part_kernel`` (pass 1),
@@ -41,6 +46,7 @@ from torch import Tensor
 from .debug import check_values_now
 from .sampling_checks import validate_inputs
 from .sampling_pass import (
+    INV_MASS_SCALE,
     NEG_INF,
     SEARCH_CAP,
     SEARCH_CAP_ENTRIES,
@@ -56,9 +62,12 @@ from .sampling_pass import (
     keep_cut,
     merge_parts,
     merged_max_min,
+    q_at,
     race_in_tile,
+    residual_total,
     row_tile_scratch,
     seed_key,
+    sibling_residual,
     split_first_search,
     split_pivot_part,
     split_snap_part,
@@ -105,12 +114,68 @@ def _row_position(parents_ptr, offset_ptr, b, j, N, IS_TREE: tl.constexpr):
 
 
 @triton.jit
+def _sampled_children(row_ptr, q_tree_ptr, s_qn, map_ptr, sib_f_ptr, sib_i_ptr, draft_row_ptr,
+                      parents_ptr, k0, k1, pos, j, N, V, inv_t, tau, m, s, argmax, greedy,
+                      HAS_MAP: tl.constexpr):
+    """Row ``j``'s children drawn from their q without replacement, judged one after another by
+    recursive rejection sampling (``reference._sampled_children``, the same float32
+    operations): (the child kept, 0 if none; 1 if a child was rejected). Child ``c`` was drawn
+    from ``Q_c = q_c`` off the earlier valid siblings' tokens, ``/ D_c``; it is kept iff
+    ``u·Q_c(x)·z <= r(x)``, and a rejection makes ``r = max(r - z·Q_c, 0)``, ``z = sum(r)``
+    (one pass over the row, in fixed point: ``residual_total``). Per child it stores its flags
+    (1: valid, so its token is taken; 2: its rejection changed r), ``z`` and ``D`` for
+    ``sibling_residual``, which recomputes r at any token from them. Greedy rows keep the first
+    child that is the argmax."""
+    lane = tl.arange(0, 16)  # x's values on a small block (sibling_residual works on blocks)
+    every = lane >= 0
+    pick = j * 0
+    rejected = j * 0
+    total = m * 0.0 + 1.0  # z: the unnormalised residual's total
+    left = total  # D: 1 - q at the earlier valid siblings' tokens
+    for c in range(1, N):
+        if tl.load(parents_ptr + c) == j:
+            x = tl.minimum(tl.maximum(tl.load(draft_row_ptr + c - 1), 0), V - 1)
+            at = x + lane * 0
+            zx = tl.load(row_ptr + at).to(tl.float32) * inv_t
+            px = tl.where(zx >= tau, tl.exp(zx - m) / s, 0.0)
+            r_x, taken_x = sibling_residual(px, at, every, q_tree_ptr, s_qn, map_ptr, sib_f_ptr,
+                                            sib_i_ptr, draft_row_ptr, parents_ptr, j, c, V,
+                                            HAS_MAP)
+            q_raw = tl.max(q_at(q_tree_ptr + (c - 1) * s_qn, at, every, map_ptr, HAS_MAP), 0)
+            d = tl.maximum(left, 1e-30)
+            qx = tl.where(tl.max(taken_x.to(tl.int32), 0) > 0, 0.0, q_raw) / d
+            open_ = pick == 0
+            valid = open_ & (qx > 0)  # Q_c(x) = 0: not drawn from Q_c, skipped
+            u = acceptance_uniform(k0, k1, pos, c)
+            ok = tl.where(greedy, open_ & (x == argmax), valid & (u * qx * total <= tl.max(r_x, 0)))
+            flags = valid.to(tl.int32)
+            if valid & (ok == 0) & (greedy == 0):  # rejected: r = max(r - z·Q_c, 0)
+                tl.store(sib_f_ptr + 2 * c, total)
+                tl.store(sib_f_ptr + 2 * c + 1, d)
+                tl.store(sib_i_ptr + c, 3)
+                tl.debug_barrier()
+                new_total = residual_total(row_ptr, q_tree_ptr, s_qn, map_ptr, sib_f_ptr,
+                                           sib_i_ptr, draft_row_ptr, parents_ptr, j, c + 1, V,
+                                           inv_t, tau, m, s, HAS_MAP)
+                if new_total > 0:  # else r stays as it was (no mass left to move)
+                    total = new_total.to(tl.float32) * INV_MASS_SCALE
+                    flags = flags * 0 + 3
+                rejected = rejected * 0 + 1
+            tl.store(sib_i_ptr + c, flags)
+            tl.debug_barrier()
+            pick = tl.where(ok, c, pick)
+            left = tl.where(valid, left - q_raw, left)
+    return pick, rejected
+
+
+@triton.jit
 def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s_qb, s_qn,
                 map_ptr, buf_ptr, temp_ptr, inv_t_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
                 offset_ptr, parents_ptr, tok_end_ptr, lp_end_ptr, p_child_ptr, lp_child_ptr,
                 acc_ptr, part_f_ptr, part_i_ptr, search_i_ptr, search_f_ptr, tile_f_ptr,
-                tile_i_ptr, C, N, V, HAS_Q: tl.constexpr,
-                HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                tile_i_ptr, sib_f_ptr, sib_i_ptr, C, N, V, HAS_Q: tl.constexpr,
+                HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr, SIBLINGS: tl.constexpr,
+                HAS_MIN_P: tl.constexpr,
                 SPLIT: tl.constexpr, P: tl.constexpr, SBLOCK: tl.constexpr,
                 GBLOCK: tl.constexpr, TB: tl.constexpr):
     pid = tl.program_id(0)
@@ -121,8 +186,13 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
         b64 = b.to(tl.int64)
         row_ptr = logits_ptr + b64 * s_lb + j.to(tl.int64) * s_ln
         draft_row_ptr = draft_ptr + b64 * s_db
-        q_row_ptr = q_ptr + b64 * s_qb + j.to(tl.int64) * s_qn
         at = b64 * N
+        if SIBLINGS:  # the sequence's q rows: child c's at (c - 1) * s_qn
+            q_row_ptr = q_ptr + b64 * s_qb
+        else:  # the q of row j's one (chain) child
+            q_row_ptr = q_ptr + b64 * s_qb + j.to(tl.int64) * s_qn
+        sib_f = sib_f_ptr + 2 * at
+        sib_i = sib_i_ptr + at
         pos = _row_position(parents_ptr, offset_ptr, b, j, N, IS_TREE)
         k0, k1 = seed_key(seed_ptr, b)
         inv_t = tl.load(inv_t_ptr + b)
@@ -167,6 +237,12 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
                         p = tl.where(greedy, tl.where(x == i1, 1.0, 0.0), p)
                         tl.store(p_child_ptr + at + c, p)
                         tl.store(lp_child_ptr + at + c, tl.where(z >= tau, z - m - log_s, NEG_INF))
+                if SIBLINGS:  # the row decides which child it keeps (the walk follows)
+                    pick, rej = _sampled_children(row_ptr, q_row_ptr, s_qn, map_ptr, sib_f, sib_i,
+                                                  draft_row_ptr, parents_ptr, k0, k1, pos, j, N,
+                                                  V, inv_t, tau, m, s_tau, i1, greedy, HAS_MAP)
+                    tl.store(acc_ptr + at + j, pick)
+                    rejected_q = sampled & (rej != 0)
         else:
             if j < n:
                 c = j + 1
@@ -201,19 +277,22 @@ def _row_kernel(logits_ptr, s_lb, s_ln, draft_ptr, s_db, num_draft_ptr, q_ptr, s
             t1 = i1
             t2 = i2
             if (tau > zmin) | rejected_q:
-                t1, t2 = tile_pass(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0,
-                                   k1, pos, j, n, N, V, inv_t, tau, m, s_tau,
-                                   rejected_q.to(tl.int32), tile_f, tile_i, HAS_MAP, IS_TREE,
-                                   TB)
+                t1, t2 = tile_pass(row_ptr, q_row_ptr, s_qn, map_ptr, sib_f, sib_i,
+                                   draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t,
+                                   tau, m, s_tau, rejected_q.to(tl.int32), tile_f, tile_i,
+                                   HAS_MAP, IS_TREE, SIBLINGS, TB)
+            if SIBLINGS:  # no child rejected: the row's end is a draw of p itself
+                t2 = tl.where(rejected_q, t2, -1)
             tok = -1
             if t2 >= 0:  # the residual (p itself for a row without children)
-                _, tok = race_in_tile(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr,
-                                      k0, k1, pos, j, n, N, V, inv_t, tau, m, s_tau,
-                                      rejected_q.to(tl.int32), t2, HAS_MAP, IS_TREE)
+                _, tok = race_in_tile(row_ptr, q_row_ptr, s_qn, map_ptr, sib_f, sib_i,
+                                      draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t,
+                                      tau, m, s_tau, rejected_q.to(tl.int32), t2, HAS_MAP,
+                                      IS_TREE, SIBLINGS)
             if tok < 0:  # no residual mass: p itself
-                tok, _ = race_in_tile(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr,
-                                      k0, k1, pos, j, n, N, V, inv_t, tau, m, s_tau, 0, t1,
-                                      HAS_MAP, IS_TREE)
+                tok, _ = race_in_tile(row_ptr, q_row_ptr, s_qn, map_ptr, sib_f, sib_i,
+                                      draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N, V, inv_t,
+                                      tau, m, s_tau, 0, t1, HAS_MAP, IS_TREE, SIBLINGS)
         z_t = tl.load(row_ptr + tok).to(tl.float32) * inv_t
         tl.store(tok_end_ptr + at + j, tok)
         tl.store(lp_end_ptr + at + j, z_t - m - log_s)
@@ -329,7 +408,7 @@ def _search_snap_kernel(logits_ptr, s_lb, s_ln, num_draft_ptr, temp_ptr, inv_t_p
 def _walk_kernel(draft_ptr, s_db, num_draft_ptr, temp_ptr, seed_ptr, offset_ptr, parents_ptr,
                  tok_end_ptr, lp_end_ptr, p_child_ptr, lp_child_ptr, acc_ptr,
                  out_ptr, num_acc_ptr, out_lp_ptr, row_ids_ptr, N,
-                 IS_TREE: tl.constexpr, NP2: tl.constexpr):
+                 IS_TREE: tl.constexpr, SIBLINGS: tl.constexpr, NP2: tl.constexpr):
     b = tl.program_id(0)
     b64 = b.to(tl.int64)
     at = b64 * N
@@ -350,7 +429,11 @@ def _walk_kernel(draft_ptr, s_db, num_draft_ptr, temp_ptr, seed_ptr, offset_ptr,
                 found = b * 0
                 nxt = b * 0
                 mass = off.to(tl.float32) * 0.0 + 1.0  # sum of the residual r
-                if n > 0:
+                if SIBLINGS:  # sampled children: the node's row chose (_sampled_children)
+                    if n > 0:
+                        nxt = tl.load(acc_ptr + at + node)
+                        found = (nxt > 0).to(tl.int32)
+                elif n > 0:
                     for c in range(1, N):
                         if (tl.load(parents_ptr + c) == node) & (found == 0):
                             x = tl.load(draft_row_ptr + c - 1)
@@ -491,7 +574,7 @@ def rejection_sample(
     draft_token_ids: Tensor,  # [B, N-1] int64: chain: draft j judged by row j; tree: node j+1
     num_draft_tokens: Tensor,  # [B] int32: chain 0..N-1; tree N-1 or 0
     draft_probs: Tensor | None,  # [B, N-1, V] ([B, N-1, Vd] with draft_index) or None (point
-    # masses; always for trees)
+    # masses); trees: each child's q (its parent's), children drawn without replacement
     temperature: Tensor,  # [B] float32, 0 = greedy
     top_k: Tensor,  # [B] int32, <= 0 = off
     top_p: Tensor,  # [B] float32 in (0, 1]
@@ -553,6 +636,11 @@ def rejection_sample(
     search_i, search_f = split_search_scratch(bsz * n_rows, parts, dev) if parts > 1 \
         else (part_i, part_f)
     tile_f, tile_i = tile_scratch(bsz * n_rows, vocab, dev)
+    # sampled tree children (``_sampled_children``): per node its flags (zeroed: read for every
+    # child of a row), the residual's total and D at its rejection
+    siblings = is_tree and draft_probs is not None
+    sib_f = torch.empty(bsz * n_rows * 2 if siblings else 1, dtype=torch.float32, device=dev)
+    sib_i = torch.zeros(bsz * n_rows if siblings else 1, dtype=torch.int32, device=dev)
     if parts > 1:
         _part_kernel[(bsz * n_rows, parts)](
             target_logits, target_logits.stride(0), target_logits.stride(1), draft_token_ids,
@@ -569,8 +657,9 @@ def rejection_sample(
         draft_token_ids, s_db, num_draft_tokens, q, q.stride(0), q.stride(1), vocab_map, scratch,
         temperature, inv_t, top_k, top_p, log_min_p if log_min_p is not None else top_p,
         seeds, offsets, parents, tok_end, lp_end, p_child, lp_child, acc, part_f, part_i,
-        search_i, search_f, tile_f, tile_i, parts, n_rows, vocab,
+        search_i, search_f, tile_f, tile_i, sib_f, sib_i, parts, n_rows, vocab,
         HAS_Q=draft_probs is not None, HAS_MAP=draft_index is not None, IS_TREE=is_tree,
+        SIBLINGS=siblings,
         HAS_MIN_P=log_min_p is not None, SPLIT=parts > 1, P=16, TB=tile_block(vocab),
         SBLOCK=_SBLOCK_TREE if is_tree else _SBLOCK, GBLOCK=2048,
         # ptxas otherwise caps this kernel near 128 registers and spills a few bytes on sm_100a
@@ -584,6 +673,7 @@ def rejection_sample(
     _walk_kernel[(bsz,)](
         draft_token_ids, s_db, num_draft_tokens, temperature, seeds, offsets, parents,
         tok_end, lp_end, p_child, lp_child, acc, out, num_acc, out_lp, row_ids, n_rows,
-        IS_TREE=is_tree, NP2=max(triton.next_power_of_2(n_rows), 2), num_warps=1,
+        IS_TREE=is_tree, SIBLINGS=siblings, NP2=max(triton.next_power_of_2(n_rows), 2),
+        num_warps=1,
     )
     return out, num_acc, out_lp, row_ids

@@ -65,9 +65,6 @@ def validate_inputs(logits: Tensor, drafts: Tensor, num_draft: Tensor, q: Tensor
     if log_min_p is not None:
         _check_vec("log_min_p", log_min_p, (torch.float32,), bsz, dev)
     if q is not None:
-        _check(parents is None, "draft_probs must be None for trees: the Triton kernel judges "
-               "point-mass tree children only (sampled children run on the torch backend, "
-               "reference.rejection_sample)")
         _check(isinstance(q, Tensor) and q.dtype in _FLOATS,
                f"draft_probs must be a float tensor in {_FLOATS}", TypeError)
         # Over the target's vocabulary, or over a drafter's own (draft_index maps to it).

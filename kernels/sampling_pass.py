@@ -868,40 +868,103 @@ def keep_cut(row_ptr, buf_ptr, V, inv_t, m, s, zmin, top_k_ptr, top_p_ptr, min_p
 
 
 @triton.jit
-def _residual_mass(z, at, kept, m, s, q_row_ptr, map_ptr, use_q, V, HAS_MAP: tl.constexpr):
-    """(r, its fixed-point mass floor(r * 2**44)): r = max(p - q, 0), p = exp(z - m) / s on
-    the kept set (``reference.rejection_sample``'s residual); q is read only when ``use_q``
-    (0 / 1: lanes < V * use_q are the valid lanes exactly when q is needed). ``HAS_MAP``: q is
+def q_at(q_row_ptr, at, valid, map_ptr, HAS_MAP: tl.constexpr):
+    """A draft distribution's q at tokens ``at`` (0 where not ``valid``). ``HAS_MAP``: q is
     over the drafter's vocabulary, token ``t`` at column ``map[t]`` (q = 0 where that is -1),
-    so the residual still covers every target token."""
+    so a residual still covers every target token."""
     if HAS_MAP:
-        col = tl.load(map_ptr + at, mask=at < V * use_q, other=-1).to(tl.int64)
+        col = tl.load(map_ptr + at, mask=valid, other=-1).to(tl.int64)
         q = tl.load(q_row_ptr + col, mask=col >= 0, other=0.0).to(tl.float32)
     else:
-        q = tl.load(q_row_ptr + at, mask=at < V * use_q, other=0.0).to(tl.float32)
-    r = tl.maximum(tl.where(kept, tl.exp(z - m) / s, 0.0) - q, 0.0)
+        q = tl.load(q_row_ptr + at, mask=valid, other=0.0).to(tl.float32)
+    return q
+
+
+@triton.jit
+def sibling_residual(p, at, valid, q_tree_ptr, s_qn, map_ptr, sib_f_ptr, sib_i_ptr,
+                     draft_row_ptr, parents_ptr, j, upto, V, HAS_MAP: tl.constexpr):
+    """(r, taken) at tokens ``at`` after row j's sampled children c < ``upto`` were judged
+    (``reference._sampled_children``): r = p, then for each child whose rejection changed the
+    residual (flag 2) r = max(r - z_c · Q_c, 0), Q_c = q_c off ``taken`` / D_c, in its float32
+    operations; ``taken``: the tokens of the children judged valid so far (flag 1). The row
+    kernel stored each child's flags, z_c and D_c (``sib_*_ptr``, the sequence's [N] part);
+    ``q_tree_ptr``: the sequence's q rows, child c's at ``(c - 1) * s_qn``. Recomputed per
+    token rather than stored per row: a [rows, V] scratch would be O(B·N·V)."""
+    r = p
+    taken = at < 0
+    for c in range(1, upto):
+        if tl.load(parents_ptr + c) == j:
+            flags = tl.load(sib_i_ptr + c)
+            if (flags & 2) != 0:
+                q = q_at(q_tree_ptr + (c - 1) * s_qn, at, valid, map_ptr, HAS_MAP)
+                big_q = tl.where(taken, 0.0, q) / tl.load(sib_f_ptr + 2 * c + 1)
+                r = tl.maximum(r - tl.load(sib_f_ptr + 2 * c) * big_q, 0.0)
+            if (flags & 1) != 0:
+                x = tl.minimum(tl.maximum(tl.load(draft_row_ptr + c - 1), 0), V - 1)
+                taken = taken | (at == x)
+    return r, taken
+
+
+@triton.jit
+def _residual_mass(z, at, kept, m, s, q_row_ptr, s_qn, map_ptr, sib_f_ptr, sib_i_ptr,
+                   draft_row_ptr, parents_ptr, j, N, use_q, V, HAS_MAP: tl.constexpr,
+                   SIBLINGS: tl.constexpr):
+    """(r, its fixed-point mass floor(r * 2**44)) with p = exp(z - m) / s on the kept set:
+    r = max(p - q, 0) (``reference.rejection_sample``'s residual), or with ``SIBLINGS`` (a
+    sampled tree: ``q_row_ptr`` the sequence's q rows) the residual after every child of row
+    j (``sibling_residual``). q is read only when ``use_q`` (0 / 1: lanes < V * use_q are
+    the valid lanes exactly when q is needed)."""
+    p = tl.where(kept, tl.exp(z - m) / s, 0.0)
+    if SIBLINGS:
+        r, _ = sibling_residual(p, at, at < V * use_q, q_row_ptr, s_qn, map_ptr, sib_f_ptr,
+                                sib_i_ptr, draft_row_ptr, parents_ptr, j, N, V, HAS_MAP)
+    else:
+        r = tl.maximum(p - q_at(q_row_ptr, at, at < V * use_q, map_ptr, HAS_MAP), 0.0)
     return r, tl.floor(r * MASS_SCALE).to(tl.int64)
 
 
 @triton.jit
-def _kept_tile(z, at, a, tau, m, s, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, x_ex, j, n,
-               N, V, use_q, HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr):
+def residual_total(row_ptr, q_tree_ptr, s_qn, map_ptr, sib_f_ptr, sib_i_ptr, draft_row_ptr,
+                   parents_ptr, j, upto, V, inv_t, tau, m, s, HAS_MAP: tl.constexpr):
+    """sum over the row of floor(r * 2**44), r the residual after row j's children c < upto
+    (``sibling_residual``): the total a rejection gives, exact in any order (int64), as the
+    reference's fixed-point sum."""
+    G: tl.constexpr = RNG_GROUP
+    total = tl.sum(tl.zeros([G], tl.int64), 0)
+    for base in range(0, V, G):
+        at = base + tl.arange(0, G)
+        valid = at < V
+        z = tl.load(row_ptr + at, mask=valid, other=NEG_INF).to(tl.float32) * inv_t
+        p = tl.where(valid & (z >= tau), tl.exp(z - m) / s, 0.0)
+        r, _ = sibling_residual(p, at, valid, q_tree_ptr, s_qn, map_ptr, sib_f_ptr, sib_i_ptr,
+                                draft_row_ptr, parents_ptr, j, upto, V, HAS_MAP)
+        total += tl.sum(tl.floor(r * MASS_SCALE).to(tl.int64), 0)
+    return total
+
+
+@triton.jit
+def _kept_tile(z, at, a, tau, m, s, q_row_ptr, s_qn, map_ptr, sib_f_ptr, sib_i_ptr,
+               draft_row_ptr, parents_ptr, x_ex, j, n, N, V, use_q, HAS_MAP: tl.constexpr,
+               IS_TREE: tl.constexpr, SIBLINGS: tl.constexpr):
     """One run of a tile in ``tile_pass``: (its kept mass, its residual's mass) summed."""
     kept = (at < V) & (z >= tau)
     w = tile_mass(z, a, kept)
-    _, r = _residual_mass(z, at, kept, m, s, q_row_ptr, map_ptr, use_q, V, HAS_MAP)
+    _, r = _residual_mass(z, at, kept, m, s, q_row_ptr, s_qn, map_ptr, sib_f_ptr, sib_i_ptr,
+                          draft_row_ptr, parents_ptr, j, N, use_q, V, HAS_MAP, SIBLINGS)
     drop = _children(at, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, IS_TREE)
     rest = tl.where(use_q != 0, r, tl.where(drop, 0, w))
     return tl.sum(w, 0), tl.sum(rest, 0)
 
 
 @triton.jit
-def tile_pass(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N,
-              V, inv_t, tau, m, s, use_q, tile_f_ptr, tile_i_ptr, HAS_MAP: tl.constexpr,
-              IS_TREE: tl.constexpr, TB: tl.constexpr):
+def tile_pass(row_ptr, q_row_ptr, s_qn, map_ptr, sib_f_ptr, sib_i_ptr, draft_row_ptr,
+              parents_ptr, k0, k1, pos, j, n, N, V, inv_t, tau, m, s, use_q, tile_f_ptr,
+              tile_i_ptr, HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr,
+              SIBLINGS: tl.constexpr, TB: tl.constexpr):
     """The tile races over the kept set {z >= tau} (``reference.draw_tile``), when pass 1's
     (over every token) do not hold: (t1: p's, t2: the residual's — p without row j's
-    children's tokens, or, ``use_q``, max(p - q, 0) — -1 where no tile has mass). Same E_t
+    children's tokens, or, ``use_q``, max(p - q, 0), or with ``SIBLINGS`` the residual
+    after row j's sampled children (``_residual_mass``) — -1 where no tile has mass). Same E_t
     and the same anchors a_t (each tile's largest z over all its tokens) as pass 1; the
     tiles' statistics overwrite pass 1's in the row's scratch."""
     G: tl.constexpr = RNG_GROUP
@@ -909,14 +972,18 @@ def tile_pass(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0, k1, p
     tl.debug_barrier()  # every thread has read pass 1's statistics before they are replaced
     for base in range(0, V, 4 * G):
         at0, at1, at2, at3, z0, z1, z2, z3, a = _load_tile(row_ptr, base, V, inv_t)
-        w0, r0 = _kept_tile(z0, at0, a, tau, m, s, q_row_ptr, map_ptr, draft_row_ptr,
-                            parents_ptr, x_ex, j, n, N, V, use_q, HAS_MAP, IS_TREE)
-        w1, r1 = _kept_tile(z1, at1, a, tau, m, s, q_row_ptr, map_ptr, draft_row_ptr,
-                            parents_ptr, x_ex, j, n, N, V, use_q, HAS_MAP, IS_TREE)
-        w2, r2 = _kept_tile(z2, at2, a, tau, m, s, q_row_ptr, map_ptr, draft_row_ptr,
-                            parents_ptr, x_ex, j, n, N, V, use_q, HAS_MAP, IS_TREE)
-        w3, r3 = _kept_tile(z3, at3, a, tau, m, s, q_row_ptr, map_ptr, draft_row_ptr,
-                            parents_ptr, x_ex, j, n, N, V, use_q, HAS_MAP, IS_TREE)
+        w0, r0 = _kept_tile(z0, at0, a, tau, m, s, q_row_ptr, s_qn, map_ptr, sib_f_ptr,
+                            sib_i_ptr, draft_row_ptr, parents_ptr, x_ex, j, n, N, V, use_q,
+                            HAS_MAP, IS_TREE, SIBLINGS)
+        w1, r1 = _kept_tile(z1, at1, a, tau, m, s, q_row_ptr, s_qn, map_ptr, sib_f_ptr,
+                            sib_i_ptr, draft_row_ptr, parents_ptr, x_ex, j, n, N, V, use_q,
+                            HAS_MAP, IS_TREE, SIBLINGS)
+        w2, r2 = _kept_tile(z2, at2, a, tau, m, s, q_row_ptr, s_qn, map_ptr, sib_f_ptr,
+                            sib_i_ptr, draft_row_ptr, parents_ptr, x_ex, j, n, N, V, use_q,
+                            HAS_MAP, IS_TREE, SIBLINGS)
+        w3, r3 = _kept_tile(z3, at3, a, tau, m, s, q_row_ptr, s_qn, map_ptr, sib_f_ptr,
+                            sib_i_ptr, draft_row_ptr, parents_ptr, x_ex, j, n, N, V, use_q,
+                            HAS_MAP, IS_TREE, SIBLINGS)
         t = base // (4 * G)
         tl.store(tile_f_ptr + t, a)
         tl.store(tile_i_ptr + 2 * t, w0 + w1 + w2 + w3)
@@ -928,11 +995,13 @@ def tile_pass(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0, k1, p
 
 
 @triton.jit
-def race_in_tile(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0, k1, pos, j, n, N,
-                 V, inv_t, tau, m, s, use_q, t, HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr):
+def race_in_tile(row_ptr, q_row_ptr, s_qn, map_ptr, sib_f_ptr, sib_i_ptr, draft_row_ptr,
+                 parents_ptr, k0, k1, pos, j, n, N, V, inv_t, tau, m, s, use_q, t,
+                 HAS_MAP: tl.constexpr, IS_TREE: tl.constexpr, SIBLINGS: tl.constexpr):
     """The token races inside tile ``t`` (``reference.in_tile``), over the kept set: (p's
     winner, the residual's winner — p without row j's children's tokens, or norm(max(p - q,
-    0)) with ``use_q`` — or -1 where it has no candidate). Exponential races: argmax of
+    0)) with ``use_q`` (``SIBLINGS``: the sampled children's residual, ``_residual_mass``) —
+    or -1 where it has no candidate). Exponential races: argmax of
     z - log E (p) or r / E (the residual), E from the token race's counters."""
     G: tl.constexpr = RNG_GROUP
     lane = tl.arange(0, G)
@@ -954,7 +1023,9 @@ def race_in_tile(row_ptr, q_row_ptr, map_ptr, draft_row_ptr, parents_ptr, k0, k1
         i1 = tl.where(g > g1, at, i1)
         g1 = tl.maximum(g1, g)
         g = _drop_children(g, at, x_ex, draft_row_ptr, parents_ptr, j, n, N, V, IS_TREE)
-        r, _ = _residual_mass(z, at, kept, m, s, q_row_ptr, map_ptr, use_q, V, HAS_MAP)
+        r, _ = _residual_mass(z, at, kept, m, s, q_row_ptr, s_qn, map_ptr, sib_f_ptr,
+                              sib_i_ptr, draft_row_ptr, parents_ptr, j, N, use_q, V, HAS_MAP,
+                              SIBLINGS)
         key = tl.where(use_q != 0, tl.where(r > 0, r / e, -1.0), g)
         i2 = tl.where(key > g2, at, i2)
         g2 = tl.maximum(g2, key)

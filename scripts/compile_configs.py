@@ -53,18 +53,19 @@ def attention_call(dtype: torch.dtype, q_lens: list[int], tree: bool,
 def sampling_call(dtype: torch.dtype, n_rows: int, mode: str,
                   batch: int = 64) -> Callable[[], object]:
     """``rejection_sample`` on meta tensors; ``mode`` is chain, probs (draft_probs), vocab
-    (draft_probs over a 32,000-id draft vocabulary, read through ``draft_index``) or tree."""
+    (draft_probs over a 32,000-id draft vocabulary, read through ``draft_index``), tree
+    (point-mass children) or sampled-tree (children drawn from the draft vocabulary's q)."""
 
     def call() -> object:
         from specengine.kernels.rejection_sampling import rejection_sample
 
         logits = _meta(batch, n_rows, VOCAB, dtype=dtype)
         drafts = _meta(batch, n_rows - 1, dtype=torch.int64)
-        width = DRAFT_VOCAB if mode == "vocab" else VOCAB
+        width = DRAFT_VOCAB if mode in ("vocab", "sampled-tree") else VOCAB
         probs = _meta(batch, n_rows - 1, width, dtype=torch.float32) \
-            if mode in ("probs", "vocab") else None
-        index = _meta(VOCAB, dtype=torch.int32) if mode == "vocab" else None
-        parents = _meta(n_rows, dtype=torch.int32) if mode == "tree" else None
+            if mode in ("probs", "vocab", "sampled-tree") else None
+        index = _meta(VOCAB, dtype=torch.int32) if mode in ("vocab", "sampled-tree") else None
+        parents = _meta(n_rows, dtype=torch.int32) if "tree" in mode else None
         vec = [_meta(batch, dtype=t) for t in (torch.int32, torch.float32, torch.int64,
                                                torch.float32, torch.int64, torch.int64)]
         num_draft, temperature, top_k, top_p, seeds, offsets = vec
@@ -98,12 +99,16 @@ def sampling_configs() -> list[Config]:
                             sampling_call(dtype, n, "vocab")))
         for n in (1, 2, 5, 8, 16):
             out.append((f"{name} tree {n} nodes", sampling_call(dtype, n, "tree")))
+        for n in (5, 16):  # children drawn from the head's q over its draft vocabulary
+            out.append((f"{name} sampled tree {n} nodes",
+                        sampling_call(dtype, n, "sampled-tree")))
         # B = 1: pass 1 and the search's first pass split over the vocabulary (_part_kernel,
         # _search_pivot_kernel, _search_snap_kernel, the row kernel's merges)
         out.append((f"{name} chain k+1=4 B=1 split-vocab",
                     sampling_call(dtype, 4, "chain", batch=1)))
-    for n, mode in ((4, "probs"), (5, "tree")):
-        what = "chain+probs k+1=4" if mode == "probs" else "tree 5 nodes"
+    for n, mode in ((4, "probs"), (5, "tree"), (5, "sampled-tree")):
+        what = {"probs": "chain+probs k+1=4", "tree": "tree 5 nodes",
+                "sampled-tree": "sampled tree 5 nodes"}[mode]
         out.append((f"bf16 {what} B=1 split-vocab",
                     sampling_call(torch.bfloat16, n, mode, batch=1)))
     return out

@@ -122,8 +122,8 @@ def test_a_fresh_verifier_has_zeroed_draft_buffers_and_compacts_trees_itself() -
 
 def test_draft_distributions_share_one_buffer_up_to_its_width() -> None:
     """Views within ``capacity x max_prob_drafts`` are views of one zeroed float32 buffer
-    (draft ``j`` of row ``r`` at one address in every shape), made once per shape; larger
-    shapes get their own."""
+    (draft ``j`` of row ``r`` at one address in every shape), made once per shape; more rows
+    than the capacity get their own; more drafts (a tree's nodes) share one buffer per width."""
     v = _verifier()
     a, b = v.probs_view(2, 2), v.probs_view(CAPACITY, 3)
     assert a.shape == (2, 2, VOCAB) and b.shape == (CAPACITY, 3, VOCAB)
@@ -137,6 +137,10 @@ def test_draft_distributions_share_one_buffer_up_to_its_width() -> None:
         assert own.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
     shape = VerifyShape(2, 3, None, True)
     assert v.probs_buffer(shape) is a
+    wide, wider = v.probs_view(CAPACITY, 5), v.probs_view(1, 5)
+    assert wider.shape == (1, 5, VOCAB) and not wide.any()
+    assert wide[0, 4].data_ptr() == wider[0, 4].data_ptr()
+    assert wide.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
 
 
 def test_shared_outputs_only_when_asked_and_within_the_buffer() -> None:

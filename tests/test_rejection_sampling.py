@@ -534,8 +534,8 @@ def test_bad_inputs() -> None:
     with pytest.raises(ValueError, match="tree_parents"):
         kernel(*a)
     a[-1] = torch.tensor([-1, 0, 1], dtype=torch.int32)
-    a[3] = torch.full((2, 2, 10), 0.1)
-    with pytest.raises(ValueError, match="None for trees"):
+    a[3] = torch.full((2, 1, 10), 0.1)  # a sampled tree's q: one row per node, not fewer
+    with pytest.raises(ValueError, match=r"draft_probs must be \[B, N-1, V\]"):
         kernel(*a)
     # A draft-vocabulary map: its shape, dtype, range, and only with draft_probs.
     a = list(args)

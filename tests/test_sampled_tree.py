@@ -247,16 +247,132 @@ def test_sample_children_draws_without_replacement_from_q() -> None:
     chi2(torch.from_numpy(pair), law)
 
 
-def test_the_triton_launcher_refuses_sampled_trees_and_says_where_they_run() -> None:
-    """The kernel judges point-mass tree children only (the drafter draws tree children on
-    the torch backend alone): given ``draft_probs`` with a tree it refuses, naming both."""
+# ------------------------------------------------------------------ the Triton kernel
+
+
+def kernel_case(bsz: int, n_rows: int, vocab: int, seed: int, draft_vocab: int | None = None,
+                parents: list[int] | None = None):
+    """``random_case``'s tree inputs (random parents, mixed greedy / temperature / top-k /
+    top-p rows) with each node's children drawn without replacement from the node's own q
+    (over a draft vocabulary that is a scattered subset of the target's when ``draft_vocab``:
+    ``draft_index`` maps target ids to its columns). The q favour the target's tokens, so
+    rows keep children, reject some and keep a later sibling. ``parents``: this tree instead
+    of a random one."""
+    from test_rejection_sampling import random_case
+
+    args = list(random_case(bsz, n_rows, vocab, seed, tree=True))
+    if parents is not None:
+        args[-1] = torch.tensor(parents, dtype=torch.int32)
+    args[2] = torch.where(torch.arange(bsz) == 3, 0, n_rows - 1).int()  # one row drafts none
+    g = torch.Generator().manual_seed(seed + 7)
+    args[0] = args[0] * 2  # peaked rows, as a model's: children are kept
+    logits, parents = args[0], args[-1].tolist()
+    to_target, index = torch.arange(vocab), None
+    if draft_vocab is not None:
+        to_target = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+        index = torch.full((vocab,), -1, dtype=torch.int32)
+        index[to_target] = torch.arange(draft_vocab, dtype=torch.int32)
+        logits[:, :, to_target] += 2.0  # most of the target's mass where the drafter can go
+    base = logits[:, :, to_target] * 1.5
+    q_node = torch.softmax(base + torch.randn(base.shape, generator=g), -1)  # [B, N, W]
+    q_node[..., 0] = 0.0  # an id it never proposes
+    q_node = q_node / q_node.sum(-1, keepdim=True)
+    drafts = torch.zeros(bsz, n_rows - 1, dtype=torch.int64)
+    probs = torch.zeros(bsz, n_rows - 1, len(to_target))
+    for node in range(n_rows):
+        kids = [c for c in range(1, n_rows) if parents[c] == node]
+        if kids:
+            order = draw_without_replacement(q_node[:, node], len(kids), g)
+            for i, c in enumerate(kids):
+                drafts[:, c - 1] = to_target[order[:, i]]
+                probs[:, c - 1] = q_node[:, node]
+    args[1], args[3] = drafts, probs
+    return args, index
+
+
+def later_siblings_kept(rows: torch.Tensor, parents: list[int]) -> int:
+    """Steps that kept a child which is not its parent's first: it followed a rejection."""
+    first = {p: c for c, p in reversed(list(enumerate(parents))) if c > 0}
+    kept = [(int(a), int(b)) for r in rows.tolist() for a, b in zip(r, r[1:]) if b > 0]
+    return sum(first[a] != b for a, b in kept)
+
+
+@pytest.mark.parametrize(("bsz", "parents", "vocab", "draft_vocab", "seed"),
+                         [(16, [-1, 0, 0, 0, 1, 1, 2], 100, None, 1),
+                          (8, [-1, 0, 0, 1, 1, 1, 2, 4, 4], 2053, None, 2),
+                          (12, [-1, 0, 0, 0, 0, 1, 5, 5], 300, 37, 3),
+                          (8, [-1, 0, 0, 0, 2], 4097, 1000, 4)])
+def test_the_kernel_judges_sampled_children_as_the_reference(bsz, parents, vocab, draft_vocab,
+                                                               seed) -> None:
+    """The Triton kernel (interpreter) keeps the same children and emits the same tokens,
+    rows and logprobs as the reference for sampled trees: awkward vocabularies (tails of the
+    2,048-token tiles), q over the target's or a draft vocabulary, greedy and filtered rows;
+    some steps keep a later sibling after a rejection (the recursion is exercised)."""
     from specengine.kernels.rejection_sampling import rejection_sample as kernel
 
-    logits, q_root, q_one = setup(31)
-    drafts = torch.tensor([[1, 2, 3, 0, 4]])
-    probs = torch.stack([q_root] * 3 + [q_one] * 2)[None]
-    with pytest.raises(ValueError, match="point-mass tree children only.*torch backend"):
-        kernel(logits, drafts, torch.tensor([5], dtype=torch.int32), probs,
-               torch.ones(1), torch.tensor([-1], dtype=torch.int32), torch.ones(1),
-               torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
-               torch.tensor(PARENTS, dtype=torch.int32))
+    args, index = kernel_case(bsz, len(parents), vocab, seed, draft_vocab, parents)
+    want = ref.rejection_sample(*args, draft_index=index)
+    got = kernel(*args, draft_index=index, check_values=True)
+    for i in (0, 1, 3):
+        assert torch.equal(want[i], got[i]), (i, want[i], got[i])
+    torch.testing.assert_close(want[2], got[2], atol=1e-4, rtol=1e-4)
+    assert later_siblings_kept(want[3], args[-1].tolist()) > 0
+    assert (want[1] == 0).any()  # and some steps kept no child
+
+
+def test_the_kernel_skips_a_repeated_child_as_the_reference_does() -> None:
+    """Children [a, b, a] at the root, a likely under q and unlikely under p: after a is
+    rejected its repeat has Q = 0 off the taken tokens and is skipped (no second rejection
+    that would move the residual again and shrink D), by the kernel as by the reference."""
+    from specengine.kernels.rejection_sampling import rejection_sample as kernel
+
+    bsz, vocab = 64, 100
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(bsz, 4, vocab, generator=g)
+    logits[:, 0, 7] = -3.0  # a = 7: rarely kept
+    q = torch.softmax(torch.randn(vocab, generator=g), 0)
+    q[7] = 0.5
+    q = q / q.sum()
+    drafts = torch.tensor([[7, int(q[:7].argmax()), 7]]).expand(bsz, -1)
+    probs = q.expand(bsz, 3, -1)
+    args = (logits, drafts, torch.full((bsz,), 3, dtype=torch.int32), probs, torch.ones(bsz),
+            torch.full((bsz,), -1, dtype=torch.int32), torch.ones(bsz),
+            torch.arange(bsz, dtype=torch.int64), torch.zeros(bsz, dtype=torch.int64),
+            torch.tensor([-1, 0, 0, 0], dtype=torch.int32))
+    want = ref.rejection_sample(*args)
+    got = kernel(*args)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert (want[1] == 0).sum() > bsz // 4 and (want[3][:, 1] != 3).all()
+
+
+def test_the_kernel_draws_sampled_trees_over_vocabulary_parts_with_min_p_in_fp16() -> None:
+    """Small batch (pass 1 and the first search split over 3 vocabulary parts), fp16 logits,
+    top-k / top-p / min-p: the same outputs as the reference and as one program per row."""
+    from specengine.kernels.rejection_sampling import rejection_sample as kernel
+
+    args, index = kernel_case(6, 6, 4097, seed=5, parents=[-1, 0, 0, 0, 1, 1])
+    args[0] = args[0].half()
+    args[4] = torch.tensor([1.0, 0.7, 1.0, 1.3, 0.0, 1.0])
+    args[5] = torch.tensor([-1, 5, 40, -1, -1, 3], dtype=torch.int32)
+    args[6] = torch.tensor([0.9, 1.0, 0.5, 0.99, 0.9, 0.8])
+    log_min_p = torch.log(torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1e-3]))
+    want = ref.rejection_sample(*args, log_min_p)
+    for parts in (1, 3):
+        got = kernel(*args, log_min_p, vocab_parts=parts)
+        for i in (0, 1, 3):
+            assert torch.equal(want[i], got[i]), (parts, i)
+        torch.testing.assert_close(want[2], got[2], atol=1e-4, rtol=1e-4)
+
+
+def test_the_kernels_chain_shaped_sampled_tree_draws_what_its_chain_draws() -> None:
+    """One child per node on the kernel: the chain path's outputs token for token."""
+    from specengine.kernels.rejection_sampling import rejection_sample as kernel
+
+    args, index = kernel_case(24, 4, 300, seed=6, draft_vocab=90, parents=[-1, 0, 1, 2])
+    chain = [*args[:-1], None]
+    want = kernel(*chain, draft_index=index)
+    got = kernel(*args, draft_index=index)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert (want[1] == 0).any() and (want[1] >= 2).any()

@@ -95,3 +95,21 @@ def test_eagle3_on_kernels(eagle_dir: tuple[Path, Path]) -> None:
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
     assert sum(o.num_accepted_tokens for o in got) > 0
     assert sum(o.num_draft_tokens - o.num_accepted_tokens for o in got) > 0
+
+
+def test_sampled_eagle3_trees_on_kernels_equal_torch_backend(eagle_dir: tuple[Path, Path]
+                                                            ) -> None:
+    """Sampled requests' EAGLE-3 trees (children drawn from the head's q without replacement,
+    judged by recursive rejection sampling) give on the kernels the PyTorch backend's tokens
+    and logprobs seed for seed, with children kept and rejected: the kernel judges sampled
+    children, as the reference does."""
+    target, head = eagle_dir
+    params = [SamplingParams(temperature=t, max_tokens=8, seed=s)
+              for s, t in enumerate((1.0, 0.7, 1.0, 1.3, 1.0, 0.9))]
+    got, want = (make(target, backend, str(head), draft_options={"sample": True}).generate(
+        PROMPTS * 2, sampling=params, tree=TREES["binary2"]) for backend in ("triton", "torch"))
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+    assert sum(o.num_accepted_tokens for o in got) > 0
+    assert sum(o.num_draft_tokens - o.num_accepted_tokens for o in got) > 0

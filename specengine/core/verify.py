@@ -93,6 +93,8 @@ class StaticVerifier:
         self._outputs_all: Tensor | None = None
         self._outputs: dict[tuple[int, int], Tensor] = {}
         self._probs_all: Tensor | None = None
+        # wider than max_prob_drafts (a sampled tree's nodes): one buffer per width
+        self._probs_wide: dict[int, Tensor] = {}
         self._probs: dict[tuple[int, int], Tensor] = {}
         # Tree passes move the accepted paths' K/V into place themselves (not under tensor
         # parallelism: every rank's shard must move, the step does it through the workers).
@@ -144,9 +146,19 @@ class StaticVerifier:
         key = (rows, drafts)
         view = self._probs.get(key)
         if view is None:
-            if rows > self.state.capacity or drafts > self.max_prob_drafts:
+            if rows > self.state.capacity:
                 view = torch.zeros(rows, drafts, self.probs_vocab, dtype=torch.float32,
                                    device=self.state.device)
+            elif drafts > self.max_prob_drafts:
+                # A sampled tree's nodes: every row bucket of this width shares one buffer,
+                # as the chains' do (one [capacity, drafts, V] allocation, not one per bucket:
+                # 0.5 GiB each at 256 rows, 16 drafts and a 32k draft vocabulary).
+                wide = self._probs_wide.get(drafts)
+                if wide is None:
+                    wide = self._probs_wide[drafts] = torch.zeros(
+                        self.state.capacity, drafts, self.probs_vocab, dtype=torch.float32,
+                        device=self.state.device)
+                view = wide[:rows]
             else:
                 if self._probs_all is None:
                     self._probs_all = torch.zeros(

@@ -74,10 +74,9 @@ class FeatureDrafter(Drafter):
         cfg = ctx.config
         self.sample = bool(sample)
         self.point_mass = not self.sample
-        # Trees of sampled requests draw their children from q (without replacement) when the
-        # verify pass can judge them so: the reference sampler (torch backend). The Triton
-        # kernel judges point-mass trees only, so there the children are the top ranks.
-        self.sampled_trees = self.sample and cfg.kernel_backend == "torch"
+        # Trees of sampled requests draw their children from q (without replacement); the
+        # verify pass judges them by recursive rejection sampling (either backend).
+        self.sampled_trees = self.sample
         self.device = ctx.device
         self.module = module.eval().requires_grad_(False)
         self.kv_cache = draft_kv_cache(ctx, 1, num_kv_heads, head_dim)
