@@ -107,7 +107,12 @@ def test_rejection_bandwidth_target(smoke):
     assert run.returncode == 0, run.output
     rows = gr.parse_rejection(run, vocab=1000)
     assert [r.verdict for r in rows] == ["INFO"]  # no peak known on CPU: no bandwidth verdict
-    gbps = json.loads((run.out_dir / "rejection_sampling.json").read_text())["rows"][0]["gbps"]
+    # the row the verdict judges: the worst of the largest batch at top_p = 1 (rows[0] is
+    # another row when the smoke run has several and the host's timings vary)
+    rows = [r for r in json.loads((run.out_dir / "rejection_sampling.json").read_text())["rows"]
+            if r["vocab"] == 1000 and r.get("gbps")]
+    big = max(r["batch"] for r in rows)
+    gbps = min(r["gbps"] for r in rows if r["batch"] == big and r["top_p"] == 1.0)
     for frac, verdict in ((0.81, "PASS"), (0.79, "FAIL")):
         edited = _rewrite(run, "rejection_sampling",
                           lambda d, f=frac: d.update(peak_gbps=gbps / f))
