@@ -80,13 +80,21 @@ def race_exponentials(seeds: Tensor, positions: Tensor, node: int | Tensor,
     Each Philox call (lane) is made once and its four words laid out as the four runs of G
     tokens they feed: lanes ``[B, blocks * G]`` -> words ``[B, blocks, 4, G]`` -> tokens."""
     bsz, group = len(seeds), RNG_GROUP
-    blocks = -(-vocab // (4 * group))
-    lane = torch.arange(blocks * group, device=seeds.device)
+    full, rest = divmod(vocab, 4 * group)  # whole blocks of 4G tokens, tokens past them
+    tail = min(group, rest)  # lanes the last block needs: its tokens < rest only
+    lane = torch.arange(full * group + tail, device=seeds.device)
     if isinstance(node, Tensor):
         node = node[:, None]
     words = philox4x32(seeds[:, None], positions[:, None], node, 1, lane)  # 4 x [B, lanes]
-    bits = torch.stack([w.view(bsz, blocks, group) for w in words], 2)  # [B, blocks, 4, G]
-    return exponential_from_bits(bits.view(bsz, -1)[:, :vocab])
+    parts = []
+    if full:  # [B, full, 4, G]: block b's word w drives tokens b * 4G + w * G + lane
+        parts.append(torch.stack([w[:, : full * group].view(bsz, full, group) for w in words],
+                                 2).view(bsz, -1))
+    if rest:  # the last block's lanes, [B, 4, tail]: tokens w * G + lane < rest (with
+        # rest < G only word 0 is read, and w * tail + lane = lane there)
+        parts.append(torch.stack([w[:, full * group:] for w in words], 1).view(bsz, -1)[:, :rest])
+    bits = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+    return exponential_from_bits(bits)
 
 
 TILE = 4 * RNG_GROUP  # tokens per tile of the two-level draw

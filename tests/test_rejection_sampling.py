@@ -489,6 +489,23 @@ def test_uniforms_never_zero() -> None:
     assert torch.all(ref.uniform_from_bits(words) > 0)
 
 
+@pytest.mark.parametrize("vocab", [1, 9, 511, 513, 2047, 2048, 2049, 2561, 4097, 8193])
+def test_race_exponentials_follow_the_counter_layout(vocab: int) -> None:
+    """Token i's E is word i // G % 4 of lane i // 4G * G + i % G (the module's layout),
+    whatever the vocabulary: rows shorter than a block draw only the lanes their tokens use."""
+    group = ref.RNG_GROUP
+    seeds = torch.tensor([1, -5, 2**40], dtype=torch.int64)
+    pos = torch.tensor([0, 7, 99])
+    i = torch.arange(vocab)
+    for node in (3, torch.tensor([0, 1, 2])):
+        words = ref.philox4x32(seeds[:, None], pos[:, None],
+                               node if isinstance(node, int) else node[:, None], 1,
+                               i // (4 * group) * group + i % group)
+        bits = torch.stack(words, -1).gather(-1, (i // group % 4).expand(3, -1)[..., None])
+        assert torch.equal(ref.race_exponentials(seeds, pos, node, vocab),
+                           ref.exponential_from_bits(bits[..., 0]))
+
+
 def test_philox_matches_triton() -> None:
     import triton
     import triton.language as tl
