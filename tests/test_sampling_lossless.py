@@ -139,6 +139,9 @@ CASES = {
     "eagle-tree-sampled-draft-t0.8-topk-topp": ("eagle", True,
                                                 dict(tree=[(0,), (1,), (0, 0), (1, 0)]),
                                                 dict(temperature=0.8, top_k=8, top_p=0.9)),
+    # a small LM's tree children drawn from its q without replacement
+    "tree-sampled-draft-t1": ("model", True, dict(tree=[(0,), (1,), (2,), (0, 0), (0, 1),
+                                                        (1, 0)]), dict(temperature=1.0)),
     # issue 25: min-p (after temperature, before top-k / top-p) and min_tokens, whose mask
     # differs between the positions of one verify pass (t2 masked, t3 not)
     "chain-sampled-draft-minp-topk": ("model", True, dict(k=2),
@@ -224,3 +227,38 @@ def test_chi_square_detects_a_wrong_distribution(models) -> None:
     assert chi_square_p(counts, exact_joint(hf, SamplingParams()), NUM_SEQS) > P_MIN
     wrong = exact_joint(hf, SamplingParams(temperature=0.8))
     assert chi_square_p(counts, wrong, NUM_SEQS) < 1e-6
+
+
+def test_a_small_lms_sampled_tree_carries_each_nodes_q(models) -> None:
+    """With ``sample`` on, a small LM drafter's tree for sampled requests reaches the verify
+    pass with each node's ``q`` over the target's vocabulary (children drawn without
+    replacement: no node repeats a sibling's token); a greedy batch's tree carries none and
+    equals k=0 token for token."""
+    _, target, draft_dir = models
+    engine = SpecEngine(target, draft=str(draft_dir), device="cpu", dtype="float32",
+                        max_model_len=32, seed=5, draft_options={"sample": True})
+    verifier = engine.graphs.verifier
+    sampler, seen = verifier.sampler, []
+
+    def spy(logits, drafts, num_draft, probs, parents, params, draft_index=None):
+        seen.append((parents is not None, probs, drafts.clone()))
+        return sampler(logits, drafts, num_draft, probs, parents, params, draft_index)
+
+    verifier.sampler = spy
+    tree = [(0,), (1,), (2,), (0, 0), (0, 1)]
+    prompts = [[*PROMPT, t] for t in range(8)]
+    engine.generate(prompts, sampling=SamplingParams(temperature=1.0, max_tokens=6, seed=1),
+                    tree=tree)
+    sampled = [(p, d) for is_tree, p, d in seen if is_tree and p is not None]
+    assert sampled and all(p.shape[-1] == VOCAB for p, _ in sampled)
+    for probs, drafts in sampled:
+        torch.testing.assert_close(probs[:, :5].sum(-1), torch.ones(probs.shape[0], 5))
+        root = drafts[:, :3]  # the root's three children: distinct tokens
+        assert (root[:, 0] != root[:, 1]).all() and (root[:, 1] != root[:, 2]).all()
+        assert torch.equal(probs[:, 0], probs[:, 2])  # siblings share their parent's q
+    seen.clear()
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    spec = engine.generate(prompts, sampling=greedy, tree=tree)
+    assert seen and all(t and p is None for t, p, _ in seen)
+    plain = engine.generate(prompts, sampling=greedy, k=0)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]

@@ -33,7 +33,10 @@ from specengine.drafters.drafting import (
     draft_kv_cache,
     expand_tree,
     run_chain,
+    samples_drafts,
+    tree_chooser,
     tree_level_mask,
+    tree_proposal,
 )
 from specengine.drafters.lm_slots import LMSlots, SlotState
 from specengine.model.attention import make_attention_backend
@@ -71,8 +74,11 @@ class DraftModelDrafter(Drafter):
     chain drafts are drawn from the request's temperature / top-k / top-p distribution on the
     drafter's own seeded stream and ``probs`` holds those distributions (a chain of greedy
     requests only is the argmax chain, ``probs`` None: ``drafting.samples_drafts``; a greedy
-    row next to sampled ones gets one-hot rows). Trees always take each
-    node's rank-r most likely child (point masses). ``module`` is the draft ``CausalLM``
+    row next to sampled ones gets one-hot rows). Trees: with ``sample`` on and a sampled
+    request in the batch, each node's children are drawn from that distribution without
+    replacement and ``probs`` holds each node's (its parent's, ``drafting.sample_children``:
+    the verify pass judges them by recursive rejection sampling); else each node's rank-r
+    most likely child (point masses). ``module`` is the draft ``CausalLM``
     (checkpoint names); :meth:`load_weights` updates it in place.
     """
 
@@ -294,9 +300,7 @@ class DraftModelDrafter(Drafter):
                 tree: DraftTree | None) -> DraftProposal:
         counts = np.asarray(num_drafts, dtype=np.int64)
         if tree is not None:
-            ids = torch.zeros(len(seqs), max(num_drafts), dtype=torch.int64, device=self.device)
-            ids[:, : tree.num_nodes - 1] = self._propose_tree(seqs, tree)
-            return DraftProposal(ids, counts, None)
+            return tree_proposal(*self._propose_tree(seqs, tree), counts)
         if self._static is not None:
             proposal = self._static.propose(seqs, counts)
             if proposal is not None:
@@ -317,9 +321,11 @@ class DraftModelDrafter(Drafter):
             self._state(seqs[b]).num_pending = num_drafts[b] - 1
         return DraftProposal(ids, counts, probs)
 
-    def _propose_tree(self, seqs: tuple[Sequence, ...], tree: DraftTree) -> Tensor:
+    def _propose_tree(self, seqs: tuple[Sequence, ...], tree: DraftTree
+                      ) -> tuple[Tensor, Tensor | None]:
         """Level by level: each pass feeds the tree's nodes down to depth d (root in the
-        context, ancestor mask) and ranks the children of the depth-d nodes."""
+        context, ancestor mask) and ranks (or, sampling, draws) the children of the depth-d
+        nodes: the node tokens ``[B, N-1]`` and each node's ``q`` or None."""
         states = [self._state(s) for s in seqs]
         root_logits = self._catch_up(list(seqs), states, upto_last=True,
                                      extra=[tree.num_nodes - 1] * len(seqs))
@@ -331,10 +337,13 @@ class DraftModelDrafter(Drafter):
                                    tree_level_mask(tree, n, len(seqs), self.device))
             return hidden.view(len(seqs), n - 1, -1)
 
-        node_ids, _ = expand_tree(tree, root_logits, run_level, self.module.compute_logits)
+        choose = tree_chooser(seqs, tree.max_rank + 1, self.device) \
+            if samples_drafts(self.sample, list(seqs)) else None
+        node_ids, probs = expand_tree(tree, root_logits, run_level, self.module.compute_logits,
+                                      choose=choose)
         for st, c in zip(states, ctx):
             st.num_cached, st.num_pending = c, 0  # tree slots are not linear positions
-        return node_ids
+        return node_ids, probs
 
 
 def _check_tokenizers(draft: Path, target: Path) -> None:

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from specengine.core.kv_cache import KVCache, kv_bytes_per_token, num_kv_blocks
 from specengine.core.sequence import Sequence
+from specengine.core.step_types import DraftProposal
 from specengine.core.transfer import to_device
 from specengine.tree import DraftTree
 
@@ -294,6 +295,20 @@ def tree_chooser(seqs: tuple[Sequence, ...] | list[Sequence], width: int, device
         to_device(np.array([p.top_p for p in params], np.float32), device),
         to_device(np.array([_signed(s.seed) for s in seqs], np.int64), device),
         to_device(np.array([len(s) for s in seqs], np.int64), device), vocab_ids)
+
+
+def tree_proposal(nodes: Tensor, probs: Tensor | None, counts: np.ndarray) -> DraftProposal:
+    """A tree's :class:`DraftProposal`: the node tokens ``[B, N-1]`` (and, for sampled
+    children, each node's ``q`` ``[B, N-1, Vc]``) padded with zeros to the step's widest
+    row (``counts``: the drafts each row verifies)."""
+    batch, nodes_n = nodes.shape
+    width = int(counts.max())
+    ids = torch.zeros(batch, width, dtype=torch.int64, device=nodes.device)
+    ids[:, :nodes_n] = nodes
+    if probs is not None and probs.shape[1] < width:
+        probs = torch.cat([probs, probs.new_zeros(batch, width - probs.shape[1],
+                                                  probs.shape[2])], 1)
+    return DraftProposal(ids, counts, probs)
 
 
 def _index(rows: list[int] | np.ndarray, device: torch.device) -> Tensor:

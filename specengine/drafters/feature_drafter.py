@@ -36,6 +36,7 @@ from specengine.drafters.drafting import (
     samples_drafts,
     tree_chooser,
     tree_level_mask,
+    tree_proposal,
 )
 from specengine.model.attention import make_attention_backend
 from specengine.tree import DraftTree
@@ -370,10 +371,4 @@ class FeatureDrafter(Drafter):
 
         nodes, probs = expand_tree(tree, logits_of(root_hidden), run_level, logits_of,
                                    choose=choose)
-        width = int(counts.max())
-        ids = torch.zeros(batch, width, dtype=torch.int64, device=self.device)
-        ids[:, : tree.num_nodes - 1] = nodes
-        if probs is not None and probs.shape[1] < width:
-            probs = torch.cat([probs, probs.new_zeros(batch, width - probs.shape[1],
-                                                      probs.shape[2])], 1)
-        return DraftProposal(ids, counts, probs)
+        return tree_proposal(nodes, probs, counts)
