@@ -889,14 +889,22 @@ def sibling_residual(p, at, valid, q_tree_ptr, s_qn, map_ptr, sib_f_ptr, sib_i_p
     operations; ``taken``: the tokens of the children judged valid so far (flag 1). The row
     kernel stored each child's flags, z_c and D_c (``sib_*_ptr``, the sequence's [N] part);
     ``q_tree_ptr``: the sequence's q rows, child c's at ``(c - 1) * s_qn``. Recomputed per
-    token rather than stored per row: a [rows, V] scratch would be O(B·N·V)."""
+    token rather than stored per row: a [rows, V] scratch would be O(B·N·V). With ``HAS_MAP``
+    the tokens' draft-vocabulary columns are read once, not once per rejected child."""
     r = p
     taken = at < 0
+    col = at  # the q column of each token
+    if HAS_MAP:
+        col = tl.load(map_ptr + at, mask=valid, other=-1).to(tl.int64)
     for c in range(1, upto):
         if tl.load(parents_ptr + c) == j:
             flags = tl.load(sib_i_ptr + c)
             if (flags & 2) != 0:
-                q = q_at(q_tree_ptr + (c - 1) * s_qn, at, valid, map_ptr, HAS_MAP)
+                q_row = q_tree_ptr + (c - 1) * s_qn
+                if HAS_MAP:  # 0 off the draft vocabulary
+                    q = tl.load(q_row + col, mask=col >= 0, other=0.0).to(tl.float32)
+                else:
+                    q = tl.load(q_row + col, mask=valid, other=0.0).to(tl.float32)
                 big_q = tl.where(taken, 0.0, q) / tl.load(sib_f_ptr + 2 * c + 1)
                 r = tl.maximum(r - tl.load(sib_f_ptr + 2 * c) * big_q, 0.0)
             if (flags & 1) != 0:
