@@ -868,16 +868,30 @@ def keep_cut(row_ptr, buf_ptr, V, inv_t, m, s, zmin, top_k_ptr, top_p_ptr, min_p
 
 
 @triton.jit
-def q_at(q_row_ptr, at, valid, map_ptr, HAS_MAP: tl.constexpr):
-    """A draft distribution's q at tokens ``at`` (0 where not ``valid``). ``HAS_MAP``: q is
-    over the drafter's vocabulary, token ``t`` at column ``map[t]`` (q = 0 where that is -1),
-    so a residual still covers every target token."""
+def q_columns(at, valid, map_ptr, HAS_MAP: tl.constexpr):
+    """The q column of each token ``at``: itself, or with ``HAS_MAP`` (q over the drafter's
+    vocabulary) ``map[t]``, -1 off that vocabulary or where not ``valid``."""
+    col = at
     if HAS_MAP:
         col = tl.load(map_ptr + at, mask=valid, other=-1).to(tl.int64)
+    return col
+
+
+@triton.jit
+def q_in_columns(q_row_ptr, col, valid, HAS_MAP: tl.constexpr):
+    """q at the columns ``col`` of ``q_columns``: 0 where not ``valid`` (or off the draft
+    vocabulary), so a residual still covers every target token."""
+    if HAS_MAP:
         q = tl.load(q_row_ptr + col, mask=col >= 0, other=0.0).to(tl.float32)
     else:
-        q = tl.load(q_row_ptr + at, mask=valid, other=0.0).to(tl.float32)
+        q = tl.load(q_row_ptr + col, mask=valid, other=0.0).to(tl.float32)
     return q
+
+
+@triton.jit
+def q_at(q_row_ptr, at, valid, map_ptr, HAS_MAP: tl.constexpr):
+    """A draft distribution's q at tokens ``at`` (0 where not ``valid``; ``q_columns``)."""
+    return q_in_columns(q_row_ptr, q_columns(at, valid, map_ptr, HAS_MAP), valid, HAS_MAP)
 
 
 @triton.jit
@@ -893,18 +907,12 @@ def sibling_residual(p, at, valid, q_tree_ptr, s_qn, map_ptr, sib_f_ptr, sib_i_p
     the tokens' draft-vocabulary columns are read once, not once per rejected child."""
     r = p
     taken = at < 0
-    col = at  # the q column of each token
-    if HAS_MAP:
-        col = tl.load(map_ptr + at, mask=valid, other=-1).to(tl.int64)
+    col = q_columns(at, valid, map_ptr, HAS_MAP)  # read once for every rejected child
     for c in range(1, upto):
         if tl.load(parents_ptr + c) == j:
             flags = tl.load(sib_i_ptr + c)
             if (flags & 2) != 0:
-                q_row = q_tree_ptr + (c - 1) * s_qn
-                if HAS_MAP:  # 0 off the draft vocabulary
-                    q = tl.load(q_row + col, mask=col >= 0, other=0.0).to(tl.float32)
-                else:
-                    q = tl.load(q_row + col, mask=valid, other=0.0).to(tl.float32)
+                q = q_in_columns(q_tree_ptr + (c - 1) * s_qn, col, valid, HAS_MAP)
                 big_q = tl.where(taken, 0.0, q) / tl.load(sib_f_ptr + 2 * c + 1)
                 r = tl.maximum(r - tl.load(sib_f_ptr + 2 * c) * big_q, 0.0)
             if (flags & 1) != 0:

@@ -75,9 +75,6 @@ class FeatureDrafter(Drafter):
         cfg = ctx.config
         self.sample = bool(sample)
         self.point_mass = not self.sample
-        # Trees of sampled requests draw their children from q (without replacement); the
-        # verify pass judges them by recursive rejection sampling (either backend).
-        self.sampled_trees = self.sample
         self.device = ctx.device
         self.module = module.eval().requires_grad_(False)
         self.kv_cache = draft_kv_cache(ctx, 1, num_kv_heads, head_dim)
@@ -345,12 +342,12 @@ class FeatureDrafter(Drafter):
                       counts: np.ndarray) -> DraftProposal:
         """Level by level: each pass feeds the entries of the nodes down to depth d (ancestor
         mask; entry of node i reads its parent's g and its own token). With
-        ``sampled_trees`` and a sampled request in the batch, children are drawn from the
+        ``sample`` on and a sampled request in the batch, children are drawn from the
         head's ``q`` (over its draft vocabulary) and the proposal carries each node's ``q``."""
         states = [self._states[s.seq_id] for s in seqs]  # (the static path: static_chain)
         choose = None
         logits_of = self.module.compute_logits
-        if samples_drafts(self.sampled_trees, list(seqs)):
+        if samples_drafts(self.sample, list(seqs)):
             logits_of = self.chain_logits  # over the draft vocabulary when there is one
             vocab = self.draft_vocab
             choose = tree_chooser(seqs, tree.max_rank + 1, self.device,

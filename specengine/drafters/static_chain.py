@@ -179,7 +179,7 @@ class StaticFeatureChain(StaticDrafts):
         """Every row drafts the whole ``tree`` (``seqs`` in batch-row order), in one static
         pass: ``FeatureDrafter._propose_tree`` on the batch state's rows."""
         rows = self.graphs.padded_rows(len(seqs))
-        sample = self.samples_now and self.drafter.sampled_trees  # type: ignore[attr-defined]
+        sample = self.samples_now
         ids, probs = self.graphs.run_graph(("draft-tree", rows, tree.paths, sample), rows,
                                            lambda: self._tree(rows, tree, sample))
         b = len(seqs)
