@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import AsyncIterator, Callable
-from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,7 +37,7 @@ from specengine.core.requests import is_chat, prompt_ids
 from specengine.engine import SpecEngine
 from specengine.outputs import GenerationOutput, RequestOutput
 from specengine.sampling import SamplingParams
-from specengine.tree import DraftTree
+from specengine.tree import TreeArg
 
 T = TypeVar("T")
 
@@ -90,7 +89,7 @@ class AsyncSpecEngine:
 
     # ---- callers (event loop side) -----------------------------------------------------------
     async def generate(self, prompt: list[int] | str, params: SamplingParams | None = None, *,
-                       k: int | str | None = None, tree: Seq[Seq[int]] | DraftTree | None = None,
+                       k: int | str | None = None, tree: TreeArg = None,
                        request_id: str | None = None, k_max: int = DEFAULT_K_MAX
                        ) -> GenerationOutput:
         """Run one request to the end and return its output (arguments as
@@ -109,7 +108,7 @@ class AsyncSpecEngine:
 
     async def generate_stream(self, prompt: list[int] | str, params: SamplingParams | None = None,
                               *, k: int | str | None = None,
-                              tree: Seq[Seq[int]] | DraftTree | None = None,
+                              tree: TreeArg = None,
                               request_id: str | None = None, k_max: int = DEFAULT_K_MAX
                               ) -> AsyncIterator[RequestOutput]:
         """Yield the request's :class:`RequestOutput` of each step it advanced in; the last one

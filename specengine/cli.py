@@ -134,6 +134,8 @@ def _parser() -> argparse.ArgumentParser:
                         "DIR without --draft)")
     g.add_argument("--k-max", type=_int_at_least(0, MAX_K), default=8,
                    help="largest k that --k auto picks")
+    g.add_argument("--tree", type=_int_at_least(1), default=None, metavar="N",
+                   help=TREE_HELP)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=-1, help="-1 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
@@ -149,6 +151,14 @@ def _parser() -> argparse.ArgumentParser:
 
     add_train_draft_parser(sub, _Formatter)
     return p
+
+
+TREE_HELP = ("verify the draft's own best tree of N drafts each step instead of a chain "
+             "(HEAD_DIR/trees.json, written by train-draft: 4, 8, 16 or 32; a greedy tree for "
+             "greedy requests, a sampled one for the others; at the tree's depth, so --k is 0 "
+             "or that depth). A tree keeps more tokens per step but verifies N positions per "
+             "sequence: worth it where a verify pass is memory-bound (a GPU at small batch), "
+             "not on a CPU (default: a chain of --k)")
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -175,6 +185,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "on --model DIR without --draft)")
     s.add_argument("--k-max", type=_int_at_least(0, MAX_K), default=DEFAULT_K_MAX,
                    help="largest k that --k auto picks (requests may send their own k_max)")
+    s.add_argument("--tree", type=_int_at_least(1), default=None, metavar="N",
+                   help=TREE_HELP + "; for requests that give no k")
     s.add_argument("--host", default=DEFAULT_HOST,
                    help="interface to bind (0.0.0.0 exposes it: use --api-key)")
     s.add_argument("--port", type=_int_at_least(0, 65535), default=DEFAULT_PORT,
@@ -242,12 +254,13 @@ def build_model_main(args: argparse.Namespace) -> int:
 
 
 def _run(engine: SpecEngine, prompts: list, k: int | str, params: SamplingParams, label: str,
-         batch_size: int | None, k_max: int = 8) -> list[GenerationOutput]:
+         batch_size: int | None, k_max: int = 8, tree: int | None = None
+         ) -> list[GenerationOutput]:
     size = batch_size or len(prompts)
     outs, stats = [], []
     for i in range(0, len(prompts), size):
         outs += engine.generate(prompts[i:i + size], k=k, sampling=params, use_tqdm=True,
-                                k_max=k_max)
+                                k_max=k_max, tree=tree)
         stats.append(engine.stats)
     st = merge_stats(stats)
     line = (f"[{label}] {st.num_generated_tokens} tokens in {st.wall_time_s:.2f} s "
@@ -261,7 +274,7 @@ def _run(engine: SpecEngine, prompts: list, k: int | str, params: SamplingParams
         line += ("no decode step ran (every sequence ended with its prefill token), so no "
                  "accepted length")
     print(line)
-    if k != 0 and any(st.proposed_per_position):
+    if (k != 0 or tree is not None) and any(st.proposed_per_position):
         rates = ", ".join(f"{r:.2f}" for r in st.acceptance_rate_per_position)
         print(f"[{label}] acceptance rate per draft position: {rates}")
     if st.auto_k_steps:
@@ -288,6 +301,16 @@ def _choose_k(args: argparse.Namespace) -> str | None:
     decodes without a drafter); returns the error when a given k needs a drafter there is
     none of, naming the flags."""
     has_drafter = args.draft is not None or args.model is None  # the bundled pair has its head
+    if args.tree is not None:
+        if args.k == "auto":
+            return (f"--tree {args.tree} verifies a static tree each step and --k auto picks a "
+                    "chain length each step: give one of them")
+        if args.draft is None or args.draft in ("ngram", "suffix", "mtp"):
+            return (f"--tree {args.tree} verifies the draft's own trees: give --draft HEAD_DIR, "
+                    "a head trained by train-draft (it writes HEAD_DIR/trees.json)")
+        if args.k is None:
+            args.k = 0  # the tree's own depth
+        return None
     if args.k is None:
         args.k = 3 if has_drafter else 0
         if not has_drafter:
@@ -338,14 +361,16 @@ def generate_main(args: argparse.Namespace) -> int:
                         dtype=args.dtype, kernel_backend=args.kernel_backend, seed=args.seed,
                         max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens,
                         num_threads=args.threads)
-    outs = _run(engine, prompts, args.k, params, f"k={args.k}", args.batch_size, args.k_max)
+    speculative = args.k != 0 or args.tree is not None
+    label = f"k={args.k}" if args.tree is None else f"tree={args.tree}"
+    outs = _run(engine, prompts, args.k, params, label, args.batch_size, args.k_max, args.tree)
     for i, out in enumerate(outs[:SHOWN]):
         shown = out.text if out.text is not None else " ".join(map(str, out.token_ids))
         prompt = prompts[i] if isinstance(prompts[i], str) else " ".join(map(str, prompts[i]))
         print(f"--- prompt {i}: {prompt!r}\n    completion: {shown!r} ({out.finish_reason})")
     if len(outs) > SHOWN:
         print(f"... {len(outs) - SHOWN} more")
-    if args.k != 0 and not args.no_baseline:
+    if speculative and not args.no_baseline:
         base = _run(engine, prompts, 0, params, "k=0", args.batch_size)
         print(_baseline_line(outs, base, args.temperature))
         if args.temperature == 0 and any(a.token_ids != b.token_ids for a, b in zip(outs, base)):

@@ -34,6 +34,7 @@ from specengine.core.sleep import (
 )
 from specengine.core.step import num_drafts_for
 from specengine.drafters.adapt_train import DEFAULT_ADAPT_LR, DEFAULT_ADAPT_STEPS, AdaptResult
+from specengine.drafters.head_trees import HeadTrees, load_head_trees
 from specengine.model.attention import make_attention_backend
 from specengine.model.config import ModelConfig
 from specengine.model.loader import build_model
@@ -42,7 +43,7 @@ from specengine.native import check_native
 from specengine.outputs import EngineStats, GenerationOutput, RequestOutput
 from specengine.sampling import SamplingParams
 from specengine.threads import apply_thread_policy, keep_freed_memory
-from specengine.tree import DraftTree
+from specengine.tree import TreeArg, TreeChoice
 from specengine.weights.receiver import (
     WeightReceiver,
     apply_shared,
@@ -220,6 +221,8 @@ class SpecEngine:
         self.draft_context = DraftContext(cfg, self.model_config, self.model, self.device,
                                           measured_peak=peak)
         self.drafter = make_drafter(cfg.draft, self.draft_context)
+        # the head's own best static trees, when it ships them (``tree=16``)
+        self.draft_trees: HeadTrees | None = load_head_trees(cfg.draft)
         aux = self.drafter.aux_layers if self.drafter is not None else ()
         mc = self.model_config
         num_blocks = num_kv_blocks(cfg, mc, self.device, measured_peak=peak)
@@ -256,7 +259,7 @@ class SpecEngine:
 
     # ---- the step API (docs/design.md §1, §3) --------------------------------------------
     def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None, *,
-                    k: int | str | None = None, tree: Seq[Seq[int]] | DraftTree | None = None,
+                    k: int | str | None = None, tree: TreeArg = None,
                     request_id: str | None = None, k_max: int = DEFAULT_K_MAX
                     ) -> str | list[str]:
         """Queue one request (token ids, or text with a tokenizer); it joins the batch at the
@@ -273,7 +276,7 @@ class SpecEngine:
         k, auto = self._resolve_k(0 if k is None else k, k_max, tree)
         req = self.validate([prompt], k, params, tree)
         rids = sample_ids(request_id, req.params[0].n, self.core.requests.__contains__)
-        out = [self.core.add(req.prompts[0], sp, req.k, req.tree, rid, auto, sample=sample)
+        out = [self.core.add(req.prompts[0], sp, *req.draft_of(sp), rid, auto, sample=sample)
                for rid, (sp, sample) in zip(rids, expand_samples(req.params[0]))]
         return out[0] if len(out) == 1 else out
 
@@ -308,7 +311,7 @@ class SpecEngine:
         batch: Seq[list[int] | str],
         k: int | str = 0,
         sampling: SamplingParams | Seq[SamplingParams] | None = None,
-        tree: Seq[Seq[int]] | DraftTree | None = None,
+        tree: TreeArg = None,
         *,
         use_tqdm: bool = False,
         k_max: int = DEFAULT_K_MAX,
@@ -330,7 +333,7 @@ class SpecEngine:
             raise RuntimeError(f"generate needs an idle engine: {self.core.num_unfinished} "
                                "requests added with add_request are unfinished (step them to "
                                "the end or abort them first)")
-        ids = [self.core.add(p, s, req.k, req.tree, None, auto, sample=sample)  # prompt-major
+        ids = [self.core.add(p, s, *req.draft_of(s), None, auto, sample=sample)  # prompt-major
                for p, sp in zip(req.prompts, req.params) for s, sample in expand_samples(sp)]
         done: dict[str, GenerationOutput] = {}
         bar = None
@@ -356,11 +359,27 @@ class SpecEngine:
 
     def validate(self, batch: Seq[object], k: int,
                   sampling: SamplingParams | Seq[SamplingParams] | None,
-                  tree: Seq[Seq[int]] | DraftTree | None) -> RequestBatch:
+                  tree: TreeArg) -> RequestBatch:
+        """The checks of a whole call (``requests.validate_requests``), an int ``tree``
+        first turned into the draft's own trees of that many drafts (:meth:`tree_choice`)."""
+        if isinstance(tree, int) and not isinstance(tree, bool):
+            tree = self.tree_choice(tree)
         return validate_requests(batch, k, sampling, tree, tokenizer=self.tokenizer,
                                  vocab_size=self.model_config.vocab_size,
                                  max_model_len=self.config.max_model_len,
                                  kv_cache=self.kv_cache, has_drafter=self.drafter is not None)
+
+    def tree_choice(self, num_drafts: int) -> TreeChoice:
+        """The draft's own best trees of ``num_drafts`` drafts (``HEAD_DIR/trees.json``,
+        written by ``train-draft``; ``drafters.head_trees``): what ``tree=num_drafts``
+        verifies, the greedy tree for greedy requests and the sampled one for the others.
+        ``ValueError`` when the draft has no such file or no tree of that size."""
+        if self.draft_trees is None:
+            raise ValueError(f"tree={num_drafts!r} picks one of the draft's own trees "
+                             f"(HEAD_DIR/trees.json, written by train-draft), but the draft "
+                             f"{self.config.draft!r} has no trees.json: pass the tree's "
+                             "paths, e.g. tree=[[0], [1], [0, 0]]")
+        return self.draft_trees.choice(num_drafts)
 
     def _resolve_k(self, k: object, k_max: object, tree: object) -> tuple[int, bool]:
         """``(k, auto)``: an int k as is, ``"auto"`` as ``(k_max, True)`` (checked)."""

@@ -9,6 +9,7 @@ breadth-first order, siblings by rank, so parents always precede children.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -100,3 +101,46 @@ class DraftTree:
             raise ValueError(f"{num_drafts} drafts asked, but only {len(probs)} paths given")
         ordered = sorted(probs, key=lambda p: (-probs[p], len(p), p))
         return cls(ordered[:num_drafts])
+
+
+@dataclass(frozen=True)
+class TreeChoice:
+    """One static tree for greedy requests and one for sampled ones: a head's best trees of
+    one size (``drafters.head_trees``), which differ because a greedy step must guess the
+    policy's argmax and a sampled one its draw. Each request verifies the tree of its kind
+    (:meth:`for_request`), at that tree's depth."""
+
+    greedy: DraftTree
+    sampled: DraftTree
+    num_drafts: int  # drafts per tree (nodes less the root), the size that picked them
+
+    def __post_init__(self) -> None:
+        for kind in ("greedy", "sampled"):
+            tree = getattr(self, kind)
+            if not isinstance(tree, DraftTree):
+                raise ValueError(f"TreeChoice.{kind} must be a DraftTree, got "
+                                 f"{type(tree).__name__}")
+            if tree.num_nodes - 1 != self.num_drafts:
+                raise ValueError(f"TreeChoice.{kind} has {tree.num_nodes - 1} drafts, not "
+                                 f"num_drafts={self.num_drafts}")
+
+    def for_request(self, greedy: bool) -> DraftTree:
+        return self.greedy if greedy else self.sampled
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.greedy.max_depth, self.sampled.max_depth)
+
+    @property
+    def num_nodes(self) -> int:
+        return max(self.greedy.num_nodes, self.sampled.num_nodes)
+
+    def __repr__(self) -> str:
+        return f"TreeChoice(num_drafts={self.num_drafts}, greedy={self.greedy}, " \
+               f"sampled={self.sampled})"
+
+
+#: What a ``tree=`` argument may be: a tree's paths, a :class:`DraftTree`, a
+#: :class:`TreeChoice`, an int (the draft's own trees of that many drafts, ``HEAD_DIR/
+#: trees.json``), or None (a chain of k drafts).
+TreeArg = Sequence[Sequence[int]] | DraftTree | TreeChoice | int | None

@@ -80,7 +80,8 @@ def test_the_heads_own_trees_are_rows_of_their_own(tmp_path: Path, prompt_file: 
 
     head = tmp_path / "head"
     shutil.copytree(DEFAULT_DRAFT, head)
-    trees = {"greedy": {"4": [[0], [1], [0, 0], [0, 0, 0]]}, "sampled": {"4": [[0], [1]]}}
+    trees = {"greedy": {"4": [[0], [1], [0, 0], [0, 0, 0]]},
+             "sampled": {"4": [[0], [1], [2], [3]]}}
     (head / "trees.json").write_text(json.dumps({"trees": trees}))
     out = tmp_path / "out"
     argv = ["--model", DEFAULT_TARGET, "--draft", str(head), "--prompts", str(prompt_file),
@@ -88,7 +89,7 @@ def test_the_heads_own_trees_are_rows_of_their_own(tmp_path: Path, prompt_file: 
             "--temperature", "0", "--device", "cpu", "--out", str(out)]
     assert brm.parse_args(argv).tree_paths == {"tree4": [(0,), (1,), (0, 0), (0, 0, 0)]}
     assert brm.parse_args(argv[:-6] + ["--temperature", "1", "--device", "cpu", "--out",
-                                       str(out)]).tree_paths == {"tree4": [(0,), (1,)]}
+                                       str(out)]).tree_paths == {"tree4": [(0,), (1,), (2,), (3,)]}
     assert brm.main(argv) == 0
     rows = read_rows(out)
     assert [(r["drafter"], r["batch"], r["k"]) for r in rows] == [

@@ -85,8 +85,8 @@ def test_best_trees_are_the_heads_own_per_temperature(tmp_path: Path,
                            eval_temperatures=(0.0, 1.0))
     prompts = [arith_task.encode(p) for p in arith_task.heldout_prompts(2)]
     got = edh.evaluate_trees(cfg, prompts, [CHAIN], (4,))
-    assert [r["paths"] for r in got["0"]] == [[list(p) for p in CHAIN],
-                                              [list(p) for p in CHAIN] + [[1]]]
+    assert [r["paths"] for r in got["0"]] == [[list(p) for p in CHAIN],  # (breadth first)
+                                              [[0], [1], [0, 0], [0, 0, 0]]]
     assert [r["paths"] for r in got["1"]] == [[list(p) for p in CHAIN],
                                               [list(p) for p in WIDE[:4]]]
     assert [r["best"] for r in got["0"] + got["1"]] == [None, "greedy", None, "sampled"]

@@ -15,7 +15,7 @@ from specengine.config import MAX_K
 from specengine.core.kv_cache import KVCache
 from specengine.sampling import SamplingParams
 from specengine.tokenizer import TextTokenizer, load_tokenizer
-from specengine.tree import DraftTree
+from specengine.tree import DraftTree, TreeChoice
 
 __all__ = ["RequestBatch", "TextTokenizer", "chat_prompt_ids", "is_chat", "load_tokenizer",
            "prompt_ids", "validate_requests"]
@@ -24,16 +24,25 @@ __all__ = ["RequestBatch", "TextTokenizer", "chat_prompt_ids", "is_chat", "load_
 @dataclass(frozen=True)
 class RequestBatch:
     """A validated ``generate`` call: token ids and sampling parameters per prompt, the draft
-    tree (None for a chain) and the draft length (a tree's depth when a tree is given)."""
+    tree (None for a chain; a :class:`TreeChoice`: a head's greedy and sampled trees) and the
+    draft length (a tree's depth when a tree is given; a choice's deeper one)."""
 
     prompts: tuple[tuple[int, ...], ...]
     params: tuple[SamplingParams, ...]
-    tree: DraftTree | None
+    tree: DraftTree | TreeChoice | None
     k: int
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.params):
             raise ValueError("one SamplingParams per prompt")
+
+    def draft_of(self, params: SamplingParams) -> tuple[int, DraftTree | None]:
+        """``(k, tree)`` of a request with ``params``: a choice's tree of its kind (greedy or
+        sampled), verified at that tree's depth; else the call's own."""
+        if isinstance(self.tree, TreeChoice):
+            tree = self.tree.for_request(params.greedy)
+            return tree.max_depth, tree
+        return self.k, self.tree
 
 
 def is_chat(prompt: object) -> bool:
@@ -101,7 +110,7 @@ def validate_requests(
     batch: Seq[object],
     k: int,
     sampling: SamplingParams | Seq[SamplingParams] | None,
-    tree: Seq[Seq[int]] | DraftTree | None,
+    tree: Seq[Seq[int]] | DraftTree | TreeChoice | None,
     *,
     tokenizer: TextTokenizer | None,
     vocab_size: int,
@@ -111,8 +120,9 @@ def validate_requests(
 ) -> RequestBatch:
     """Check the whole call: ``k`` in [0, MAX_K], prompts non-empty, in the vocabulary and
     shorter than ``max_model_len``, stop ids in the vocabulary, a prefix-closed tree whose
-    depth agrees with ``k``, a drafter when ``k > 0``, and every request able to fit in the KV
-    cache even alone. Raises ``ValueError`` (or ``KVCacheFullError``) naming the bad part."""
+    depth agrees with ``k`` (a :class:`TreeChoice`: the deeper of its trees'), a drafter when
+    ``k > 0``, and every request able to fit in the KV cache even alone. Raises ``ValueError``
+    (or ``KVCacheFullError``) naming the bad part."""
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_K:
         raise ValueError(f"k (draft length) must be an int in [0, {MAX_K}], got {k!r}")
     if isinstance(batch, (str, torch.Tensor)) or not isinstance(batch, Seq) or not batch:
@@ -131,9 +141,27 @@ def validate_requests(
                                                   for p in params):
             raise ValueError(f"sampling must be one SamplingParams or one per prompt "
                              f"({len(prompts)}), got {len(params)}")
-    draft_tree = None
-    if tree is not None:
-        draft_tree = tree if isinstance(tree, DraftTree) else DraftTree(tree)
+    draft_tree: DraftTree | TreeChoice | None = None
+    if isinstance(tree, TreeChoice):
+        draft_tree = tree  # each request verifies its kind's tree at that tree's own depth
+        if k not in (0, tree.max_depth):
+            raise ValueError(f"k={k} disagrees with the depth {tree.max_depth} of the draft's "
+                             f"trees of {tree.num_drafts} drafts; pass k=0 or the depth with "
+                             "a tree")
+        k = tree.max_depth
+    elif isinstance(tree, DraftTree):
+        draft_tree = tree
+    elif tree is not None:
+        if isinstance(tree, (str, bytes)) or not isinstance(tree, Seq):
+            raise ValueError(f"tree must be a list of paths (lists of child ranks, e.g. "
+                             f"[[0], [1], [0, 0]]), a DraftTree or, with a draft that ships "
+                             f"trees, an int number of drafts; got {tree!r}"[:300])
+        try:
+            draft_tree = DraftTree(tree)
+        except TypeError:
+            raise ValueError(f"tree: each path must be a list of int ranks, got {tree!r}"[:300]
+                             ) from None
+    if isinstance(draft_tree, DraftTree):
         if k not in (0, draft_tree.max_depth):
             raise ValueError(f"k={k} disagrees with the tree's depth {draft_tree.max_depth}; "
                              "pass k=0 or the depth with a tree")

@@ -33,7 +33,7 @@ from specengine.distributed.sharding import assign
 from specengine.distributed.worker import RolloutWorker
 from specengine.outputs import EngineStats, GenerationOutput
 from specengine.sampling import SamplingParams
-from specengine.tree import DraftTree
+from specengine.tree import TreeArg
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class RolloutPool(PoolWeights):
     # ---- rollouts -----------------------------------------------------------------------------
     def generate(self, batch: Sequence[list[int] | str], k: int = 0,
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 tree: Sequence[Sequence[int]] | DraftTree | None = None
+                 tree: TreeArg = None
                  ) -> list[GenerationOutput]:
         """``SpecEngine.generate`` across the workers: same arguments, outputs in prompt order.
 

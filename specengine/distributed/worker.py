@@ -17,7 +17,7 @@ import torch
 from specengine.core.requests import RequestBatch
 from specengine.outputs import EngineStats, GenerationOutput
 from specengine.sampling import SamplingParams
-from specengine.tree import DraftTree
+from specengine.tree import DraftTree, TreeArg, TreeChoice
 
 
 class RolloutWorker:
@@ -37,13 +37,13 @@ class RolloutWorker:
 
     def validate(self, batch: Sequence[object], k: int,
                  sampling: SamplingParams | Sequence[SamplingParams] | None,
-                 tree: Sequence[Sequence[int]] | DraftTree | None) -> RequestBatch:
+                 tree: TreeArg) -> RequestBatch:
         """The engine's own checks of a whole ``generate`` call (token ids, sampling per
         prompt, the tree, KV fit), with the caller's prompt indices in any error."""
         return self.engine.validate(batch, k, sampling, tree)
 
     def generate(self, prompts: Sequence[Sequence[int]], k: int,
-                 params: Sequence[SamplingParams], tree: DraftTree | None
+                 params: Sequence[SamplingParams], tree: DraftTree | TreeChoice | None
                  ) -> tuple[list[GenerationOutput], EngineStats]:
         """Roll out one shard (token ids, one SamplingParams each); its outputs and stats."""
         outs = self.engine.generate([list(p) for p in prompts], k=k, sampling=list(params),

@@ -54,9 +54,9 @@ T = TypeVar("T")
 
 @dataclass
 class ServerState:
-    """What the endpoints share: the engine, the default k (and k_max of ``"auto"``), the
-    metrics, the ids of the requests in flight over HTTP, and whether shutdown has begun (new
-    requests refused)."""
+    """What the endpoints share: the engine, the default k (and k_max of ``"auto"``, or the
+    draft's own tree of ``default_tree`` drafts), the metrics, the ids of the requests in
+    flight over HTTP, and whether shutdown has begun (new requests refused)."""
 
     engine: AsyncSpecEngine
     default_k: int | str
@@ -64,6 +64,18 @@ class ServerState:
     live: set[str] = field(default_factory=set)
     draining: bool = False
     default_k_max: int = DEFAULT_K_MAX
+    default_tree: int | None = None
+
+    def draft_args(self, k: int | str | None, k_max: int | None
+                   ) -> tuple[int | str, int, int | None]:
+        """``(k, k_max, tree)`` of a request that gave ``k`` / ``k_max`` (None: not given).
+        A request that gives no k gets the server's defaults, its tree included; one that
+        gives k drafts a chain of k (vLLM's and SGLang's servers fix the draft shape at
+        launch; this one lets a request choose its chain)."""
+        if k is None:
+            return (self.default_k, self.default_k_max if k_max is None else k_max,
+                    self.default_tree)
+        return k, self.default_k_max if k_max is None else k_max, None
 
     async def abort_all(self) -> int:
         """Abort every request in flight (each handler then answers its partial output with
@@ -145,12 +157,16 @@ async def _events(state: ServerState, rid: str, stream: AsyncIterator[RequestOut
 
 def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
               default_k: int | str = 0, default_k_max: int = DEFAULT_K_MAX,
+              default_tree: int | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               served_model_name: str | None = None) -> FastAPI:
     """The server's app over ``engine`` (which it does not close: ``specengine.server.serve``
     does at shutdown). ``api_key``: every endpoint then needs ``Authorization: Bearer
     <api_key>``. ``default_k``: the draft length of requests that give no ``k`` (an int, or
     ``"auto"``: each step's k in 0..``default_k_max``, as a request's ``"k": "auto"``).
+    ``default_tree``: those requests verify the draft's own best tree of that many drafts
+    instead (``HEAD_DIR/trees.json``; ``SpecEngine.tree_choice``); ``default_k`` must then
+    be 0 or the tree's depth.
     ``served_model_name``: the model's name on the OpenAI-compatible routes (default: the
     checkpoint directory's name)."""
     if not isinstance(engine, AsyncSpecEngine):
@@ -163,10 +179,20 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
                          f"{default_k_max!r}") from None
     if most_k > 0 and engine.engine.drafter is None:
         raise ValueError(f"default_k={default_k!r} needs a drafter: the engine has none")
+    if default_tree is not None:
+        if default_k == "auto":
+            raise ValueError('default_k="auto" picks a chain length every step; it takes no '
+                             "default_tree")
+        depth = engine.engine.tree_choice(default_tree).max_depth  # ValueError: no trees
+        if default_k not in (0, depth):
+            raise ValueError(f"default_k={default_k} disagrees with the depth {depth} of the "
+                             f"draft's trees of {default_tree} drafts: give 0 or the depth")
+        default_k = 0  # each request verifies its tree at the tree's own depth
     check_max_body_bytes(max_body_bytes)
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be a non-empty string or None")
-    state = ServerState(engine, default_k, ServerMetrics(), default_k_max=default_k_max)
+    state = ServerState(engine, default_k, ServerMetrics(), default_k_max=default_k_max,
+                        default_tree=default_tree)
     app = FastAPI(title="specengine rollout server", docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.server = state
@@ -193,13 +219,12 @@ def build_app(engine: AsyncSpecEngine, *, api_key: str | None = None,
         if state.draining:
             raise HTTPException(503, "the server is shutting down: no new requests")
         params = body.sampling_params.to_params() if body.sampling_params else None
-        k = state.default_k if body.k is None else body.k
-        k_max = state.default_k_max if body.k_max is None else body.k_max
+        k, k_max, tree = state.draft_args(body.k, body.k_max)
         rid = body.request_id or f"http-{uuid.uuid4().hex}"
         if rid in state.live:
             raise ValueError(f"request_id {rid!r} is already used by an unfinished request")
-        stream = engine.generate_stream(body.prompt_value(), params, k=k, request_id=rid,
-                                        k_max=k_max)
+        stream = engine.generate_stream(body.prompt_value(), params, k=k, tree=tree,
+                                        request_id=rid, k_max=k_max)
         state.live.add(rid)
         if not body.stream:
             try:

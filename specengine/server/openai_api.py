@@ -267,6 +267,7 @@ class Job:
     params: SamplingParams
     k: int | str
     k_max: int
+    tree: int | None = None  # the draft's own tree of that many drafts (serve --tree)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -348,9 +349,8 @@ class OpenAIServer:
 
     def job(self, kind: str, prompts: list[list[int]], params: SamplingParams,
             body: OpenAIRequest) -> Job:
-        k = self.state.default_k if body.k is None else body.k
-        k_max = self.state.default_k_max if body.k_max is None else body.k_max
-        return Job(f"{kind}-{uuid.uuid4().hex}", prompts, params, k, k_max)
+        k, k_max, tree = self.state.draft_args(body.k, body.k_max)
+        return Job(f"{kind}-{uuid.uuid4().hex}", prompts, params, k, k_max, tree)
 
     async def tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
         """Text prompts' token ids (in the text pool); id prompts as they are."""
@@ -404,7 +404,8 @@ class OpenAIServer:
     # -- running ---------------------------------------------------------------------------
     def _streams(self, job: Job) -> list[AsyncIterator[RequestOutput]]:
         return [_numbered(p, self.engine.generate_stream(
-                    prompt, job.params, k=job.k, k_max=job.k_max, request_id=job.request_id(p)))
+                    prompt, job.params, k=job.k, tree=job.tree, k_max=job.k_max,
+                    request_id=job.request_id(p)))
                 for p, prompt in enumerate(job.prompts)]
 
     async def run(self, job: Job, body: OpenAIRequest, request: Request

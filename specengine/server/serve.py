@@ -96,13 +96,14 @@ class RolloutServer(uvicorn.Server):
 
 def make_server(engine: AsyncSpecEngine, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                 api_key: str | None = None, default_k: int | str = 0,
-                default_k_max: int = DEFAULT_K_MAX, shutdown_timeout_s: float = 10.0,
+                default_k_max: int = DEFAULT_K_MAX, default_tree: int | None = None,
+                shutdown_timeout_s: float = 10.0,
                 log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                 served_model_name: str | None = None) -> RolloutServer:
     """A :class:`RolloutServer` for ``engine`` (not started: ``await server.serve()``, or
     ``server.run()`` in a thread). ``api_key`` None reads ``$SPECENGINE_API_KEY``;
-    ``default_k`` / ``default_k_max`` / ``max_body_bytes`` / ``served_model_name``:
-    ``build_app``'s."""
+    ``default_k`` / ``default_k_max`` / ``default_tree`` / ``max_body_bytes`` /
+    ``served_model_name``: ``build_app``'s."""
     if api_key is None:
         api_key = os.environ.get(API_KEY_ENV) or None
     if not shutdown_timeout_s >= 0:
@@ -111,7 +112,8 @@ def make_server(engine: AsyncSpecEngine, *, host: str = DEFAULT_HOST, port: int 
         logger.warning("serving on %s without an API key: anyone who can reach it can "
                        "generate and replace the weights (set --api-key)", host)
     app = build_app(engine, api_key=api_key, default_k=default_k, default_k_max=default_k_max,
-                    max_body_bytes=max_body_bytes, served_model_name=served_model_name)
+                    default_tree=default_tree, max_body_bytes=max_body_bytes,
+                    served_model_name=served_model_name)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
                             access_log=False)
     return RolloutServer(config, shutdown_timeout_s=shutdown_timeout_s)
@@ -150,7 +152,7 @@ def serve_main(args: Any) -> int:
     try:
         server = make_server(aeng, host=args.host, port=args.port, api_key=args.api_key,
                              default_k=args.k, default_k_max=args.k_max,
-                             shutdown_timeout_s=args.shutdown_timeout,
+                             default_tree=args.tree, shutdown_timeout_s=args.shutdown_timeout,
                              log_level=args.log_level,
                              max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                              served_model_name=args.served_model_name)

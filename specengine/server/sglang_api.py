@@ -84,13 +84,14 @@ PAUSE_ABORT_WAIT_S = 5.0
 @dataclasses.dataclass
 class Job:
     """One prompt of a generate call: its request id (a group's base id when ``params.n`` >
-    1), prompt, params, k and k_max."""
+    1), prompt, params, k, k_max and tree (the draft's own tree of that many drafts)."""
 
     rid: str
     prompt: list[int] | str
     params: SamplingParams
     k: int | str
     k_max: int
+    tree: int | None = None
 
     @property
     def sample_ids(self) -> list[str]:
@@ -100,8 +101,8 @@ class Job:
 
 def _stream(state: Any, job: Job) -> AsyncIterator[RequestOutput]:
     # n > 1: one group sharing the prompt's prefill (sample i is f"{rid}-{i}")
-    return state.engine.generate_stream(job.prompt, job.params, k=job.k, request_id=job.rid,
-                                        k_max=job.k_max)
+    return state.engine.generate_stream(job.prompt, job.params, k=job.k, tree=job.tree,
+                                        request_id=job.rid, k_max=job.k_max)
 
 
 def _claim(state: Any, jobs: list[Job]) -> None:
@@ -403,8 +404,7 @@ def mount(app: FastAPI) -> None:
         check_open()
         params = body.sampling_params.to_params()  # type: ignore[union-attr]
         job = Job(body.request_id or f"http-{uuid.uuid4().hex}", body.prompt_value(), params,
-                  state.default_k if body.k is None else body.k,
-                  state.default_k_max if body.k_max is None else body.k_max)
+                  *state.draft_args(body.k, body.k_max))
         if not body.stream:
             outs = await run_jobs([job], request)
             if isinstance(outs, Response):
@@ -491,9 +491,8 @@ def mount(app: FastAPI) -> None:
         if not await unpaused(request):
             return Response(status_code=499)
         check_open()
-        k = state.default_k if body.k is None else body.k
-        k_max = state.default_k_max if body.k_max is None else body.k_max
-        jobs = [Job(rid or f"sgl-{uuid.uuid4().hex}", prompt, params, k, k_max)
+        draft = state.draft_args(body.k, body.k_max)
+        jobs = [Job(rid or f"sgl-{uuid.uuid4().hex}", prompt, params, *draft)
                 for prompt, (params, _, rid) in zip(body.prompts(), per)]
         logprob = [lp for _, lp, _ in per]
         listed = body.is_batch or any(j.params.n > 1 for j in jobs)

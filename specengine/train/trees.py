@@ -22,8 +22,8 @@ paths:
 
 Ranks past ``TREE_RANKS`` and tokens outside the draft vocabulary end a path. The file holds
 the most probable paths, the trees of ``TREE_SIZES`` drafts per kind and their expected kept
-drafts per step; ``SpecEngine.generate(prompts, k=DEPTH, tree=tree_paths(head, "sampled",
-16))`` uses one.
+drafts per step; ``SpecEngine.generate(prompts, tree=16)`` verifies them (each request the
+tree of its kind; ``drafters/head_trees.py`` reads the file).
 """
 
 from __future__ import annotations
@@ -39,15 +39,14 @@ from torch import Tensor
 
 from specengine.drafters.adapt import BufferedSeq
 from specengine.drafters.draft_trainer import DraftTrainer
+from specengine.drafters.head_trees import KINDS, TREES_FILE, HeadTrees
 from specengine.tree import DraftTree
 
-TREES_FILE = "trees.json"
 TREE_SIZES = (4, 8, 16, 32)  # drafts per tree written
 TREE_RANKS = 8  # ranks measured per depth
 KEEP = 256  # most probable paths written per kind
 STAT_SEQS = 128  # rollouts the statistics are measured on (spread over the set)
 GROUP_SEQS = 16  # rollouts per unrolled pass
-KINDS = ("greedy", "sampled")
 
 
 def path_acceptance(trainer: DraftTrainer, params: dict[str, Tensor], source: Any,
@@ -132,13 +131,4 @@ def write_trees(trainer: DraftTrainer, params: dict[str, Tensor], source: Any,
 def tree_paths(head_dir: str | Path, kind: str, size: int) -> list[tuple[int, ...]]:
     """The ``kind`` ("greedy" or "sampled") tree of ``size`` drafts that ``train-draft`` wrote
     for the head in ``head_dir``."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    path = Path(head_dir) / TREES_FILE
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file (train-draft writes it next to the head)")
-    trees = json.loads(path.read_text())["trees"][kind]
-    if str(size) not in trees:
-        raise ValueError(f"{path}: no {kind} tree of {size} drafts; it has "
-                         f"{sorted(trees, key=int)}")
-    return [tuple(p) for p in trees[str(size)]]
+    return HeadTrees.load(head_dir).paths(kind, size)
