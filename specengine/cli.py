@@ -123,8 +123,17 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="prompt text (needs a tokenizer.json; repeatable; default: as "
                         "--prompt-ids)")
-    g.add_argument("--num-prompts", type=_int_at_least(1), default=16,
-                   help="bundled model without prompts: how many held-out task prompts")
+    g.add_argument("--prompts", type=Path, default=None, metavar="FILE",
+                   help="prompts from a file, as train-draft reads them: .txt (one per line), "
+                        ".jsonl ('prompt' field, or chat 'messages' rendered with the "
+                        "checkpoint's chat template) or .parquet (--prompt-column) (default: "
+                        "none, as --prompt-ids)")
+    g.add_argument("--prompt-column", default="prompt",
+                   help="JSONL field / Parquet column of --prompts (strings or chats)")
+    g.add_argument("--num-prompts", type=_int_at_least(1), default=None,
+                   help="how many prompts: the first N of --prompts (default: all), or of the "
+                        "held-out task prompts on the bundled model without prompts "
+                        "(default: 16)")
     g.add_argument("--batch-size", type=_int_at_least(1), default=None,
                    help="prompts per generate call (default: all in one call)")
     g.add_argument("--k", type=_k_arg, default=None,
@@ -283,6 +292,16 @@ def _run(engine: SpecEngine, prompts: list, k: int | str, params: SamplingParams
     return outs
 
 
+def _shown_prompt(prompt: object) -> str:
+    """A prompt as printed: text as is, token ids joined, a chat as its last message."""
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and isinstance(prompt[0], dict):  # type: ignore[index]
+        last = prompt[-1]  # type: ignore[index]
+        return f"[chat, {len(prompt)} messages] {last.get('role')}: {last.get('content')}"
+    return " ".join(map(str, prompt))  # type: ignore[call-overload]
+
+
 def _baseline_line(outs: list[GenerationOutput], base: list[GenerationOutput],
                    temperature: float) -> str:
     same = sum(a.token_ids == b.token_ids for a, b in zip(outs, base))
@@ -347,13 +366,17 @@ def generate_main(args: argparse.Namespace) -> int:
         print(f"error: --model {model}: no such directory", file=sys.stderr)
         return 2
     prompts: list = [*(args.prompt_ids or []), *(args.prompt or [])]
+    if args.prompts is not None:
+        from specengine.train.data import read_prompts
+
+        prompts += read_prompts(args.prompts, args.prompt_column)[:args.num_prompts]
     if not prompts and bundled:
         from specengine.arith_task import heldout_prompts
 
-        prompts = heldout_prompts(args.num_prompts)
+        prompts = heldout_prompts(args.num_prompts or 16)
     if not prompts:
-        print("error: give --prompt-ids or --prompt (only the bundled model has default "
-              "prompts)", file=sys.stderr)
+        print("error: give --prompt-ids, --prompt or --prompts FILE (only the bundled model "
+              "has default prompts)", file=sys.stderr)
         return 2
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed)
@@ -366,7 +389,7 @@ def generate_main(args: argparse.Namespace) -> int:
     outs = _run(engine, prompts, args.k, params, label, args.batch_size, args.k_max, args.tree)
     for i, out in enumerate(outs[:SHOWN]):
         shown = out.text if out.text is not None else " ".join(map(str, out.token_ids))
-        prompt = prompts[i] if isinstance(prompts[i], str) else " ".join(map(str, prompts[i]))
+        prompt = _shown_prompt(prompts[i])
         print(f"--- prompt {i}: {prompt!r}\n    completion: {shown!r} ({out.finish_reason})")
     if len(outs) > SHOWN:
         print(f"... {len(outs) - SHOWN} more")

@@ -68,6 +68,36 @@ def test_bundled_pair_drafts_with_its_eagle3_head(capsys: pytest.CaptureFixture[
     assert tau >= 2.0  # the EAGLE-3 head, not n-grams, is drafting
 
 
+def test_prompts_from_a_file_text_and_chats(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``--prompts FILE`` reads what train-draft reads (chats rendered with the checkpoint's
+    template); ``--num-prompts`` takes the first N; each completion equals the same prompt
+    given with --prompt."""
+    import json
+
+    chats = tmp_path / "p.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n"
+                             for q in ("472+385=", "19+7=", "600+11=")))
+    rc = main(["generate", "--prompts", str(chats), "--num-prompts", "2", "--max-tokens", "16",
+               "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "identical completions: 2/2" in out
+    assert "--- prompt 1: '[chat, 1 messages] user: 19+7='" in out
+    assert "--- prompt 2" not in out  # --num-prompts 2
+    first = out.split("--- prompt 0")[1].split("completion: ")[1].split(" (")[0]
+    assert main(["generate", "--prompt", "Q:472+385=", "--max-tokens", "16",
+                 "--device", "cpu"]) == 0
+    assert f"completion: {first} (" in capsys.readouterr().out
+    text = tmp_path / "p.txt"
+    text.write_text("Q:1+2=\n\nQ:30+4=\n")  # blank lines are skipped
+    assert main(["generate", "--prompts", str(text), "--k", "0", "--max-tokens", "8",
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "--- prompt 1: 'Q:30+4='" in out and "--- prompt 2" not in out
+    assert main(["generate", "--prompts", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl: no such file" in capsys.readouterr().err
+
+
 def test_bundled_pair_without_its_head_is_a_clear_error(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
