@@ -22,6 +22,7 @@ from specengine.arith_task import encode, heldout_prompts, write_training_prompt
 from specengine.assets import DEFAULT_DRAFT, DEFAULT_TARGET
 from specengine.cli import main
 from specengine.drafters.draft_trainer import DraftTrainer
+from specengine.drafters.head_trees import HeadTrees
 from specengine.train import offline, train_draft
 from specengine.train.data import read_prompts, tokenize_prompts
 from specengine.train.head_init import build_head, fresh_config, read_config, write_head
@@ -91,6 +92,9 @@ def test_cli_trains_a_head_the_engine_loads_lossless_and_better_than_fresh(
         assert row["acceptance_per_position"][0] > 0.5  # the first draft: mostly accepted
     assert lengths == sorted(lengths) and lengths[-1] > lengths[0]  # longer chains keep more
     assert "mean accepted length" in printed and f"--draft {out}" in printed
+    # its trees, and the flag that verifies them (the largest size up to 16 it has)
+    size = max(n for n in HeadTrees.load(out).sizes if n <= 16)
+    assert f"--tree {size} verifies its best tree of {size} drafts" in printed
     assert ev["k"]["3"]["mean_accepted_length"] > 1.5
 
 

@@ -219,7 +219,14 @@ def main(args: argparse.Namespace, default_model: Path) -> int:
         print(f"wrote the checkpoint with the trained MTP layer to {res.out} (use it with "
               f"--model {res.out} --draft mtp)")
     else:
-        print(f"wrote the EAGLE-3 head to {res.out} (use it with --draft {res.out})")
+        from specengine.drafters.head_trees import load_head_trees
+
+        trees = load_head_trees(res.out)
+        sizes = [n for n in (trees.sizes if trees is not None else ()) if n <= 16]
+        print(f"wrote the EAGLE-3 head to {res.out} (use it with --draft {res.out}"
+              + (f"; --tree {sizes[-1]} verifies its best tree of {sizes[-1]} drafts "
+                 f"({trees.path}) instead of a chain, worth it on a GPU at small batch"
+                 if sizes else "") + ")")
     if res.evaluation is not None:
         print(format_table(res.evaluation))
         print(f"evaluation written to {res.out / 'eval.json'}")
