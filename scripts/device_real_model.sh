@@ -16,6 +16,12 @@
 # 2: joins the parts, checks the GGUF's pinned sha256 (the builder does), builds the
 #    checkpoint (`specengine build-model smollm2 --gguf`), then benchmarks/bench_real_model.py
 #    within BUDGET_S seconds, rows streamed to $OUT/rows.jsonl as they are measured.
+# 3: train-draft on the GPU (issue 34 item 3: "say how long on a GPU"), after stage 2 on the
+#    same warm machine, or in a session of its own after stages 1 and 2's build:
+#      run(command="bash scripts/device_real_model.sh 3 540", timeout_s=590)
+#    the RESULTS command (200k rollout tokens, 500 steps), then 4x the tokens and steps
+#    within the budget; logs and the larger run's head (config, weights, trees.json,
+#    eval.json) come back in $OUT for an evaluation here (benchmarks/eval_draft_head.py).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
@@ -60,8 +66,51 @@ case "${1:-}" in
       --temperature 1.0 --max-tokens 256 --budget-s "$budget" --out "$OUT" 2>&1 \
       | grep -v 'it/s\]' | tee "$OUT/bench.log"
     ;;
+  3)
+    # Item 3 on the GPU: how long the RESULTS train-draft command takes there (run A), then
+    # the same with DATA_X times the rollout tokens and steps (run B): whether the data a GPU
+    # affords in the hour lifts the 3-draft chain to the targets the CPU's hour does not.
+    # Needs the checkpoint of stage 2 (this warm machine) or MODEL=DIR; DEVICE, TOKENS and
+    # STEPS override the sizes (a CPU dry run: DEVICE=cpu TOKENS=3000 STEPS=4 DATA_X=1).
+    : "${OUT:?set OUT}"
+    budget=${2:-480}
+    t0=$(date +%s)
+    export PYTHONPATH="/root/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    model=${MODEL:-$(ls -d /root/real_model/cache/smollm2-135m-instruct 2>/dev/null)}
+    [ -n "$model" ] || { echo "no checkpoint: run stages 1 and 2 first (or set MODEL)"; exit 1; }
+    work=${WORK:-/root/real_model/train}
+    mkdir -p "$work"
+    "$PY" -c "from specengine import math_task as m; m.write_training_prompts('$work/train.jsonl', 4000); m.write_heldout_prompts('$work/held.jsonl', 16)" \
+      || exit 1
+    tokens=${TOKENS:-200000} steps=${STEPS:-500} x=${DATA_X:-4}
+    train() {  # NAME TOKENS STEPS TIMEOUT_S: one train-draft run, its log and head into $OUT
+      local name=$1 start; start=$(date +%s)
+      timeout "$4" "$PY" -m specengine.cli train-draft --model "$model" \
+        --prompts "$work/train.jsonl" --eval-prompts "$work/held.jsonl" --holdout 16 \
+        --eval-max-tokens 80 --temperature 1 --max-tokens 96 --rollout-tokens "$2" \
+        --draft-vocab-size 4096 --steps "$3" --batch-tokens 4096 --save-every 0 \
+        --curve-points 5 --head-dtype bfloat16 --device "${DEVICE:-cuda}" --no-progress \
+        --overwrite --out "$work/$name" > "$OUT/train_$name.log" 2>&1
+      local rc=$?
+      echo "$name: rc=$rc, $(( $(date +%s) - start )) s wall" | tee -a "$OUT/train_$name.log"
+      mkdir -p "$OUT/$name"
+      for f in config.json model.safetensors trees.json eval.json; do
+        [ -f "$work/$name/$f" ] && cp "$work/$name/$f" "$OUT/$name/"
+      done
+      return $rc
+    }
+    train default "$tokens" "$steps" "$budget"
+    left=$(( budget - ($(date +%s) - t0) ))
+    if [ "$left" -gt 60 ]; then
+      # (at most 8 files come back: the default run keeps its eval.json, the larger its head)
+      rm -f "$OUT/default/model.safetensors" "$OUT/default/config.json" "$OUT/default/trees.json"
+      train "x$x" $(( tokens * x )) $(( steps * x )) "$left"
+    else
+      echo "no time left for the ${x}x run (${left} s)"
+    fi
+    ;;
   *)
-    echo "usage: device_real_model.sh pack HEAD_DIR | 1 | 2 [BUDGET_S]" >&2
+    echo "usage: device_real_model.sh pack HEAD_DIR | 1 | 2 [BUDGET_S] | 3 [BUDGET_S]" >&2
     exit 2
     ;;
 esac
