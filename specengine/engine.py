@@ -223,6 +223,7 @@ class SpecEngine:
         self.drafter = make_drafter(cfg.draft, self.draft_context)
         # the head's own best static trees, when it ships them (``tree=16``)
         self.draft_trees: HeadTrees | None = load_head_trees(cfg.draft)
+        self._tree_cpu_warned = False
         aux = self.drafter.aux_layers if self.drafter is not None else ()
         mc = self.model_config
         num_blocks = num_kv_blocks(cfg, mc, self.device, measured_peak=peak)
@@ -379,7 +380,15 @@ class SpecEngine:
                              f"(HEAD_DIR/trees.json, written by train-draft), but the draft "
                              f"{self.config.draft!r} has no trees.json: pass the tree's "
                              "paths, e.g. tree=[[0], [1], [0, 0]]")
-        return self.draft_trees.choice(num_drafts)
+        choice = self.draft_trees.choice(num_drafts)
+        if self.device.type == "cpu" and not self._tree_cpu_warned:
+            self._tree_cpu_warned = True  # once per engine
+            logger.warning(
+                "tree=%d verifies %d positions per sequence each step: on a CPU a verify pass "
+                "costs about its number of positions, so this runs slower than k=0 (3.8-5x on "
+                "SmolLM2, benchmarks/RESULTS.md); trees pay on a GPU at small batch",
+                num_drafts, num_drafts + 1)
+        return choice
 
     def _resolve_k(self, k: object, k_max: object, tree: object) -> tuple[int, bool]:
         """``(k, auto)``: an int k as is, ``"auto"`` as ``(k_max, True)`` (checked)."""

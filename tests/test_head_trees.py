@@ -196,6 +196,18 @@ def test_k_is_the_deeper_trees_depth_and_each_tree_keeps_its_own(engine: SpecEng
     assert_idle(engine)
 
 
+def test_a_tree_on_the_cpu_warns_once_that_it_is_slower(head: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    eng = SpecEngine(DEFAULT_TARGET, draft=head, device="cpu", kernel_backend="torch",
+                     max_batch_size=8, kv_cache_tokens=4 * 1024)
+    with caplog.at_level("WARNING", logger="specengine.engine"):
+        eng.generate(PROMPTS, tree=4, sampling=greedy(4))
+        eng.generate(PROMPTS, tree=2, sampling=greedy(4))
+    said = [r.getMessage() for r in caplog.records if "slower than k=0" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("tree=4 verifies 5 positions per sequence")
+    eng.close()
+
+
 def test_a_draft_without_trees_names_the_file() -> None:
     eng = SpecEngine(DEFAULT_TARGET, draft=DEFAULT_DRAFT, device="cpu", kernel_backend="torch",
                      max_batch_size=8, kv_cache_tokens=4 * 1024)
