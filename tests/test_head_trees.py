@@ -174,6 +174,7 @@ def test_step_api_and_async_engine_take_a_tree_size(head: Path) -> None:
     ({"tree": 8}, r"has trees of \[2, 4\] drafts"),  # a sampled tree only
     ({"tree": True}, "tree must be a list of paths"),
     ({"tree": "4"}, "tree must be a list of paths"),
+    ({"tree": [[0], 5]}, "each path must be a list of int ranks"),  # (was a TypeError)
     ({"tree": 4, "k": 2}, "k=2 disagrees with the depth 3 of the draft's trees of 4"),
     ({"tree": 4, "k": "auto"}, "takes no tree"),
 ])
