@@ -13,6 +13,9 @@ Configurations (``--configs``, comma-separated): ``k0`` (no drafter), ``DRAFTER-
 ``DRAFTER-auto`` with DRAFTER one of ``eagle3`` (``--draft`` head), ``suffix``, ``hybrid``
 (the head and the suffix drafter), ``ngram``; a ``-adapt`` suffix turns the EAGLE-3 head's
 online adaptation on (``adapt_every`` = one step's rollouts). ``auto`` is ``eagle3-auto``.
+``eagle3-treeN`` verifies the head's own best trees of N drafts (its ``trees.json``, written by
+``train-draft``; ``generate(tree=N)``) at their depth: on a GPU at small batch the tree of 16
+may beat every chain, on a CPU it does not.
 
 Written to ``--out``: ``grpo_steps.jsonl`` (one line per configuration and step: reward,
 rollout wall / CPU seconds, tokens per sequence step, acceptance per draft position, k="auto"'s
@@ -21,7 +24,8 @@ plots ``grpo_reward.png``, ``grpo_rollout.png``, ``grpo_acceptance.png``.
 
     python benchmarks/bench_grpo.py --model ~/.cache/specengine/smollm2-135m-instruct \\
         --draft /work/heads/smollm2-math-eagle3 --task math \\
-        --configs k0,eagle3-k3,auto,suffix-k3,eagle3-k3-adapt --steps 20 --device cuda
+        --configs k0,eagle3-k3,auto,suffix-k3,eagle3-k3-adapt,eagle3-tree16 --steps 20 \\
+        --device cuda
     python benchmarks/bench_grpo.py --task arith --steps 2 --prompts 2 --group 4 \\
         --max-tokens 24 --configs k0,eagle3-k3          # the bundled pair, a smoke run
 """
@@ -56,12 +60,14 @@ DRAFTERS = ("eagle3", "suffix", "hybrid", "ngram")
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One configuration: a drafter (None: none), its k (an int or "auto"), adaptation."""
+    """One configuration: a drafter (None: none), its k (an int or "auto"), adaptation, and
+    ``tree``: the head's own best trees of that many drafts (``trees.json``; k their depth)."""
 
     name: str
     drafter: str | None
     k: int | str
     adapt: bool = False
+    tree: int | None = None
 
     def __post_init__(self) -> None:
         if self.drafter is not None and self.drafter not in DRAFTERS:
@@ -70,12 +76,16 @@ class RunSpec:
             raise ValueError(f"k must be an int >= 0 or 'auto', got {self.k!r}")
         if self.adapt and self.drafter not in ("eagle3", "hybrid"):
             raise ValueError(f"{self.name}: adaptation needs the EAGLE-3 head")
-        if (self.drafter is None) != (self.k == 0):
+        if self.tree is not None and (self.drafter != "eagle3" or self.k != 0
+                                      or self.tree < 1):
+            raise ValueError(f"{self.name}: a tree is the EAGLE-3 head's own (eagle3-treeN)")
+        if (self.drafter is None) != (self.k == 0 and self.tree is None):
             raise ValueError(f"{self.name}: k=0 runs without a drafter, k>0 needs one")
 
 
 def parse_config(name: str) -> RunSpec:
-    """``k0``, ``auto``, ``DRAFTER-kK``, ``DRAFTER-auto`` (``-adapt`` appended: adapting)."""
+    """``k0``, ``auto``, ``DRAFTER-kK``, ``DRAFTER-auto``, ``eagle3-treeN`` (the head's own
+    trees of N drafts; ``-adapt`` appended: adapting)."""
     base, adapt = (name[:-6], True) if name.endswith("-adapt") else (name, False)
     if base == "k0":
         return RunSpec(name, None, 0, adapt)
@@ -84,9 +94,12 @@ def parse_config(name: str) -> RunSpec:
     drafter, _, k = base.rpartition("-")
     if k == "auto":
         return RunSpec(name, drafter, "auto", adapt)
+    if k.startswith("tree") and k[4:].isdigit():
+        return RunSpec(name, drafter, 0, adapt, tree=int(k[4:]))
     if not (k.startswith("k") and k[1:].isdigit()) or not drafter:
         raise ValueError(f"unknown configuration {name!r}: k0, auto, or DRAFTER-kK / "
-                         f"DRAFTER-auto (DRAFTER in {DRAFTERS}), optionally -adapt")
+                         f"DRAFTER-auto (DRAFTER in {DRAFTERS}), eagle3-treeN, optionally "
+                         "-adapt")
     return RunSpec(name, drafter, int(k[1:]), adapt)
 
 
@@ -188,7 +201,7 @@ class ConfigRun:
                                  seed=self.rng.getrandbits(62)) for _ in group]
         _sync(self.device)
         w0, c0 = time.perf_counter(), time.process_time()
-        outs = engine.generate(prompt_ids, k=self.spec.k, sampling=params)
+        outs = engine.generate(prompt_ids, k=self.spec.k, sampling=params, tree=self.spec.tree)
         rollout_s, rollout_cpu_s = time.perf_counter() - w0, time.process_time() - c0
         st = engine.stats
         tokens = [list(o.token_ids) for o in outs]
@@ -286,7 +299,8 @@ def summarize(records: list[dict[str, Any]], configs: list[RunSpec]) -> list[dic
                 if j < len(r["acceptance_per_position"])
                 and r["acceptance_per_position"][j] is not None] for j in range(8)]
         rows.append(dict(
-            config=spec.name, k=spec.k, drafter=spec.drafter, adapt=spec.adapt,
+            config=spec.name, k=spec.k if spec.tree is None else f"tree{spec.tree}",
+            drafter=spec.drafter, adapt=spec.adapt,
             steps=len(rs), reward_first=statistics.mean(r["reward"] for r in rs[:half]),
             reward_last=statistics.mean(r["reward"] for r in rs[-half:]),
             reward_mean=statistics.mean(r["reward"] for r in rs),

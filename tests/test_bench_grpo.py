@@ -31,7 +31,9 @@ def test_config_names(bench) -> None:
     assert p("suffix-k3") == bench.RunSpec("suffix-k3", "suffix", 3)
     assert p("eagle3-k3-adapt") == bench.RunSpec("eagle3-k3-adapt", "eagle3", 3, True)
     assert p("hybrid-auto").k == "auto"
-    for bad in ("k3", "eagle3-3", "foo-k3", "suffix-k3-adapt", "eagle3-k0"):
+    assert p("eagle3-tree16") == bench.RunSpec("eagle3-tree16", "eagle3", 0, tree=16)
+    for bad in ("k3", "eagle3-3", "foo-k3", "suffix-k3-adapt", "eagle3-k0", "suffix-tree16",
+                "eagle3-tree0", "hybrid-tree4"):
         with pytest.raises(ValueError):
             p(bad)
 
@@ -63,6 +65,29 @@ def test_tiny_run_on_the_bundled_pair(bench, tmp_path: Path) -> None:
     assert bench.main(["--task", "arith", "--configs", "k0,eagle3-k3,auto", "--out", str(out),
                        "--summarize-only"]) == 0
     assert "| auto |" in (out / "grpo_table.md").read_text()
+
+
+def test_the_heads_own_trees_as_a_configuration(bench, tmp_path: Path) -> None:
+    """``eagle3-treeN``: each rollout verifies the head's sampled tree of N drafts (depth 3
+    here), its row labelled ``treeN``."""
+    import shutil
+
+    from specengine.assets import DEFAULT_DRAFT
+
+    head = tmp_path / "head"
+    shutil.copytree(DEFAULT_DRAFT, head)
+    tree = [[0], [0, 0], [0, 0, 0], [1]]
+    (head / "trees.json").write_text(json.dumps({"trees": {"greedy": {"4": tree},
+                                                           "sampled": {"4": tree}}}))
+    out = tmp_path / "grpo"
+    assert bench.main(["--task", "arith", "--steps", "1", "--prompts", "2", "--group", "2",
+                       "--max-tokens", "12", "--configs", "eagle3-tree4", "--draft", str(head),
+                       "--no-learner", "--out", str(out)]) == 0
+    (rec,) = [json.loads(line) for line in (out / "grpo_steps.jsonl").read_text().splitlines()]
+    # drafts at depths 1-3 though the configuration gives k=0: the tree's, verified at its depth
+    assert len(rec["proposed_per_position"]) == 3 and rec["tokens_per_step"] > 1
+    row = json.loads((out / "grpo_summary.json").read_text())["rows"][0]
+    assert row["k"] == "tree4"
 
 
 def test_interleaved_rollouts_without_a_learner(bench, tmp_path: Path) -> None:
