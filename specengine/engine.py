@@ -536,10 +536,16 @@ class SpecEngine:
         ``check_finite`` (default) a NaN or Inf value raises ``WeightSyncError`` naming the
         tensor and changes nothing. The version becomes ``version`` (greater than the
         current one) or the current one + 1, stamped on every later token and output.
-        Returns the new version."""
+        Returns the new version. A draft head's directory that holds ``trees.json`` replaces
+        the trees ``tree=N`` verifies (the file is checked first: a bad one changes nothing).
+        """
         self._check_weights_awake("load_weights")
         with self.weight_lock.held("load_weights"):
-            return load_in_process(self, named_tensors, which, version, check_finite)
+            trees = load_head_trees(named_tensors) if which == "draft" else None
+            new = load_in_process(self, named_tensors, which, version, check_finite)
+            if trees is not None:
+                self.draft_trees = trees
+            return new
 
     def init_weight_update_group(self, master_address: str, master_port: int, rank: int,
                                  world_size: int, backend: str = "nccl",
@@ -609,8 +615,17 @@ class SpecEngine:
             update_target(self, which)
             check_allowed(self, version)
             items = read_update(named_tensors, check_finite)
-            return (lambda e: load_in_process(e, items, which, version, check_finite=False),
-                    None)
+            # A head dir brings its own trees (``tree=N`` then verifies those): read and
+            # checked here, so a bad trees.json refuses the whole update before any copy.
+            trees = load_head_trees(named_tensors) if which == "draft" else None
+
+            def commit(e: SpecEngine) -> int:
+                new = load_in_process(e, items, which, version, check_finite=False)
+                if trees is not None:
+                    e.draft_trees = trees
+                return new
+
+            return commit, None
 
         return staged(self, "load_weights", stage)
 

@@ -239,6 +239,31 @@ def test_a_pool_worker_verifies_the_trees_its_first_worker_chose(head: Path) -> 
     assert outs[1].num_accepted_tokens <= verify_steps(outs[1])  # the 1-deep sampled tree
 
 
+def test_a_draft_loaded_from_a_head_dir_brings_its_trees(head: Path, tmp_path: Path) -> None:
+    """``load_weights(dir, which="draft")`` and the server's staged load: a head dir with
+    trees.json replaces the trees ``tree=N`` verifies; a bad file refuses the whole update."""
+    eng = SpecEngine(DEFAULT_TARGET, draft=DEFAULT_DRAFT, device="cpu", kernel_backend="torch",
+                     max_batch_size=8, kv_cache_tokens=4 * 1024)
+    assert eng.draft_trees is None
+    bad = write_head(tmp_path / "bad", {"greedy": {"2": [[0], [1, 0]]}, "sampled": {}})
+    with pytest.raises(ValueError, match="not prefix-closed"):
+        eng.load_weights(bad, which="draft")
+    assert eng.weight_version == 0 and eng.draft_trees is None  # nothing applied
+    assert eng.load_weights(head, which="draft") == 1
+    assert eng.draft_trees is not None and eng.draft_trees.sizes == (2, 4)
+    out = eng.generate(PROMPTS[:1], tree=4, sampling=greedy())[0]
+    assert out.num_draft_tokens == 4 * verify_steps(out)
+    other = write_head(tmp_path / "other", {"greedy": {"3": [[0], [1], [2]]},
+                                            "sampled": {"3": [[0], [1], [2]]}})
+    eng.commit_staged(eng.stage_weights(other, which="draft"))  # the server's path
+    assert eng.draft_trees.sizes == (3,) and eng.weight_version == 2
+    eng.load_weights(DEFAULT_DRAFT, which="draft")  # no trees.json there: the trees stay
+    assert eng.draft_trees.sizes == (3,)
+    eng.load_weights(DEFAULT_TARGET)  # the policy's weights never touch them
+    assert eng.draft_trees.sizes == (3,)
+    eng.close()
+
+
 # ---- the command line ----------------------------------------------------------------------
 def test_cli_generate_with_a_tree(head: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ids = " ".join(map(str, PROMPTS[0]))
