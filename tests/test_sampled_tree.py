@@ -377,7 +377,7 @@ def test_the_kernels_chain_shaped_sampled_tree_draws_what_its_chain_draws() -> N
     """One child per node on the kernel: the chain path's outputs token for token."""
     from specengine.kernels.rejection_sampling import rejection_sample as kernel
 
-    args, index = kernel_case(24, 4, 300, seed=6, draft_vocab=90, parents=[-1, 0, 1, 2])
+    args, index = kernel_case(12, 4, 300, seed=6, draft_vocab=90, parents=[-1, 0, 1, 2])
     chain = [*args[:-1], None]
     want = kernel(*chain, draft_index=index)
     got = kernel(*args, draft_index=index)
