@@ -57,14 +57,14 @@ def get(port: int, path: str) -> dict[str, Any]:
 
 
 @contextmanager
-def serve_process() -> Iterator[tuple[subprocess.Popen, int, list[str]]]:
-    """``specengine serve`` (the bundled pair, --k 3) on a free port; its log is collected
-    by a thread (so the pipe never fills)."""
+def serve_process(*extra: str) -> Iterator[tuple[subprocess.Popen, int, list[str]]]:
+    """``specengine serve`` (the bundled pair, --k 3, then the ``extra`` flags) on a free
+    port; its log is collected by a thread (so the pipe never fills)."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "specengine.cli", "serve", "--port", str(port), "--device",
          "cpu", "--kernel-backend", "torch", "--kv-cache-tokens", "4096", "--k", "3",
-         "--shutdown-timeout", "0"],
+         "--shutdown-timeout", "0", *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         env=dict(os.environ, OMP_NUM_THREADS="1"))
     watchdog = threading.Timer(4 * WAIT_S, proc.kill)  # a hung server fails, not hangs CI

@@ -344,6 +344,24 @@ def test_serve_tree_through_the_openai_client_and_the_native_route(head: Path) -
         asyncio.run(aeng.close())
 
 
+def test_specengine_serve_tree_flag_reaches_the_server(head: Path) -> None:
+    """``specengine serve --draft HEAD --tree 4`` as a process: a request that gives no k
+    verifies the tree (4 drafts a step), one that gives k=2 a chain of 2."""
+    pytest.importorskip("fastapi")
+    from sglang_helpers import serve_process
+
+    from specengine.client import SpecEngineClient
+
+    with serve_process("--draft", str(head), "--tree", "4") as (_proc, port, log):
+        client = SpecEngineClient(f"http://127.0.0.1:{port}", timeout=120)
+        out = client.generate(PROMPTS[0], greedy(24))
+        assert out.num_draft_tokens == 4 * verify_steps(out), "".join(log)
+        chain = client.generate(PROMPTS[0], greedy(24), k=2)
+        assert chain.token_ids == out.token_ids
+        # (a chain near max_tokens proposes fewer drafts: at most 2 a step, never the tree's 4)
+        assert 0 < chain.num_draft_tokens <= 2 * verify_steps(chain)
+
+
 @pytest.mark.parametrize(("options", "match"), [
     ({"default_tree": 5}, r"has trees of \[2, 4\] drafts"),
     ({"default_tree": 4, "default_k": "auto"}, "takes no default_tree"),
