@@ -142,15 +142,8 @@ def validate_requests(
             raise ValueError(f"sampling must be one SamplingParams or one per prompt "
                              f"({len(prompts)}), got {len(params)}")
     draft_tree: DraftTree | TreeChoice | None = None
-    if isinstance(tree, TreeChoice):
-        draft_tree = tree  # each request verifies its kind's tree at that tree's own depth
-        if k not in (0, tree.max_depth):
-            raise ValueError(f"k={k} disagrees with the depth {tree.max_depth} of the draft's "
-                             f"trees of {tree.num_drafts} drafts; pass k=0 or the depth with "
-                             "a tree")
-        k = tree.max_depth
-    elif isinstance(tree, DraftTree):
-        draft_tree = tree
+    if isinstance(tree, (DraftTree, TreeChoice)):
+        draft_tree = tree  # a choice: each request verifies its kind's tree at its own depth
     elif tree is not None:
         if isinstance(tree, (str, bytes)) or not isinstance(tree, Seq):
             raise ValueError(f"tree must be a list of paths (lists of child ranks, e.g. "
@@ -161,11 +154,13 @@ def validate_requests(
         except TypeError:
             raise ValueError(f"tree: each path must be a list of int ranks, got {tree!r}"[:300]
                              ) from None
-    if isinstance(draft_tree, DraftTree):
-        if k not in (0, draft_tree.max_depth):
-            raise ValueError(f"k={k} disagrees with the tree's depth {draft_tree.max_depth}; "
-                             "pass k=0 or the depth with a tree")
-        k = draft_tree.max_depth
+    if draft_tree is not None:
+        depth = draft_tree.max_depth
+        if k not in (0, depth):
+            where = (f"the depth {depth} of the draft's trees of {draft_tree.num_drafts} drafts"
+                     if isinstance(draft_tree, TreeChoice) else f"the tree's depth {depth}")
+            raise ValueError(f"k={k} disagrees with {where}; pass k=0 or the depth with a tree")
+        k = depth
     if k > 0 and not has_drafter:
         raise ValueError(f"k={k} needs a drafter: construct the engine with draft=...")
     for i, (ids, sp) in enumerate(zip(prompts, params)):
