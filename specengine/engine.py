@@ -385,7 +385,7 @@ class SpecEngine:
             self._tree_cpu_warned = True  # once per engine
             logger.warning(
                 "tree=%d verifies %d positions per sequence each step: on a CPU a verify pass "
-                "costs about its number of positions, so this runs slower than k=0 (3.8-5x on "
+                "costs about its number of positions, so this runs slower than k=0 (3-5x on "
                 "SmolLM2, benchmarks/RESULTS.md); trees pay on a GPU at small batch",
                 num_drafts, num_drafts + 1)
         return choice
